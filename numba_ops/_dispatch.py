@@ -1,0 +1,82 @@
+"""Device selection and the kernel table.
+
+``LAUNCHERS`` maps ``(op, device)`` to the module holding that op's kernels for
+that device; each such module declares the dtypes it supports (``DTYPES``) beside
+its ``launch`` function. Modules are imported on first use, so importing
+numba_ops compiles nothing and never touches the GPU.
+"""
+import importlib
+import os
+
+import numpy as np
+
+from ._dtypes import SUPPORTED
+
+DEVICES = ("cpu", "cuda")
+
+LAUNCHERS = {
+    ("affine_grid", "cpu"): "numba_ops.kernels.cpu.affine_grid",
+    ("affine_grid", "cuda"): "numba_ops.kernels.cuda.affine_grid",
+    ("deform_conv", "cpu"): "numba_ops.kernels.cpu.deform_conv",
+    ("deform_conv", "cuda"): "numba_ops.kernels.cuda.deform_conv",
+}
+
+
+def cuda_simulator():
+    return os.environ.get("NUMBA_ENABLE_CUDASIM", "0") not in ("", "0")
+
+
+def cuda_usable():
+    """True when numba-cuda imports and a GPU (or numba's CUDA simulator) is there."""
+    try:
+        from numba import cuda
+    except ImportError:
+        return False
+    try:
+        return bool(cuda.is_available())
+    except Exception:  # a broken driver is "not usable", never a crash
+        return False
+
+
+def devices():
+    """The usable devices: ``"cpu"`` first, then ``"cuda"`` if usable."""
+    return ("cpu", "cuda") if cuda_usable() else ("cpu",)
+
+
+def on_device(a):
+    return a is not None and hasattr(a, "__cuda_array_interface__")
+
+
+def resolve_device(device, inputs):
+    """API.md, Devices: None follows ``__cuda_array_interface__``; else "cpu"/"cuda"."""
+    if device is None:
+        return "cuda" if any(on_device(a) for a in inputs) else "cpu"
+    if not isinstance(device, str) or device not in DEVICES:
+        raise ValueError(f"device must be None, 'cpu' or 'cuda'; got {device!r}")
+    if device == "cuda" and not cuda_usable():
+        raise RuntimeError(
+            "device='cuda' was asked for but no CUDA GPU is usable here "
+            "(install numba-cuda and a driver, or set NUMBA_ENABLE_CUDASIM=1 for the simulator)")
+    return device
+
+
+def as_array(a, name, device):
+    """``a`` as an array the ``device`` backend takes: NumPy for the CPU (device
+    arrays are copied to the host), NumPy or a numba device array for CUDA."""
+    if a is None:
+        return None
+    if on_device(a):
+        from .kernels.cuda._device import as_device_array
+        d = as_device_array(a, name)
+        return d.copy_to_host() if device == "cpu" else d
+    if isinstance(a, np.ndarray):
+        return a
+    try:
+        return np.asarray(a)
+    except Exception as exc:
+        raise TypeError(f"{name} must be an array of one of {SUPPORTED}; got {type(a).__name__}") from exc
+
+
+def launcher(op, device):
+    """The ``launch`` function of ``op`` on ``device``."""
+    return importlib.import_module(LAUNCHERS[op, device]).launch

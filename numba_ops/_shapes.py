@@ -1,0 +1,29 @@
+"""DeformConv attribute arithmetic shared by the front end and every backend."""
+from typing import NamedTuple, Tuple
+
+import numpy as np
+
+
+class DeformParams(NamedTuple):
+    """Normalised DeformConv attributes; tuples have one entry per spatial axis."""
+    kernel_shape: Tuple[int, ...]
+    strides: Tuple[int, ...]
+    pads_begin: Tuple[int, ...]
+    pads_end: Tuple[int, ...]
+    dilations: Tuple[int, ...]
+    group: int
+    offset_group: int
+    out_spatial: Tuple[int, ...]
+
+    @property
+    def nd(self):
+        return len(self.kernel_shape)
+
+    @property
+    def K(self):
+        return int(np.prod(self.kernel_shape, dtype=np.int64))
+
+
+def out_size(size, begin, end, k, dil, stride):
+    """ONNX output length: floor((D + begin + end - ((k - 1) * dil + 1)) / stride) + 1."""
+    return (size + begin + end - ((k - 1) * dil + 1)) // stride + 1

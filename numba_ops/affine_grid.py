@@ -1,0 +1,36 @@
+"""AffineGrid (ONNX opset 20): front end. Semantics: seeds/AffineGrid-onnx-spec.txt."""
+from ._dispatch import as_array, launcher, resolve_device
+from ._dtypes import common_float_dtype
+from ._validate import as_bool, int_tuple
+
+
+def affine_grid(theta, size, align_corners=False, *, device=None):
+    """Sampling grid of an affine transform, as ONNX AffineGrid.
+
+    Parameters
+    ----------
+    theta : array (N, 2, 3) or (N, 3, 4)
+        Affine matrices; float16, bfloat16, float32 or float64.
+    size : sequence or 1-D array of 4 or 5 integers
+        Target size (N, C, H, W) or (N, C, D, H, W).
+    align_corners : bool or 0/1
+        Base coordinates -1 + 2i/(L-1) if true, else (2i+1)/L - 1.
+    device : None, "cpu" or "cuda"
+
+    Returns
+    -------
+    grid : array (N, H, W, 2) or (N, D, H, W, 3), theta's dtype. NumPy for NumPy
+        input, a numba device array for device input.
+    """
+    device = resolve_device(device, [theta])
+    theta = as_array(theta, "theta", device)
+    common_float_dtype({"theta": theta})
+    align = as_bool(align_corners, "align_corners")
+    size = int_tuple(size, "size", length=(4, 5), minimum=0)
+    nd = len(size) - 2
+    want = (size[0], nd, nd + 1)
+    if tuple(theta.shape) != want:
+        raise ValueError(
+            f"theta must have shape (N, {nd}, {nd + 1}) = {want} for a size of length {len(size)} "
+            f"(N = size[0] = {size[0]}); got {tuple(theta.shape)}")
+    return launcher("affine_grid", device)(theta, size, align)

@@ -1,0 +1,83 @@
+"""DeformConv (ONNX opset 19/22): front end. Semantics: seeds/DeformConv-onnx-spec.txt."""
+from ._dispatch import as_array, launcher, resolve_device
+from ._dtypes import common_float_dtype
+from ._shapes import DeformParams, out_size
+from ._validate import as_int, int_tuple
+
+
+def _params(x, w, kernel_shape, strides, pads, dilations, group, offset_group):
+    if x.ndim < 3:
+        raise ValueError(f"X must have shape (N, C, D1, ..., Dn) with n >= 1 spatial dims; got {tuple(x.shape)}")
+    nd = x.ndim - 2
+    C = x.shape[1]
+    if w.ndim != nd + 2:
+        raise ValueError(f"W must have rank {nd + 2} (oC, C/group, k1..k{nd}) for a rank-{x.ndim} X; "
+                         f"got shape {tuple(w.shape)}")
+    group = as_int(group, "group", minimum=1)
+    offset_group = as_int(offset_group, "offset_group", minimum=1)
+    oC = w.shape[0]
+    if C % group:
+        raise ValueError(f"group={group} must divide the input channels C={C}")
+    if oC % group:
+        raise ValueError(f"group={group} must divide the output channels oC={oC} (W.shape[0])")
+    if w.shape[1] * group != C:
+        raise ValueError(f"W.shape[1] must be C/group = {C}/{group} = {C // group}; got {w.shape[1]}")
+    if C % offset_group:
+        raise ValueError(f"offset_group={offset_group} must divide the input channels C={C}")
+    wk = tuple(int(k) for k in w.shape[2:])
+    if kernel_shape is None:
+        kernel_shape = wk
+    kernel_shape = int_tuple(kernel_shape, "kernel_shape", length=nd, minimum=1)
+    if kernel_shape != wk:
+        raise ValueError(f"kernel_shape must equal W.shape[2:] = {list(wk)}; got {list(kernel_shape)}")
+    strides = int_tuple((1,) * nd if strides is None else strides, "strides", length=nd, minimum=1)
+    dilations = int_tuple((1,) * nd if dilations is None else dilations, "dilations", length=nd, minimum=1)
+    pads = int_tuple((0,) * (2 * nd) if pads is None else pads, "pads", length=2 * nd, minimum=0)
+    begin, end = pads[:nd], pads[nd:]
+    spatial = tuple(int(s) for s in x.shape[2:])
+    outs = tuple(out_size(*a) for a in zip(spatial, begin, end, kernel_shape, dilations, strides))
+    if any(o < 1 for o in outs):
+        raise ValueError(
+            f"output spatial size must be >= 1 on every axis; got {list(outs)} from input {list(spatial)}, "
+            f"kernel_shape {list(kernel_shape)}, pads {list(pads)}, dilations {list(dilations)}, "
+            f"strides {list(strides)}")
+    return DeformParams(kernel_shape, strides, begin, end, dilations, group, offset_group, outs)
+
+
+def _check_shape(a, name, want, what):
+    if a is not None and tuple(a.shape) != want:
+        raise ValueError(f"{name} must have shape {what} = {want}; got {tuple(a.shape)}")
+
+
+def deform_conv(x, w, offset, b=None, mask=None, *, kernel_shape=None, strides=None, pads=None,
+                dilations=None, group=1, offset_group=1, device=None):
+    """Deformable convolution, as ONNX DeformConv, for 1-D, 2-D, 3-D (and more) inputs.
+
+    Parameters
+    ----------
+    x : (N, C, D1..Dn)     w : (oC, C/group, k1..kn)
+    offset : (N, offset_group*K*n, o1..on), K = k1*..*kn, channel (g*K + kidx)*n + axis
+    b : (oC,), optional    mask : (N, offset_group*K, o1..on), optional
+    kernel_shape, strides, pads, dilations, group, offset_group : ONNX attributes
+        (pads in ONNX order: all begins, then all ends).
+    device : None, "cpu" or "cuda"
+
+    Returns
+    -------
+    y : (N, oC, o1..on), the inputs' dtype.
+    """
+    inputs = {"X": x, "W": w, "offset": offset, "B": b, "mask": mask}
+    device = resolve_device(device, list(inputs.values()))
+    for name in ("X", "W", "offset"):
+        if inputs[name] is None:
+            raise ValueError(f"{name} is required")
+    x, w, offset, b, mask = (as_array(a, name, device) for name, a in inputs.items())
+    common_float_dtype({"X": x, "W": w, "offset": offset, "B": b, "mask": mask})
+    p = _params(x, w, kernel_shape, strides, pads, dilations, group, offset_group)
+    N, oC = x.shape[0], w.shape[0]
+    og, K, nd = p.offset_group, p.K, p.nd
+    _check_shape(offset, "offset", (N, og * K * nd) + p.out_spatial,
+                 f"(N, offset_group*K*n, o1..o{nd}) with K={K}, n={nd}")
+    _check_shape(mask, "mask", (N, og * K) + p.out_spatial, f"(N, offset_group*K, o1..o{nd}) with K={K}")
+    _check_shape(b, "B", (oC,), "(oC,)")
+    return launcher("deform_conv", device)(x, w, offset, b, mask, p)

@@ -1,0 +1,160 @@
+"""Per-element math shared by the CPU (``@njit``) and CUDA (``@cuda.jit``) kernels.
+
+Every helper here is an ``@njit`` function: the CPU kernels call it from their
+``prange`` loops and numba-cuda compiles the same function as a device function
+when a CUDA kernel calls it. In the CUDA simulator they run as plain Python on
+NumPy scalars, which is why they only use operations NumPy scalars have too.
+
+16-bit storage
+--------------
+Numba's CPU target has no float16 arithmetic, so the kernels see 16-bit data as
+its bit pattern: float16 as ``int16`` and bfloat16 as ``uint16`` (two integer
+types, so a kernel's signature alone tells which it is; see ``_dtypes.py``).
+``load`` widens an element to the compute type and ``store`` rounds a computed
+value once, to nearest even, into the output element.
+"""
+import math
+
+import numpy as np
+from numba import njit, types
+from numba.extending import overload
+
+_F16_DENORM_MAGIC = np.int64(((127 - 15) + (23 - 10) + 1) << 23)
+
+
+@njit(cache=True)
+def bf16_bits_to_f32(h):
+    """bfloat16 bit pattern (uint16) -> float32, exact."""
+    return np.uint32((np.int64(h) & 0xFFFF) << 16).view(np.float32)
+
+
+@njit(cache=True)
+def f32_to_bf16_bits(x):
+    """float32 -> bfloat16 bit pattern, round to nearest even; NaN stays NaN."""
+    b = np.int64(np.float32(x).view(np.uint32))
+    if x != x:
+        return np.uint16(((b >> 16) | 0x40) & 0xFFFF)
+    b = b + 0x7FFF + ((b >> 16) & 1)
+    return np.uint16((b >> 16) & 0xFFFF)
+
+
+@njit(cache=True)
+def f16_bits_to_f32(h):
+    """IEEE half bit pattern (int16) -> float32, exact (subnormals, inf, NaN)."""
+    v = np.int64(h) & 0xFFFF
+    sign = (v & 0x8000) << 16
+    exp = (v >> 10) & 0x1F
+    mant = v & 0x3FF
+    if exp == 0:  # zero or subnormal: mant * 2**-24 is exact in float32
+        mag = np.float32(mant) * np.float32(5.9604644775390625e-08)
+        return -mag if sign else mag
+    if exp == 31:
+        bits = sign | 0x7F800000 | (mant << 13)
+    else:
+        bits = sign | ((exp + 112) << 23) | (mant << 13)
+    return np.uint32(bits).view(np.float32)
+
+
+@njit(cache=True)
+def f32_to_f16_bits(x):
+    """float32 -> IEEE half bit pattern, round to nearest even (F. Giesen's
+    branch-light method: subnormals by a float add, normals by integer rounding)."""
+    f = np.int64(np.float32(x).view(np.uint32))
+    sign = (f >> 16) & 0x8000
+    f = f & 0x7FFFFFFF
+    if f >= 0x47800000:  # >= 65536, inf or NaN (anything >= 65520 rounds to inf below)
+        o = 0x7E00 if f > 0x7F800000 else 0x7C00
+    elif f < 0x38800000:  # result is subnormal or zero
+        s = np.uint32(f).view(np.float32) + np.uint32(_F16_DENORM_MAGIC).view(np.float32)
+        o = np.int64(np.float32(s).view(np.uint32)) - _F16_DENORM_MAGIC
+    else:
+        mant_odd = (f >> 13) & 1
+        f = f + ((15 - 127) << 23) + 0xFFF + mant_odd
+        o = f >> 13
+    return np.int16(np.int32(o | sign) - (65536 if (o | sign) >= 32768 else 0))
+
+
+def load(a, i):
+    """``a[i]`` widened to float32 (16-bit storage) or as it is (float32/float64)."""
+    v = a[i]
+    if a.dtype == np.int16:
+        return f16_bits_to_f32(v)
+    if a.dtype == np.uint16:
+        return bf16_bits_to_f32(v)
+    return v
+
+
+def store(out, i, v):
+    """``out[i] = v`` rounded once to the storage type of ``out``."""
+    if out.dtype == np.int16:
+        out[i] = f32_to_f16_bits(v)
+    elif out.dtype == np.uint16:
+        out[i] = f32_to_bf16_bits(v)
+    else:
+        out[i] = v
+
+
+@overload(load, jit_options={"inline": "always"})
+def _load(a, i):
+    if a.dtype == types.int16:
+        return lambda a, i: f16_bits_to_f32(a[i])
+    if a.dtype == types.uint16:
+        return lambda a, i: bf16_bits_to_f32(a[i])
+    return lambda a, i: a[i]
+
+
+@overload(store, jit_options={"inline": "always"})
+def _store(out, i, v):
+    if out.dtype == types.int16:
+        def impl(out, i, v):
+            out[i] = f32_to_f16_bits(v)
+    elif out.dtype == types.uint16:
+        def impl(out, i, v):
+            out[i] = f32_to_bf16_bits(v)
+    else:
+        def impl(out, i, v):
+            out[i] = v
+    return impl
+
+
+# --- AffineGrid ---------------------------------------------------------------
+
+@njit(cache=True)
+def base_coord(i, length, align_corners, one):
+    """ONNX AffineGrid base coordinate of index ``i`` on an axis of ``length``.
+
+    ``one`` is 1 in the compute type, so the arithmetic stays in it. An axis of
+    length 1 has the single coordinate 0 under both settings (API.md).
+    """
+    if length <= 1:
+        return one - one
+    if align_corners:
+        return -one + (one + one) * i / (length - 1)
+    return ((one + one) * i + one) / length - one
+
+
+# --- DeformConv -----------------------------------------------------------------
+
+@njit(cache=True)
+def corner_weights(p, size, one):
+    """Linear-interpolation support of position ``p`` on an axis of ``size``.
+
+    Returns ``(i0, w0, w1, ok)``: the lower corner index, the weights of corners
+    ``i0`` and ``i0 + 1`` with corners outside ``[0, size - 1]`` weighted 0, and
+    whether any corner is inside. A non-finite ``p`` gives NaN weights (the sample
+    is NaN); a position at or beyond -1 or ``size`` gives ``ok = False`` (the sample
+    is 0). ``floor`` runs only on positions in (-1, size), so a huge offset never
+    overflows an index.
+    """
+    zero = one - one
+    if not math.isfinite(p):
+        nan = zero * p
+        return np.int64(0), nan, nan, True
+    if p <= -one or p >= size:
+        return np.int64(0), zero, zero, False
+    f = math.floor(p)
+    i0 = np.int64(f)
+    lam = p - f
+    w0 = one - lam if i0 >= 0 else zero
+    w1 = lam if i0 + 1 <= size - 1 else zero
+    return i0, w0, w1, True

@@ -1,0 +1,86 @@
+"""AffineGrid on the CPU: ``@njit(parallel=True)`` over rows of the output grid.
+
+Each output row (fixed n and leading spatial indices) is ``grid = a * x + b``
+with per-row constants, so the inner loop is a fused multiply-add over the
+precomputed base coordinates that LLVM vectorises, and every output element is
+written once, rounded straight into its storage type.
+"""
+import numba
+import numpy as np
+from numba import njit, prange
+
+from ..._dtypes import compute, storage
+from .._scalar import base_coord, store
+from . import _runtime
+
+DTYPES = ("float16", "bfloat16", "float32", "float64")
+
+
+@njit(cache=True)
+def _coords(length, align, one):
+    c = np.empty(length, dtype=type(one))
+    for i in range(length):
+        c[i] = base_coord(i, length, align, one)
+    return c
+
+
+@njit(cache=True)
+def _rows(theta, out, shape, align, r0, r1):
+    """Rows ``r0:r1`` of ``out`` viewed as (N * D * H, W * nd); ``shape`` is (N, [D,] H, W)."""
+    one = theta[0, 0, 0] - theta[0, 0, 0] + 1
+    nd = theta.shape[1]
+    W = shape[-1]
+    H = shape[-2]
+    D = shape[1] if nd == 3 else 1
+    xs = _coords(W, align, one)
+    ys = _coords(H, align, one)
+    zs = _coords(D, align, one)
+    b = np.empty(nd, dtype=type(one))
+    for r in range(r0, r1):
+        h = r % H
+        d = (r // H) % D
+        n = r // (H * D)
+        for k in range(nd):
+            if nd == 3:
+                b[k] = theta[n, k, 1] * ys[h] + theta[n, k, 2] * zs[d] + theta[n, k, 3]
+            else:
+                b[k] = theta[n, k, 1] * ys[h] + theta[n, k, 2]
+        row = out[r]
+        if nd == 2:
+            a0, a1, b0, b1 = theta[n, 0, 0], theta[n, 1, 0], b[0], b[1]
+            for w in range(W):
+                store(row, 2 * w, a0 * xs[w] + b0)
+                store(row, 2 * w + 1, a1 * xs[w] + b1)
+        else:
+            a0, a1, a2, b0, b1, b2 = theta[n, 0, 0], theta[n, 1, 0], theta[n, 2, 0], b[0], b[1], b[2]
+            for w in range(W):
+                store(row, 3 * w, a0 * xs[w] + b0)
+                store(row, 3 * w + 1, a1 * xs[w] + b1)
+                store(row, 3 * w + 2, a2 * xs[w] + b2)
+
+
+@njit(cache=True)
+def _serial(theta, out, shape, align):
+    _rows(theta, out, shape, align, 0, out.shape[0])
+
+
+@njit(cache=True, parallel=True)
+def _parallel(theta, out, shape, align):
+    rows = out.shape[0]
+    nchunks = min(rows, 4 * numba.get_num_threads())
+    for c in prange(nchunks):
+        _rows(theta, out, shape, align, c * rows // nchunks, (c + 1) * rows // nchunks)
+
+
+def launch(theta, size, align):
+    """theta: NumPy (N, nd, nd+1), validated; size: (N, C, [D,] H, W)."""
+    dtype = theta.dtype
+    nd = len(size) - 2
+    shape = (size[0],) + tuple(size[2:])
+    out = np.empty(shape + (nd,), dtype=storage(dtype))
+    if out.size == 0:
+        return out.view(dtype)
+    th = np.ascontiguousarray(theta.astype(compute(dtype), copy=False))
+    rows = out.reshape(-1, shape[-1] * nd)
+    _runtime.run(_serial, _parallel, out.size, th, rows, shape, align)
+    return out.view(dtype)
