@@ -60,14 +60,13 @@ def _rows(theta, out, shape, align, r0, r1):
 
 
 @njit(cache=True)
-def _serial(theta, out, shape, align):
+def _serial(theta, out, shape, align, nchunks):
     _rows(theta, out, shape, align, 0, out.shape[0])
 
 
 @njit(cache=True, parallel=True)
-def _parallel(theta, out, shape, align):
+def _parallel(theta, out, shape, align, nchunks):
     rows = out.shape[0]
-    nchunks = min(rows, 4 * numba.get_num_threads())
     for c in prange(nchunks):
         _rows(theta, out, shape, align, c * rows // nchunks, (c + 1) * rows // nchunks)
 
@@ -82,5 +81,6 @@ def launch(theta, size, align):
         return out.view(dtype)
     th = np.ascontiguousarray(theta.astype(compute(dtype), copy=False))
     rows = out.reshape(-1, shape[-1] * nd)
-    _runtime.run(_serial, _parallel, out.size, th, rows, shape, align)
+    nchunks = min(rows.shape[0], 4 * numba.get_num_threads())
+    _runtime.run(_serial, _parallel, out.size, th, rows, shape, align, nchunks)
     return out.view(dtype)
