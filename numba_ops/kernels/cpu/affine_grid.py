@@ -25,9 +25,9 @@ def _coords(length, align, one):
 
 
 @njit(cache=True)
-def _rows(theta, out, shape, align, r0, r1):
-    """Rows ``r0:r1`` of ``out`` viewed as (N * D * H, W * nd); ``shape`` is (N, [D,] H, W)."""
-    one = theta[0, 0, 0] - theta[0, 0, 0] + 1
+def _rows(theta, out, shape, align, one, r0, r1):
+    """Rows ``r0:r1`` of ``out`` viewed as (N * D * H, W * nd); ``shape`` is (N, [D,] H, W);
+    ``one`` is 1 in the compute type."""
     nd = theta.shape[1]
     W = shape[-1]
     H = shape[-2]
@@ -60,15 +60,15 @@ def _rows(theta, out, shape, align, r0, r1):
 
 
 @njit(cache=True)
-def _serial(theta, out, shape, align, nchunks):
-    _rows(theta, out, shape, align, 0, out.shape[0])
+def _serial(theta, out, shape, align, one, nchunks):
+    _rows(theta, out, shape, align, one, 0, out.shape[0])
 
 
 @njit(cache=True, parallel=True)
-def _parallel(theta, out, shape, align, nchunks):
+def _parallel(theta, out, shape, align, one, nchunks):
     rows = out.shape[0]
     for c in prange(nchunks):
-        _rows(theta, out, shape, align, c * rows // nchunks, (c + 1) * rows // nchunks)
+        _rows(theta, out, shape, align, one, c * rows // nchunks, (c + 1) * rows // nchunks)
 
 
 def launch(theta, size, align):
@@ -82,5 +82,5 @@ def launch(theta, size, align):
     th = np.ascontiguousarray(theta.astype(compute(dtype), copy=False))
     rows = out.reshape(-1, shape[-1] * nd)
     nchunks = min(rows.shape[0], 4 * numba.get_num_threads())
-    _runtime.run(_serial, _parallel, out.size, th, rows, shape, align, nchunks)
+    _runtime.run(_serial, _parallel, out.size, th, rows, shape, align, th.dtype.type(1), nchunks)
     return out.view(dtype)

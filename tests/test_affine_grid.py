@@ -1,0 +1,206 @@
+"""AffineGrid: conformance, oracles, dtypes, edges, errors, threads — on every device."""
+import threading
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import numba_ops
+from reference import affine_grid_ref
+from seed_examples import AFFINE_GRID_EXAMPLES
+
+BF16 = ml_dtypes.bfloat16
+SHAPES = [(1, 1, 1, 1), (2, 3, 1, 5), (2, 1, 4, 1), (3, 2, 5, 7), (1, 1, 2, 3, 4), (2, 1, 1, 3, 1), (2, 2, 3, 4, 5)]
+
+
+def _theta(rng, n, nd, dtype=np.float64):
+    return rng.standard_normal((n, nd, nd + 1)).astype(dtype)
+
+
+def _host(a):
+    return a.copy_to_host() if hasattr(a, "copy_to_host") else np.asarray(a)
+
+
+@pytest.mark.parametrize("name", sorted(AFFINE_GRID_EXAMPLES))
+def test_seed_examples(name, device):
+    theta, size, align, expected = AFFINE_GRID_EXAMPLES[name]
+    got = numba_ops.affine_grid(theta, size, align, device=device)
+    assert got.dtype == np.float32 and got.shape == expected.shape
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+
+
+def test_onnx_backend_cases(device):
+    from onnx_cases import attrs, backend_cases
+    cases = backend_cases("affinegrid")
+    assert len(cases) >= 4
+    for name, node, inputs, outputs in cases:
+        got = numba_ops.affine_grid(*inputs, align_corners=attrs(node).get("align_corners", 0), device=device)
+        want = outputs[0]
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max(), err_msg=name)
+
+
+@pytest.mark.parametrize("size", SHAPES)
+@pytest.mark.parametrize("align", [0, 1])
+@pytest.mark.parametrize("dtype,rtol", [(np.float64, 1e-12), (np.float32, 1e-5)])
+def test_float64_oracle(size, align, dtype, rtol, device, rng):
+    theta = _theta(rng, size[0], len(size) - 2, dtype) * 3
+    want = affine_grid_ref(theta, size, align)
+    got = numba_ops.affine_grid(theta, size, align_corners=align, device=device)
+    assert got.dtype == dtype and got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=rtol, atol=rtol * np.abs(want).max())
+
+
+@pytest.mark.parametrize("size", [(2, 3, 4, 6), (2, 1, 3, 4, 5), (3, 1, 33, 17)])
+@pytest.mark.parametrize("align", [0, 1])
+def test_onnxruntime(size, align, rng):
+    ort = pytest.importorskip("onnxruntime")
+    from onnx import TensorProto, helper
+    for dtype, tp, rtol in ((np.float32, TensorProto.FLOAT, 1e-5), (np.float64, TensorProto.DOUBLE, 1e-12)):
+        theta = _theta(rng, size[0], len(size) - 2, dtype)
+        node = helper.make_node("AffineGrid", ["theta", "size"], ["grid"], align_corners=align)
+        graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("theta", tp, theta.shape),
+                                               helper.make_tensor_value_info("size", TensorProto.INT64, [len(size)])],
+                                  [helper.make_tensor_value_info("grid", tp, None)])
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)])
+        sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+        want = sess.run(None, {"theta": theta, "size": np.array(size, np.int64)})[0]
+        got = numba_ops.affine_grid(theta, size, align)
+        np.testing.assert_allclose(got, want, rtol=max(rtol, 1e-6), atol=max(rtol, 1e-6) * np.abs(want).max())
+
+
+def _ulp_diff(a, b, dtype):
+    """Distance in units of the last place of ``dtype`` between two arrays of it."""
+    ia = a.astype(dtype).view(np.int16).astype(np.int64)
+    ib = b.astype(dtype).view(np.int16).astype(np.int64)
+    # map sign-magnitude bit patterns onto a monotonic integer line
+    ia = np.where(ia < 0, -32768 - ia, ia)
+    ib = np.where(ib < 0, -32768 - ib, ib)
+    return np.abs(ia - ib)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, BF16])
+@pytest.mark.parametrize("size", [(2, 1, 5, 7), (2, 1, 3, 4, 5)])
+@pytest.mark.parametrize("align", [0, 1])
+def test_16bit_is_float32_rounded_once(dtype, size, align, device, rng):
+    theta = _theta(rng, size[0], len(size) - 2, np.float32).astype(dtype)
+    want32 = numba_ops.affine_grid(theta.astype(np.float32), size, align, device="cpu")
+    got = numba_ops.affine_grid(theta, size, align, device=device)
+    assert got.dtype == np.dtype(dtype) and got.shape == want32.shape
+    assert _ulp_diff(_host(got), want32, dtype).max() <= 1
+
+
+@pytest.mark.parametrize("dtype", [np.float16, BF16])
+def test_16bit_specials(dtype):
+    """Overflow to inf, NaN propagation and subnormals survive the in-kernel rounding."""
+    big = 60000.0 if dtype == np.float16 else 3e38
+    theta = np.array([[[big, 0, big], [np.nan, 0, 1e-6]]], np.float32).astype(dtype)
+    got = numba_ops.affine_grid(theta, [1, 1, 1, 2], True).astype(np.float32)
+    with np.errstate(over="ignore"):
+        want = affine_grid_ref(theta.astype(np.float32), [1, 1, 1, 2], True).astype(np.float32).astype(dtype)
+    np.testing.assert_array_equal(got, want.astype(np.float32))
+
+
+def test_large_16bit_matches_upcast(rng):
+    """A parallel-sized grid: exercises the prange path for 16-bit stores."""
+    theta = _theta(rng, 4, 2, np.float32).astype(np.float16)
+    got = numba_ops.affine_grid(theta, [4, 1, 96, 128], False)
+    want = numba_ops.affine_grid(theta.astype(np.float32), [4, 1, 96, 128], False)
+    assert _ulp_diff(got, want, np.float16).max() <= 1
+
+
+@pytest.mark.parametrize("size", [(0, 3, 4, 5), (2, 3, 0, 5), (2, 3, 4, 0), (0, 1, 2, 3, 4), (1, 1, 2, 0, 4)])
+def test_zero_sizes(size, device):
+    nd = len(size) - 2
+    theta = np.zeros((size[0], nd, nd + 1), np.float32)
+    got = numba_ops.affine_grid(theta, size, device=device)
+    assert got.shape == (size[0],) + tuple(size[2:]) + (nd,) and got.dtype == np.float32
+
+
+def test_length_one_axes_are_zero(device):
+    theta = np.array([[[1.0, 2.0, 0.5], [3.0, 4.0, -0.5]]])
+    for align in (0, 1):
+        got = numba_ops.affine_grid(theta, [1, 1, 1, 1], align, device=device)
+        np.testing.assert_array_equal(got, [[[[0.5, -0.5]]]])
+
+
+@pytest.mark.parametrize("size_like", [[1, 1, 2, 3], (1, 1, 2, 3), np.array([1, 1, 2, 3]),
+                                       np.array([1, 1, 2, 3], np.int32), np.array([1, 1, 2, 3], np.uint8)])
+def test_size_forms(size_like):
+    theta = np.eye(2, 3)[None]
+    assert numba_ops.affine_grid(theta, size_like).shape == (1, 2, 3, 2)
+
+
+def test_align_corners_forms():
+    theta = np.eye(2, 3)[None]
+    ref = numba_ops.affine_grid(theta, [1, 1, 2, 3], True)
+    for v in (1, np.int64(1), np.bool_(True)):
+        np.testing.assert_array_equal(numba_ops.affine_grid(theta, [1, 1, 2, 3], v), ref)
+    for bad in (2, -1, 0.5, 1.0, "1", None, [1]):
+        with pytest.raises(ValueError, match="align_corners"):
+            numba_ops.affine_grid(theta, [1, 1, 2, 3], bad)
+
+
+def test_non_contiguous_and_not_modified(device, rng):
+    base = rng.standard_normal((4, 3, 6))
+    theta = base[::-2, ::-1, ::2][:, 1:, :]  # (2, 2, 3), negative strides
+    assert not theta.flags.c_contiguous
+    before = theta.copy()
+    got = numba_ops.affine_grid(theta, [2, 1, 3, 4], device=device)
+    np.testing.assert_array_equal(theta, before)
+    np.testing.assert_allclose(got, affine_grid_ref(before, [2, 1, 3, 4], 0), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("theta_shape,size,match", [
+    ((1, 2, 3), [1, 1, 2], "size"),
+    ((1, 2, 3), [1, 1, 2, 3, 4, 5], "size"),
+    ((1, 2, 3), [1, 1, -2, 3], "size"),
+    ((1, 2, 3), [[1, 1, 2, 3]], "size"),
+    ((1, 2, 3), [1, 1, 2.5, 3], "size"),
+    ((1, 2, 3), "1123", "size"),
+    ((1, 2, 3), [2, 1, 2, 3], "theta"),
+    ((1, 3, 4), [1, 1, 2, 3], "theta"),
+    ((1, 2, 3), [1, 1, 2, 3, 4], "theta"),
+    ((2, 3), [1, 1, 2, 3], "theta"),
+    ((1, 2, 4), [1, 1, 2, 3], "theta"),
+])
+def test_bad_shapes(theta_shape, size, match):
+    with pytest.raises(ValueError, match=match):
+        numba_ops.affine_grid(np.zeros(theta_shape, np.float32), size)
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int64, np.complex64, np.bool_, np.float128 if hasattr(np, "float128") else np.int8])
+def test_bad_dtype(dtype):
+    with pytest.raises(TypeError, match="theta"):
+        numba_ops.affine_grid(np.zeros((1, 2, 3), dtype), [1, 1, 2, 3])
+
+
+def test_bad_device():
+    theta = np.zeros((1, 2, 3), np.float32)
+    for bad in ("gpu", "CPU", 0, "cuda:0"):
+        with pytest.raises(ValueError, match="device"):
+            numba_ops.affine_grid(theta, [1, 1, 2, 3], device=bad)
+
+
+def test_nan_inf_theta(device):
+    theta = np.array([[[np.nan, 0, 0], [np.inf, 1, 0]]], np.float32)
+    got = _host(numba_ops.affine_grid(theta, [1, 1, 2, 2], device=device))
+    assert np.isnan(got[..., 0]).all() and np.isinf(got[..., 1]).all()
+
+
+def test_threads_match_serial(rng):
+    thetas = [_theta(rng, 2, 2 + (i % 2), np.float32) for i in range(16)]
+    sizes = [(2, 1, 64 + i, 96) if i % 2 == 0 else (2, 1, 8, 16 + i, 24) for i in range(16)]
+    serial = [numba_ops.affine_grid(t, s, i % 2) for i, (t, s) in enumerate(zip(thetas, sizes))]
+    results = [None] * 16
+
+    def work(i):
+        for _ in range(3):
+            results[i] = numba_ops.affine_grid(thetas[i], sizes[i], i % 2)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for want, got in zip(serial, results):
+        np.testing.assert_array_equal(got, want)
