@@ -44,7 +44,11 @@ def devices():
 
 
 def on_device(a):
-    return a is not None and hasattr(a, "__cuda_array_interface__")
+    """True for GPU arrays: ``__cuda_array_interface__`` exporters and numba's own
+    device arrays (whose simulated kind, under NUMBA_ENABLE_CUDASIM, exports no
+    interface but is marked ``__cuda_ndarray__``)."""
+    return a is not None and (hasattr(a, "__cuda_array_interface__")
+                              or bool(getattr(type(a), "__cuda_ndarray__", False)))
 
 
 def resolve_device(device, inputs):
