@@ -1,0 +1,303 @@
+"""One case table for the tests, the benchmarks (``bench/``) and ``numba-ops bench``/``check``.
+
+Benchmark cases carry the names of the shared peer benchmark
+(``shared/tools/peer_bench.py``) so figures can be compared across tools:
+
+* AffineGrid: ``ag2d_small``, ``ag2d_32x256``, ``ag3d_4x64``;
+* DeformConv: ``dc_seed``, ``dc_r50_c64_56``, ``dc_b8_c32_32``, ``dc_c256_28``, ``dc_s2_g2``.
+
+Each builder returns ``(args, kwargs, work)``: the positional inputs and the
+attributes of the call (ONNX names), and the amount of work that sets the
+machine's limit for the case (bytes written for AffineGrid, FLOPs of the
+equivalent dense convolution for DeformConv). ``small=True`` gives a shrunken
+case of the same structure (kernel, strides, groups, mask) for smoke runs.
+
+The conformance cases of ``numba-ops check`` live here too: the examples of the
+ONNX operator pages (the "seed" examples, values copied from the pages) and the
+ONNX backend node cases, collected from ``onnx.backend.test.case.node`` when
+onnx is installed (imported lazily; ``import numba_ops`` never imports onnx).
+"""
+import numpy as np
+
+DTYPE_NAMES = ("float16", "bfloat16", "float32", "float64")
+
+#: name -> size (N, C, [D,] H, W) and align_corners
+AFFINE = {
+    "ag2d_small": dict(size=(1, 3, 32, 32), align=0),
+    "ag2d_32x256": dict(size=(32, 3, 256, 256), align=0),
+    "ag3d_4x64": dict(size=(4, 1, 64, 64, 64), align=1),
+}
+
+#: name -> N, C, H, W, oC, k, pad, stride, dil, group, offset_group, mask
+DEFORM = {
+    "dc_seed": (1, 1, 3, 3, 1, 2, 0, 1, 1, 1, 1, False),
+    "dc_r50_c64_56": (1, 64, 56, 56, 64, 3, 1, 1, 1, 1, 1, True),
+    "dc_b8_c32_32": (8, 32, 32, 32, 32, 3, 1, 1, 1, 1, 1, True),
+    "dc_c256_28": (1, 256, 28, 28, 256, 3, 1, 1, 1, 1, 4, True),
+    "dc_s2_g2": (2, 64, 64, 64, 128, 3, 1, 2, 1, 2, 2, True),
+}
+
+#: every benchmark case as (op, name), AffineGrid first
+CASES = [("affine_grid", n) for n in AFFINE] + [("deform_conv", n) for n in DEFORM]
+
+#: cheap enough to run on numba's CUDA simulator
+SIMULATOR_CASES = ("ag2d_small", "dc_seed")
+
+
+def op_of(name):
+    """``"affine_grid"`` or ``"deform_conv"`` for a case name."""
+    if name in AFFINE:
+        return "affine_grid"
+    if name in DEFORM:
+        return "deform_conv"
+    raise KeyError(f"unknown case {name!r}; known: {', '.join(list(AFFINE) + list(DEFORM))}")
+
+
+def np_dtype(dtype):
+    """The NumPy dtype for one of DTYPE_NAMES (bfloat16 from ml_dtypes)."""
+    if dtype == "bfloat16":
+        import ml_dtypes
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(dtype)
+
+
+def _cast(a, dtype):
+    return None if a is None else a.astype(np_dtype(dtype))
+
+
+def affine_inputs(name, dtype="float32", small=False):
+    """``((theta, size), {"align_corners": a}, bytes_written)`` for AffineGrid case ``name``."""
+    case = AFFINE[name]
+    size = tuple(case["size"])
+    if small:
+        size = size[:2] + tuple(min(s, 8) for s in size[2:])
+        size = (min(size[0], 2),) + size[1:]
+    nd = len(size) - 2
+    rng = np.random.default_rng(0)
+    theta = rng.standard_normal((size[0], nd, nd + 1)).astype(np.float32)
+    nbytes = int(np.prod([size[0], *size[2:]])) * nd * np_dtype(dtype).itemsize
+    return (_cast(theta, dtype), np.array(size, dtype=np.int64)), {"align_corners": case["align"]}, nbytes
+
+
+def deform_params(name, small=False):
+    N, C, H, W, oC, k, pad, stride, dil, group, og, use_mask = DEFORM[name]
+    if small:  # keep the structure, shrink the sizes
+        N, H, W = min(N, 2), min(H, 9), min(W, 9)
+        C, oC = min(C, 4 * max(group, og)), min(oC, 4 * group)
+    return N, C, H, W, oC, k, pad, stride, dil, group, og, use_mask
+
+
+def deform_inputs(name, dtype="float32", small=False):
+    """``((X, W, offset, B, mask), attrs, flops)`` for DeformConv case ``name``; mask may be None.
+
+    ``flops`` counts the multiply-adds of the dense convolution of the same shape
+    (2 per weight use), the figure the GEMM rate bounds.
+    """
+    N, C, H, W, oC, k, pad, stride, dil, group, og, use_mask = deform_params(name, small)
+    rng = np.random.default_rng(0)
+    oH = (H + 2 * pad - ((k - 1) * dil + 1)) // stride + 1
+    oW = (W + 2 * pad - ((k - 1) * dil + 1)) // stride + 1
+    X = rng.standard_normal((N, C, H, W)).astype(np.float32)
+    Wt = rng.standard_normal((oC, C // group, k, k)).astype(np.float32)
+    off = (2.0 * rng.standard_normal((N, og * k * k * 2, oH, oW))).astype(np.float32)
+    B = rng.standard_normal((oC,)).astype(np.float32)
+    mask = rng.random((N, og * k * k, oH, oW)).astype(np.float32) if use_mask else None
+    attrs = dict(kernel_shape=[k, k], pads=[pad] * 4, strides=[stride] * 2,
+                 dilations=[dil] * 2, group=group, offset_group=og)
+    flops = 2.0 * N * oC * oH * oW * (C // group) * k * k
+    return tuple(_cast(a, dtype) for a in (X, Wt, off, B, mask)), attrs, flops
+
+
+def inputs(name, dtype="float32", small=False):
+    """``(op, args, kwargs, work)`` for any benchmark case."""
+    op = op_of(name)
+    build = affine_inputs if op == "affine_grid" else deform_inputs
+    args, kwargs, work = build(name, dtype, small)
+    return op, args, kwargs, work
+
+
+def call(name, dtype="float32", small=False, device=None):
+    """A zero-argument function that runs case ``name`` through numba_ops."""
+    import numba_ops
+    op, args, kwargs, _ = inputs(name, dtype, small)
+    fn = getattr(numba_ops, op)
+    if op == "deform_conv":
+        X, W, off, B, mask = args
+        return lambda: fn(X, W, off, B, mask, device=device, **kwargs)
+    theta, size = args
+    return lambda: fn(theta, size, device=device, **kwargs)
+
+
+# --------------------------------------------------------------------------
+# Conformance cases: ONNX operator-page ("seed") examples and backend cases.
+# --------------------------------------------------------------------------
+
+class ConformanceCase:
+    """One conformance case: ONNX op, inputs (None for an absent optional one),
+    attributes, the expected output, and, for page examples, values quoted from
+    the page at given flat indices (``spot``: {flat index: value})."""
+
+    def __init__(self, name, source, op, inputs, attrs, expected, spot=None, node=None):
+        self.name, self.source, self.op = name, source, op
+        self.inputs, self.attrs, self.expected = inputs, attrs, expected
+        self.spot = spot or {}
+        self.node = node  # the onnx NodeProto for backend cases
+
+    def __repr__(self):
+        return f"ConformanceCase({self.source}:{self.name})"
+
+
+_THETA_2D = [[[1.0889444, -3.2880466, 5.0], [2.0223253, 1.0960155, -3.3]],
+             [[0.83578837, -0.55442286, 2.5], [0.78762794, 0.8397114, 1.1]]]
+_THETA_3D = [[[2.6830733, -0.7943316, 0.21829216, 5.0],
+              [0.62225395, 3.2880466, -0.53033006, -3.3],
+              [0.24721935, 1.7241772, 0.07809311, -1.1]],
+             [[-0.35552558, 1.0044229, 1.3995191, 2.5],
+              [0.17578839, 0.06028857, -0.9240381, 1.1],
+              [-1.1, -0.45, 0.45, 2.2]]]
+#: AffineGrid page examples: name -> (theta, size, align_corners, first output point, last output point)
+_AFFINE_SEEDS = {
+    "test_affine_grid_2d": (_THETA_2D, (2, 3, 5, 6), 0,
+                            [6.722984, -5.8620834], [2.752952, 2.4281259]),
+    "test_affine_grid_2d_align_corners": (_THETA_2D, (2, 3, 5, 6), 1,
+                                          [7.1991024, -6.4183407], [2.7813654, 2.7273393]),
+    "test_affine_grid_3d": (_THETA_3D, (2, 3, 4, 5, 6), 0,
+                            [3.2358518, -6.0512347, -2.7439277], [4.056906, 0.6016927, 1.2608333]),
+    "test_affine_grid_3d_align_corners": (_THETA_3D, (2, 3, 4, 5, 6), 1,
+                                          [2.89296603, -6.67997074, -3.14948988],
+                                          [4.54841614, 0.412038863, 1.10000014]),
+}
+
+
+def affine_grid_f64(theta, size, align_corners):
+    """float64 AffineGrid by its definition, for expected values."""
+    theta = np.asarray(theta, dtype=np.float64)
+    axes = []
+    for L in size[2:]:
+        i = np.arange(L, dtype=np.float64)
+        if L <= 1:
+            axes.append(np.zeros(L))
+        elif align_corners:
+            axes.append(-1 + 2 * i / (L - 1))
+        else:
+            axes.append((2 * i + 1) / L - 1)
+    mesh = np.meshgrid(*axes, indexing="ij")
+    base = np.stack(list(reversed(mesh)) + [np.ones_like(mesh[0])], axis=-1)  # (x, y, [z,] 1)
+    return np.einsum("...k,njk->n...j", base, theta)
+
+
+def _deform_seed(offset_group=1, padded=False, mask_bias=False):
+    X = np.arange(9, dtype=np.float32).reshape(1, 1, 3, 3)
+    if offset_group == 2:
+        X = np.concatenate([X, X[:, :, ::-1, ::-1]], axis=1)
+    W = np.ones((1, X.shape[1], 2, 2), dtype=np.float32)
+    o = 4 if padded else 2
+    offset = np.zeros((1, 8 * offset_group, o, o), dtype=np.float32)
+    offset[0, 0, 0, 0] = 0.5
+    offset[0, 5 if offset_group == 1 else 13, 1 if padded else 0, 2 if padded else 1] = -0.1
+    B = np.ones((1,), np.float32) if mask_bias else None
+    mask = None
+    if mask_bias:
+        mask = np.ones((1, 4, 2, 2), dtype=np.float32)
+        mask[0, 2, 1, 1] = 0.2
+    return [X, W, offset, B, mask]
+
+
+def seed_cases():
+    """The examples of the ONNX operator pages (seeds/), with their quoted values."""
+    out = []
+    for name, (theta, size, align, first, last) in _AFFINE_SEEDS.items():
+        theta = np.array(theta, dtype=np.float32)
+        exp = affine_grid_f64(theta, size, align)
+        nd = len(size) - 2
+        spot = {i: v for i, v in enumerate(first)}
+        spot.update({exp.size - nd + i: v for i, v in enumerate(last)})
+        out.append(ConformanceCase(name, "seed", "AffineGrid", [theta, np.array(size, np.int64)],
+                                   {"align_corners": align}, exp, spot))
+    k2 = {"kernel_shape": [2, 2]}
+    deform = [
+        ("test_cc_basic_deform_conv_with_padding", _deform_seed(padded=True), dict(k2, pads=[1, 1, 1, 1]),
+         [[0, 1, 3, 2], [3, 8, 11.9, 7], [9, 20, 24, 13], [6, 13, 15, 8]]),
+        ("test_cc_basic_deform_conv_without_padding", _deform_seed(), dict(k2, pads=[0, 0, 0, 0]),
+         [[9.5, 11.9], [20, 24]]),
+        ("test_cc_deform_conv_with_mask_bias", _deform_seed(mask_bias=True), dict(k2, pads=[0, 0, 0, 0]),
+         [[10.5, 12.9], [21, 19.4]]),
+        ("test_cc_deform_conv_with_multiple_offset_groups", _deform_seed(offset_group=2),
+         dict(k2, pads=[0, 0, 0, 0], offset_group=2), [[33.5, 32.1], [32, 32]]),
+    ]
+    for name, ins, attrs, y in deform:
+        out.append(ConformanceCase(name, "seed", "DeformConv", ins, attrs,
+                                   np.array(y, dtype=np.float64).reshape((1, 1) + np.shape(y))))
+    return out
+
+
+def onnx_backend_cases():
+    """ONNX's backend node cases for AffineGrid and DeformConv.
+
+    The onnx wheel ships the case generators but not their data files, so the
+    cases are made by running the generators' ``export*`` functions with an
+    ``expect`` that records (node, inputs, outputs) instead of writing files.
+    Raises ImportError when onnx is not installed.
+    """
+    import importlib
+    import inspect
+
+    from onnx.backend.test.case.base import Base
+
+    found = []
+
+    def capture(node, inputs, outputs, name, **_):
+        names = list(node.input)
+        ins = list(inputs) + [None] * (len(names) - len(inputs))
+        attrs = {}
+        from onnx import helper
+        for a in node.attribute:
+            attrs[a.name] = helper.get_attribute_value(a)
+        found.append(ConformanceCase(name, "onnx", node.op_type, ins, attrs,
+                                     np.asarray(outputs[0]), node=node))
+
+    for modname in ("affinegrid", "deformconv"):
+        mod = importlib.import_module("onnx.backend.test.case.node." + modname)
+        saved = mod.expect
+        mod.expect = capture
+        try:
+            for _, cls in inspect.getmembers(mod, inspect.isclass):
+                if issubclass(cls, Base) and cls is not Base and cls.__module__ == mod.__name__:
+                    for attr in sorted(vars(cls)):
+                        if attr.startswith("export"):
+                            getattr(cls, attr)()
+        finally:
+            mod.expect = saved
+    return found
+
+
+def tolerance(dtype):
+    """(rtol, atol-per-unit-scale) of API.md for a result of ``dtype``; 16-bit types get
+    the float32 figure widened to one ulp of the output type."""
+    dt = np.dtype(dtype)
+    if dt == np.float64:
+        return 1e-12, 1e-12
+    if dt == np.float32:
+        return 1e-5, 1e-5
+    return (2.0 ** -10, 2.0 ** -10) if dt == np.float16 else (2.0 ** -7, 2.0 ** -7)
+
+
+def compare(got, expected, dtype):
+    """None when ``got`` matches ``expected`` within API.md's tolerance for ``dtype``,
+    else a one-line description of the worst mismatch."""
+    got = np.asarray(got)
+    expected = np.asarray(expected, dtype=np.float64)
+    if got.shape != expected.shape:
+        return f"shape {got.shape}, expected {expected.shape}"
+    g = got.astype(np.float64)
+    rtol, atol = tolerance(dtype)
+    finite = expected[np.isfinite(expected)]
+    scale = float(np.abs(finite).max()) if finite.size else 0.0
+    err = np.abs(g - expected)
+    bound = rtol * np.abs(expected) + atol * scale
+    bad = ~(err <= bound) & ~(np.isnan(g) & np.isnan(expected))
+    if bad.any():
+        i = np.unravel_index(int(np.argmax(np.where(bad, err, -1))), err.shape)
+        return (f"{int(bad.sum())} of {bad.size} values off; worst at {tuple(int(v) for v in i)}: "
+                f"got {g[i]!r}, expected {expected[i]!r}")
+    return None

@@ -1,0 +1,604 @@
+"""The ``numba-ops`` command (also ``python -m numba_ops``).
+
+    numba-ops info                         versions, devices, threads, JIT cache
+    numba-ops check [--device D]           ONNX conformance cases of both ops, pass/fail
+    numba-ops bench [--device D] [--dtype T] [--quick] [--json FILE] [--compare BASELINE]
+
+``bench`` times every case of ``numba_ops._cases`` (the case names of the shared
+peer benchmark) with numba_ops and with each installed peer (onnxruntime,
+PyTorch/torchvision), each implementation in a process of its own so that the
+runtimes' thread pools do not fight over the cores. A case is timed warm (median
+of back-to-back calls) and cold (median of calls made after 200 ms idle, as a
+program calls an op between other work). The machine's limits are measured in
+the same run, in a process of their own: write bandwidth (a numba ``prange``
+fill) and the alloc+fill floor of each AffineGrid output, and the GEMM rate
+(NumPy's, or PyTorch's where faster) that bounds DeformConv.
+
+Two machine-independent figures per case feed the regression gate
+(``--compare``): the fraction of the limit reached (limit time / our time) and
+the speed relative to each peer (peer time / our time). A case fails the gate
+when a figure falls more than 15 % below the baseline's.
+"""
+import argparse
+import importlib.metadata
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+from . import _cases
+
+PEERS = ("onnxruntime", "torch")
+REGRESSION = 0.15  # a figure more than 15 % below the baseline fails the gate
+_MARK = "@@numba-ops "  # prefix of the worker's result lines on stdout
+
+
+# --------------------------------------------------------------------------
+# info
+# --------------------------------------------------------------------------
+
+def _version(dist):
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _cache_location():
+    """Where numba keeps numba_ops' compiled kernels, as numba's cache locator decides."""
+    from .kernels.cpu import affine_grid as k
+    path = k._parallel._cache._cache_path
+    how = "NUMBA_CACHE_DIR" if os.environ.get("NUMBA_CACHE_DIR") else "beside the kernels; set NUMBA_CACHE_DIR to move it"
+    return f"{path} ({how})"
+
+
+def cmd_info(args):
+    import numba
+
+    import numba_ops
+    from ._dispatch import cuda_simulator
+    from .kernels.cpu import _runtime  # sets numba_ops' threading layer: before anything starts the pool
+
+    rows = [("numba_ops", f"{numba_ops.__version__} ({os.path.dirname(numba_ops.__file__)})"),
+            ("python", sys.version.split()[0]),
+            ("numpy", np.__version__),
+            ("numba", numba.__version__),
+            ("numba-cuda", _version("numba-cuda") or "not installed"),
+            ("ml_dtypes", _version("ml_dtypes") or "not installed")]
+    for dist in ("onnx", "onnxruntime", "torch", "torchvision"):
+        rows.append((dist, _version(dist) or "not installed (optional)"))
+    devs = numba_ops.devices()
+    dev_s = ", ".join(devs)
+    if "cuda" in devs:
+        if cuda_simulator():
+            dev_s += " (cuda = numba's CUDA simulator, NUMBA_ENABLE_CUDASIM=1)"
+        else:
+            try:
+                from numba import cuda
+                dev_s += f" (cuda = {cuda.get_current_device().name.decode()})"
+            except Exception:  # the name is a nicety
+                pass
+    rows.append(("devices", dev_s))
+    rows.append(("threads", f"{numba.get_num_threads()} numba threads on {os.cpu_count()} CPUs "
+                            f"(NUMBA_NUM_THREADS={numba.config.NUMBA_NUM_THREADS})"))
+    # The pool starts on the first parallel launch: make one (a cached kernel) to name the layer.
+    configured = numba.config.THREADING_LAYER
+    try:
+        numba_ops.affine_grid(np.zeros((1, 2, 3), np.float32), (1, 1, 256, 256))
+        layer = numba.threading_layer()
+    except Exception as exc:  # report, never crash
+        layer = f"unknown ({type(exc).__name__}: {exc})"
+    rows.append(("threading layer", f"{layer} (configured: {configured}; parallel above "
+                                    f"{_runtime.PARALLEL_MIN_WORK} elements of work)"))
+    rows.append(("JIT cache", _cache_location()))
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
+    return 0
+
+
+# --------------------------------------------------------------------------
+# check
+# --------------------------------------------------------------------------
+
+def _run_case(case, device):
+    """Our output for a conformance case: backend cases through ONNX's reference
+    evaluator with our operators, seed examples through the Python API."""
+    if case.node is not None:
+        from onnx.reference import ReferenceEvaluator
+
+        from .onnx import ops
+        sess = ReferenceEvaluator(case.node, new_ops=ops(device))
+        feeds = {n: v for n, v in zip(case.node.input, case.inputs) if n}
+        return sess.run(None, feeds)[0]
+    import numba_ops
+    if case.op == "AffineGrid":
+        return numba_ops.affine_grid(*case.inputs, device=device, **case.attrs)
+    return numba_ops.deform_conv(*case.inputs, device=device, **case.attrs)
+
+
+def _check_one(case, device):
+    try:
+        got = _run_case(case, device)
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    if hasattr(got, "copy_to_host"):
+        got = got.copy_to_host()
+    dtype = case.inputs[0].dtype
+    why = _cases.compare(got, case.expected, dtype)
+    if why is None and case.spot:  # values quoted on the ONNX page
+        flat = np.asarray(got, dtype=np.float64).ravel()
+        rtol, atol = _cases.tolerance(dtype)
+        scale = float(np.abs(case.expected).max())
+        for i, v in case.spot.items():
+            if not abs(flat[i] - v) <= rtol * abs(v) + atol * scale:
+                return f"value {i} is {flat[i]!r}; the ONNX page shows {v!r}"
+    return why
+
+
+def cmd_check(args):
+    import numba_ops
+    device = args.device or "cpu"
+    if device not in numba_ops.devices():
+        print(f"numba-ops check: device {device!r} is not usable here (usable: {', '.join(numba_ops.devices())})",
+              file=sys.stderr)
+        return 2
+    cases = _cases.seed_cases()
+    skipped = None
+    try:
+        cases += _cases.onnx_backend_cases()
+    except ImportError as exc:
+        skipped = f"ONNX backend cases not run: onnx is not installed ({exc}); pip install 'numba_ops[onnx]'"
+    print(f"numba-ops check: {len(cases)} conformance cases on {device}")
+    failed = 0
+    for case in cases:
+        t0 = time.perf_counter()
+        why = _check_one(case, device)
+        ms = (time.perf_counter() - t0) * 1e3
+        status = "PASS" if why is None else "FAIL"
+        failed += why is not None
+        line = f"{status}  {case.source:<4}  {case.op:<10}  {case.name}  ({ms:.1f} ms)"
+        print(line if why is None else f"{line}\n      {why}", flush=True)
+    if skipped:
+        print("SKIP  " + skipped)
+    passed = len(cases) - failed
+    print(f"{len(cases)} cases: {passed} passed, {failed} failed" + (" (see FAIL lines)" if failed else ""))
+    return 1 if failed else 0
+
+
+# --------------------------------------------------------------------------
+# bench: workers (one process per implementation)
+# --------------------------------------------------------------------------
+
+def _timing(quick, repeat):
+    """(warm repeats, warmup calls, seconds budget per case, cold repeats)."""
+    if repeat is not None:
+        return repeat, 1, 60.0, repeat
+    return (5, 1, 2.0, 2) if quick else (9, 2, 15.0, 5)
+
+
+def time_warm(fn, repeat, warmup, budget_s):
+    """Median seconds of back-to-back calls, after ``warmup`` calls (compilation
+    included there); stops early past ``budget_s`` once 3 calls are in."""
+    for _ in range(warmup):
+        fn()
+    ts = []
+    t_end = time.perf_counter() + budget_s
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+        if len(ts) >= 3 and time.perf_counter() > t_end:
+            break
+    return statistics.median(ts)
+
+
+def time_cold(fn, repeat, idle_s=0.2):
+    """Median seconds of a call made after ``idle_s`` of sleep, as a program calls
+    an op between other work (caches cooled, thread pools asleep)."""
+    ts = []
+    for _ in range(repeat):
+        time.sleep(idle_s)
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def _emit(obj):
+    print(_MARK + json.dumps(obj), flush=True)
+
+
+def _ort_session(op, named, attrs, opset, device):
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    vi = [helper.make_tensor_value_info(
+        n, TensorProto.INT64 if v.dtype == np.int64 else helper.np_dtype_to_tensor_dtype(v.dtype), list(v.shape))
+        for n, v in named]
+    node = helper.make_node(op, [n for n, _ in named], ["y"], **attrs)
+    out_t = helper.np_dtype_to_tensor_dtype(named[0][1].dtype)
+    g = helper.make_graph([node], "g", vi, [helper.make_tensor_value_info("y", out_t, None)])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)])
+    providers = ["CUDAExecutionProvider"] if device == "cuda" else ["CPUExecutionProvider"]
+    if device == "cuda" and providers[0] not in ort.get_available_providers():
+        raise RuntimeError("onnxruntime has no CUDAExecutionProvider here")
+    s = ort.InferenceSession(m.SerializeToString(), providers=providers)
+    feed = dict(named)
+    return lambda: s.run(None, feed)[0]
+
+
+def _peer_fn(impl, name, device):
+    """A zero-argument call of peer ``impl`` on case ``name`` (float32, as the peers
+    are timed), or a string saying why the peer has no such case."""
+    op, args, kw, _ = _cases.inputs(name, "float32")
+    if impl == "onnxruntime":
+        if op == "affine_grid":
+            theta, size = args
+            return _ort_session("AffineGrid", [("theta", theta), ("size", size)],
+                                {"align_corners": kw["align_corners"]}, 20, device)
+        named = [(n, a) for n, a in zip(("X", "W", "offset", "B", "mask"), args) if a is not None]
+        return _ort_session("DeformConv", named, kw, 22, device)
+    if impl == "torch":
+        import torch
+        dev = "cuda" if device == "cuda" else "cpu"
+        if dev == "cuda" and not torch.cuda.is_available():
+            return "PyTorch has no CUDA here"
+        sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
+        if op == "affine_grid":
+            import torch.nn.functional as F
+            theta, size = args
+            tt = torch.from_numpy(theta).to(dev)
+            shape = [int(s) for s in size]
+            align = bool(kw["align_corners"])
+            return lambda: (F.affine_grid(tt, shape, align_corners=align), sync())
+        import torchvision.ops as tvo
+        if kw["group"] != 1:
+            return "torchvision's deform_conv2d infers groups from the weight; no like-for-like call"
+        X, W, off, B, mask = (None if a is None else torch.from_numpy(a).to(dev) for a in args)
+        return lambda: (tvo.deform_conv2d(X, off, W, B, stride=kw["strides"], padding=kw["pads"][:2],
+                                          dilation=kw["dilations"], mask=mask), sync())
+    raise ValueError(f"unknown implementation {impl!r}")
+
+
+def _ours_fn(name, dtype, device):
+    if device != "cuda":
+        return _cases.call(name, dtype, device=device)
+    from numba import cuda
+    op, args, kw, _ = _cases.inputs(name, dtype)
+    import numba_ops
+    dargs = [None if a is None or a.dtype == np.int64 else cuda.to_device(a) for a in args]
+    if op == "affine_grid":
+        theta, size = dargs[0], args[1]
+        return lambda: (numba_ops.affine_grid(theta, size, device="cuda", **kw), cuda.synchronize())
+    return lambda: (numba_ops.deform_conv(*dargs, device="cuda", **kw), cuda.synchronize())
+
+
+def _limits(cfg):
+    """This machine's limits, measured now: write bandwidth, the alloc+fill floor of
+    each AffineGrid case's output, and the GEMM rate in the accumulation dtype."""
+    from numba import njit, prange
+
+    quick, repeat = cfg["quick"], cfg["repeat"]
+    reps = 1 if repeat == 1 else 3 if quick else 5
+    acc = np.float64 if cfg["dtype"] == "float64" else np.float32
+    out = {}
+    if cfg["device"] == "cuda":
+        from numba import cuda
+
+        @cuda.jit
+        def fill(a, v):
+            for i in range(cuda.grid(1), a.size, cuda.gridsize(1)):
+                a[i] = v
+
+        def pfill(a, v):
+            fill[256, 256](a, v)
+            cuda.synchronize()
+        empty = cuda.device_array
+    else:
+        @njit(parallel=True)
+        def pfill(a, v):
+            for i in prange(a.size):
+                a[i] = v
+        empty = np.empty
+    a = empty(64 * 2 ** 20, dtype=np.float32)  # 256 MiB
+    pfill(a, 0.0)
+    out["write_GBps"] = a.nbytes / time_warm(lambda: pfill(a, 1.0), reps, 1, 10.0) / 1e9
+    if cfg["device"] != "cuda":
+        out["write_GBps_numpy_fill"] = a.nbytes / time_warm(lambda: a.fill(1.0), reps, 1, 10.0) / 1e9
+    del a
+    # The floor for AffineGrid: allocate the output and write every element once.
+    store = {2: np.uint16, 4: np.float32, 8: np.float64}[_cases.np_dtype(cfg["dtype"]).itemsize]
+    for name in cfg["cases"]:
+        if _cases.op_of(name) == "affine_grid":
+            n = _cases.inputs(name, cfg["dtype"])[3] // np.dtype(store).itemsize
+            out["alloc_fill_ms_" + name] = 1e3 * time_warm(lambda: pfill(empty(n, store), 0), max(reps, 5) if repeat != 1 else 1, 1, 5.0)
+    gemm = {}
+    m = np.random.default_rng(0).standard_normal((2048, 2048)).astype(acc)
+    if cfg["device"] != "cuda":
+        gemm["numpy"] = 2 * 2048 ** 3 / time_warm(lambda: m @ m, reps, 1, 20.0) / 1e9
+    if "torch" in cfg["peers"]:
+        try:
+            import torch
+            dev = cfg["device"]
+            if dev != "cuda" or torch.cuda.is_available():
+                tm = torch.from_numpy(m).to(dev)
+                sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
+                gemm["torch"] = 2 * 2048 ** 3 / time_warm(lambda: (tm @ tm, sync()), reps, 1, 20.0) / 1e9
+        except ImportError:
+            pass
+    for k, v in gemm.items():
+        out[f"gemm_GFLOPs_{k}"] = v
+    if gemm:
+        best = max(gemm, key=gemm.get)
+        out["gemm_GFLOPs"], out["gemm_by"] = gemm[best], best
+    out["gemm_dtype"] = np.dtype(acc).name
+    return out
+
+
+def _worker(cfg):
+    impl = cfg["impl"]
+    if impl == "limits":
+        _emit({"limits": _limits(cfg)})
+        return 0
+    warm, warmup, budget, cold = _timing(cfg["quick"], cfg["repeat"])
+    for name in cfg["cases"]:
+        try:
+            if impl == "numba_ops":
+                fn = _ours_fn(name, cfg["dtype"], cfg["device"])
+            else:
+                fn = _peer_fn(impl, name, cfg["device"])
+            if isinstance(fn, str):
+                _emit({"case": name, "skip": fn})
+                continue
+            ms = 1e3 * time_warm(fn, warm, warmup, budget)
+            cold_ms = 1e3 * time_cold(fn, cold)
+            _emit({"case": name, "ms": ms, "cold_ms": cold_ms})
+        except Exception as exc:  # one failing case must not hide the others
+            _emit({"case": name, "error": f"{type(exc).__name__}: {exc}"[:300]})
+    return 0
+
+
+# --------------------------------------------------------------------------
+# bench: driver, table, gate
+# --------------------------------------------------------------------------
+
+def _installed_peers(device):
+    have = []
+    if importlib.util.find_spec("onnxruntime") and importlib.util.find_spec("onnx"):
+        have.append("onnxruntime")
+    if importlib.util.find_spec("torch") and importlib.util.find_spec("torchvision"):
+        have.append("torch")
+    return have
+
+
+def _run_worker(cfg, log):
+    """Run one implementation in its own process; print a progress line per case."""
+    cmd = [sys.executable, "-m", "numba_ops.cli", "_worker", json.dumps(cfg)]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    got = {}
+    for line in p.stdout:
+        if not line.startswith(_MARK):
+            continue
+        ev = json.loads(line[len(_MARK):])
+        if "limits" in ev:
+            got["limits"] = ev["limits"]
+            lim = ev["limits"]
+            gem = f", GEMM {lim['gemm_GFLOPs']:.1f} GFLOP/s ({lim['gemm_by']}, {lim['gemm_dtype']})" \
+                if "gemm_GFLOPs" in lim else ""
+            log(f"  [limits] write {lim['write_GBps']:.2f} GB/s{gem}")
+            continue
+        name = ev["case"]
+        got[name] = ev
+        if "ms" in ev:
+            log(f"  [{cfg['impl']}] {name}: {ev['ms']:.3f} ms warm, {ev['cold_ms']:.3f} ms cold")
+        else:
+            log(f"  [{cfg['impl']}] {name}: {'skipped: ' + ev['skip'] if 'skip' in ev else 'ERROR ' + ev['error']}")
+    err = p.stderr.read()
+    if p.wait() != 0:
+        log(f"  [{cfg['impl']}] failed (exit {p.returncode}): {err.strip()[-1500:]}")
+    return got
+
+
+def figures(row):
+    """The machine-independent figures of one case row: fraction of the machine's
+    limit reached, and speed relative to each peer (peer time / our time)."""
+    ours = row["ms"].get("numba_ops")
+    out = {}
+    if not ours:
+        return out
+    if row.get("bound_ms"):
+        out["fraction_of_limit"] = row["bound_ms"] / ours
+    for peer in PEERS:
+        if row["ms"].get(peer):
+            out["speed_vs_" + peer] = row["ms"][peer] / ours
+    return out
+
+
+def _table(results, lim, cases):
+    table = {}
+    for name in cases:
+        op = _cases.op_of(name)
+        ms = {impl: results[impl][name]["ms"] for impl in results
+              if impl != "limits" and "ms" in results[impl].get(name, {})}
+        cold = {impl: results[impl][name]["cold_ms"] for impl in ms}
+        if op == "affine_grid":
+            bound, what = lim.get("alloc_fill_ms_" + name), "alloc+fill floor"
+        else:
+            flops = _cases.inputs(name, "float32")[3]
+            rate = lim.get("gemm_GFLOPs")
+            bound, what = (flops / (rate * 1e9) * 1e3 if rate else None), "GEMM-bound time"
+        row = {"op": op, "ms": ms, "cold_ms": cold, "bound_ms": bound, "limit": what}
+        row["figures"] = figures(row)
+        table[name] = row
+    return table
+
+
+def _fmt_ms(v):
+    return "-" if v is None else f"{v:.3f}" if v < 10 else f"{v:.1f}"
+
+
+def print_table(report, out=print):
+    cases = report["cases"]
+    peers = [p for p in PEERS if any(p in r["ms"] for r in cases.values())]
+    lim = report.get("limits", {})
+    out("")
+    out(f"numba-ops bench: device {report['device']}, dtype {report['dtype']} (peers float32), "
+        f"{report['threads']} threads on {report['cpus']} CPUs{', quick' if report['quick'] else ''}")
+    if lim:
+        gem = f"; GEMM {lim['gemm_GFLOPs']:.1f} GFLOP/s ({lim['gemm_by']}, {lim['gemm_dtype']})" \
+            if "gemm_GFLOPs" in lim else ""
+        out(f"limits: write bandwidth {lim['write_GBps']:.2f} GB/s (numba prange fill){gem}")
+    head = ["case", "numba_ops ms", "cold ms"] + [f"{p} ms" for p in peers] + ["ours/best peer", "% of limit", "limit ms"]
+    rows = []
+    for name, r in cases.items():
+        ours = r["ms"].get("numba_ops")
+        best = min((r["ms"][p], p) for p in peers if p in r["ms"]) if any(p in r["ms"] for p in peers) else None
+        ratio = f"{ours / best[0]:.2f}x {best[1]}" if ours and best else "-"
+        frac = r["figures"].get("fraction_of_limit")
+        rows.append([name, _fmt_ms(ours), _fmt_ms(r["cold_ms"].get("numba_ops"))]
+                    + [_fmt_ms(r["ms"].get(p)) for p in peers]
+                    + [ratio, "-" if frac is None else f"{100 * frac:.3g}%", _fmt_ms(r["bound_ms"])])
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
+    for i, line in enumerate([head] + rows):
+        out("  ".join(str(c).ljust(w) if j == 0 else str(c).rjust(w) for j, (c, w) in enumerate(zip(line, widths))))
+    out("ours/best peer: our warm median over the fastest peer's (below 1: faster). "
+        "% of limit: the limit's time over ours (AffineGrid: alloc+fill floor; DeformConv: "
+        "dense-conv FLOPs at the GEMM rate).")
+
+
+def compare(report, baseline, threshold=REGRESSION, out=print):
+    """Regression gate: every machine-independent figure of every case in both
+    reports must be at least (1 - threshold) of the baseline's. Returns the failures."""
+    for key in ("device", "dtype"):
+        if report.get(key) != baseline.get(key):
+            raise ValueError(f"the baseline was measured with {key}={baseline.get(key)!r}, "
+                             f"this run with {key}={report.get(key)!r}")
+    failures = []
+    out("")
+    out(f"regression gate: a figure more than {threshold:.0%} below the baseline fails")
+    for name, base in baseline["cases"].items():
+        row = report["cases"].get(name)
+        if row is None:
+            out(f"  {name}: not run")
+            continue
+        now, was = figures(row), figures(base)
+        for fig in sorted(set(now) & set(was)):
+            rel = now[fig] / was[fig]
+            bad = rel < 1 - threshold
+            if bad:
+                failures.append((name, fig, rel))
+            out(f"  {'REGRESSION' if bad else 'ok':<10} {name} {fig}: {now[fig]:.3g} vs baseline "
+                f"{was[fig]:.3g} ({rel - 1:+.0%})")
+    out(f"regression gate: {'FAILED, ' + str(len(failures)) + ' figure(s) regressed' if failures else 'passed'}")
+    return failures
+
+
+def _select(only):
+    names = [n for _, n in _cases.CASES]
+    if not only:
+        return names
+    keys = [k for k in only.split(",") if k]
+    picked = [n for n in names if any(k in n for k in keys)]
+    if not picked:
+        raise SystemExit(f"numba-ops bench: --only {only!r} matches no case; cases: {', '.join(names)}")
+    return picked
+
+
+def cmd_bench(args):
+    import numba
+
+    import numba_ops
+    if args.load:
+        with open(args.load) as fh:
+            report = json.load(fh)
+        for row in report["cases"].values():
+            row["figures"] = figures(row)
+    else:
+        device = args.device or "cpu"
+        if device not in numba_ops.devices():
+            print(f"numba-ops bench: device {device!r} is not usable here "
+                  f"(usable: {', '.join(numba_ops.devices())})", file=sys.stderr)
+            return 2
+        cases = _select(args.only)
+        if args.peers is None:
+            peers = _installed_peers(device)
+        else:
+            peers = [p for p in args.peers.split(",") if p and p != "none"]
+            unknown = set(peers) - set(PEERS)
+            if unknown:
+                print(f"numba-ops bench: unknown peer(s) {sorted(unknown)}; known: {', '.join(PEERS)}", file=sys.stderr)
+                return 2
+        impls = ["limits", "numba_ops"] + peers
+        print(f"numba-ops bench: {len(cases)} cases x {len(impls) - 1} implementations "
+              f"({', '.join(impls[1:])}), each in its own process; device {device}, dtype {args.dtype}"
+              f"{', quick' if args.quick else ''}", flush=True)
+        results = {}
+        t0 = time.perf_counter()
+        for impl in impls:
+            cfg = {"impl": impl, "cases": cases, "dtype": args.dtype, "device": device,
+                   "quick": args.quick, "repeat": args.repeat, "peers": peers}
+            results[impl] = _run_worker(cfg, lambda s: print(s, flush=True))
+        limits = results.pop("limits").get("limits", {})
+        report = {"tool": "numba-ops bench", "version": numba_ops.__version__, "device": device,
+                  "dtype": args.dtype, "quick": bool(args.quick), "threads": numba.config.NUMBA_NUM_THREADS,
+                  "cpus": os.cpu_count(), "peers": peers, "seconds": round(time.perf_counter() - t0, 1),
+                  "limits": limits, "cases": _table(results, limits, cases)}
+    print_table(report)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(report, fh, indent=1, sort_keys=True)
+            fh.write("\n")
+        print(f"wrote {args.json}")
+    if args.compare:
+        with open(args.compare) as fh:
+            baseline = json.load(fh)
+        try:
+            failures = compare(report, baseline)
+        except ValueError as exc:
+            print(f"numba-ops bench --compare: {exc}", file=sys.stderr)
+            return 2
+        return 1 if failures else 0
+    return 0
+
+
+# --------------------------------------------------------------------------
+
+def _parser():
+    ap = argparse.ArgumentParser(prog="numba-ops", description="numba_ops: ONNX AffineGrid and DeformConv in Numba.")
+    sub = ap.add_subparsers(dest="command", required=True)
+    sub.add_parser("info", help="versions, devices, threads, threading layer, JIT cache location")
+    p = sub.add_parser("check", help="run the ONNX conformance cases of both ops; exit 1 on any failure")
+    p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cpu")
+    p = sub.add_parser("bench", help="the benchmark table against the installed peers")
+    p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cpu")
+    p.add_argument("--dtype", choices=_cases.DTYPE_NAMES, default="float32",
+                   help="numba_ops' input dtype (peers stay float32); default float32")
+    p.add_argument("--quick", action="store_true", help="fewer repeats: about a minute")
+    p.add_argument("--json", metavar="FILE", help="write the results (and figures) as JSON")
+    p.add_argument("--compare", metavar="BASELINE",
+                   help=f"regression gate: exit 1 when a case's figure falls more than {REGRESSION:.0%} "
+                        "below BASELINE's (a --json file, e.g. bench/baseline.json)")
+    p.add_argument("--only", metavar="NAMES", help="comma-separated substrings of case names to run")
+    p.add_argument("--peers", metavar="LIST",
+                   help=f"comma-separated peers to time ({', '.join(PEERS)}, or none); default: those installed")
+    p.add_argument("--repeat", type=int, metavar="N", help="timed calls per case (overrides --quick's)")
+    p.add_argument("--load", metavar="FILE", help="show (and --compare) a saved --json report instead of measuring")
+    return ap
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["_worker"]:  # internal: one implementation's timings, see _run_worker
+        return _worker(json.loads(argv[1]))
+    args = _parser().parse_args(argv)
+    return {"info": cmd_info, "check": cmd_check, "bench": cmd_bench}[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,77 @@
+"""numba_ops kernels as operators of ONNX's reference evaluator.
+
+``AffineGrid`` and ``DeformConv`` are ``onnx.reference.op_run.OpRun`` subclasses
+in the default domain, so they replace the built-in implementations::
+
+    from onnx.reference import ReferenceEvaluator
+    from numba_ops.onnx import AffineGrid, DeformConv
+
+    sess = ReferenceEvaluator(model, new_ops=[AffineGrid, DeformConv])
+    y, = sess.run(None, feeds)
+
+Attributes are read from the node, with ONNX's defaults where the node leaves
+one out (``align_corners=0``; ``group=1``, ``offset_group=1``, and strides,
+pads, dilations, kernel_shape from the inputs' shapes). Optional inputs (``B``,
+``mask``) may be absent or given the empty name.
+
+Device: the class attribute ``device`` (``None``: follow the inputs, i.e. the
+CPU for NumPy inputs; ``"cpu"``; ``"cuda"``). ``ops(device)`` returns the pair
+bound to one device, for example::
+
+    ReferenceEvaluator(model, new_ops=numba_ops.onnx.ops("cuda"))
+
+This module needs onnx (``pip install numba_ops[onnx]``); ``import numba_ops``
+does not import it.
+"""
+import numpy as np
+from onnx.reference.op_run import OpRun
+
+from ._dispatch import DEVICES
+from .affine_grid import affine_grid
+from .deform_conv import deform_conv
+
+__all__ = ["AffineGrid", "DeformConv", "ops"]
+
+
+def _host(a):
+    """The reference evaluator works on NumPy arrays: bring a device result home."""
+    return a.copy_to_host() if hasattr(a, "copy_to_host") else np.asarray(a)
+
+
+class AffineGrid(OpRun):
+    """ONNX AffineGrid (opset 20) on numba_ops' kernels."""
+
+    op_domain = ""
+    device = None
+
+    def _run(self, theta, size, align_corners=None):
+        align = 0 if align_corners is None else align_corners
+        return (_host(affine_grid(theta, np.asarray(size).tolist(), align_corners=align,
+                                  device=self.device)),)
+
+
+class DeformConv(OpRun):
+    """ONNX DeformConv (opset 19 and 22) on numba_ops' kernels."""
+
+    op_domain = ""
+    device = None
+
+    def _run(self, X, W, offset, B=None, mask=None, dilations=None, group=None, kernel_shape=None,
+             offset_group=None, pads=None, strides=None):
+        y = deform_conv(X, W, offset, B, mask, kernel_shape=kernel_shape, strides=strides, pads=pads,
+                        dilations=dilations, group=1 if group is None else group,
+                        offset_group=1 if offset_group is None else offset_group, device=self.device)
+        return (_host(y),)
+
+
+def ops(device=None):
+    """``[AffineGrid, DeformConv]`` bound to ``device`` (None, "cpu" or "cuda"), for ``new_ops``.
+
+    The classes keep their ONNX names, which is how the evaluator matches them to nodes.
+    """
+    if device is not None and device not in DEVICES:
+        raise ValueError(f"device must be None, 'cpu' or 'cuda'; got {device!r}")
+    if device is None:
+        return [AffineGrid, DeformConv]
+    return [type(cls.__name__, (cls,), {"device": device, "__module__": __name__})
+            for cls in (AffineGrid, DeformConv)]
