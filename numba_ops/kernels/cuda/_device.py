@@ -1,0 +1,153 @@
+"""Device plumbing shared by the CUDA launchers (API.md, Devices).
+
+- ``as_device_array``: any object with ``__cuda_array_interface__`` (numba device
+  arrays, CuPy, PyTorch CUDA tensors) as a numba device array, zero-copy. PyTorch
+  exports bfloat16 with the untyped typestr ``"<V2"``; it is read as uint16 bits
+  and viewed as ``ml_dtypes.bfloat16``.
+- ``flat``: an input as the 1-D, C-contiguous array of its storage dtype that the
+  kernels index with 64-bit flat offsets. Host arrays are copied over; contiguous
+  device arrays are a view; strided device arrays (transposes, negative or zero
+  strides) are packed on the device by ``_pack``.
+- ``finish``: the kernel's flat storage output as the public result: a NumPy
+  array for host inputs, a numba device array otherwise.
+
+With ``NUMBA_ENABLE_CUDASIM=1`` numba's simulator stands in for the GPU: its
+"device" arrays live in host memory, so a foreign ``__cuda_array_interface__`` is
+read straight from its pointer (tests use that to exercise the bfloat16 path).
+"""
+import numpy as np
+from numba import cuda
+from numba.cuda.core import config as _cuda_config
+from numba.extending import overload
+
+from ..._dtypes import BFLOAT16, storage
+
+SIMULATOR = bool(_cuda_config.ENABLE_CUDASIM)
+
+#: threads per block for the element-wise kernels; the simulator runs every
+#: thread as a Python thread, so it gets few (and few blocks, which also makes
+#: its runs exercise the grid-stride loops).
+THREADS = 32 if SIMULATOR else 256
+MAX_BLOCKS = 3 if SIMULATOR else 1 << 16
+
+
+def is_numba_device_array(a):
+    """True for numba's own device arrays (real or simulated)."""
+    return bool(getattr(type(a), "__cuda_ndarray__", False))
+
+
+def blocks_for(n, threads=None):
+    """Blocks for ``n`` work items; grid-stride loops cover whatever this leaves."""
+    threads = THREADS if threads is None else threads
+    return max(1, min(MAX_BLOCKS, -(-int(n) // threads)))
+
+
+# --- importing device arrays ---------------------------------------------------
+
+def interface_desc(obj, name):
+    """``obj.__cuda_array_interface__`` and whether it holds bfloat16.
+
+    An untyped 2-byte typestr (``"<V2"``) is bfloat16 when the object says so
+    through its ``dtype`` (``torch.bfloat16``, or an ``ml_dtypes`` dtype); the
+    returned description then reads it as ``"<u2"`` bits. Any other untyped
+    typestr is a TypeError naming ``name``.
+    """
+    desc = dict(obj.__cuda_array_interface__)
+    dt = np.dtype(desc["typestr"])
+    if dt.kind != "V":
+        return desc, False
+    if dt.itemsize == 2 and "bfloat16" in str(getattr(obj, "dtype", "")):
+        desc["typestr"] = "<u2"
+        return desc, True
+    raise TypeError(f"{name} exports the untyped dtype {desc['typestr']!r} through __cuda_array_interface__ "
+                    f"and does not say it is bfloat16; expected one of float16, bfloat16, float32, float64")
+
+
+class _HostView:
+    """Simulator only: a foreign interface's memory is host memory; NumPy reads it."""
+
+    def __init__(self, desc, owner):
+        self.owner = owner  # keeps the memory alive as long as the view
+        self.__array_interface__ = {"data": tuple(desc["data"]), "shape": tuple(desc["shape"]),
+                                    "strides": desc.get("strides"), "typestr": desc["typestr"],
+                                    "version": 3}
+
+
+def _from_interface(desc, owner):
+    if SIMULATOR:
+        from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+        return FakeCUDAArray(np.asarray(_HostView(desc, owner)))
+    return cuda.from_cuda_array_interface(desc, owner=owner, sync=True)
+
+
+def as_device_array(obj, name):
+    """``obj`` (anything with ``__cuda_array_interface__``) as a numba device array,
+    without a copy. Its dtype is checked by the front end."""
+    if is_numba_device_array(obj):
+        return obj
+    desc, bf16 = interface_desc(obj, name)
+    arr = _from_interface(desc, obj)
+    return arr.view(BFLOAT16) if bf16 else arr
+
+
+# --- inputs as flat storage arrays ---------------------------------------------
+
+def strided_get(a, i):
+    """``a`` at C-order flat position ``i``, whatever ``a``'s strides."""
+    return a[np.unravel_index(i, a.shape)]
+
+
+@overload(strided_get, jit_options={"inline": "always"})
+def _strided_get(a, i):
+    # Generated per rank: the unravelled index must be a tuple of a fixed length.
+    nd = a.ndim
+    lines = ["def impl(a, i):", "    r = i"]
+    for ax in range(nd - 1, -1, -1):
+        lines += [f"    i{ax} = r % a.shape[{ax}]", f"    r = r // a.shape[{ax}]"]
+    lines.append("    return a[" + "".join(f"i{ax}, " for ax in range(nd)) + "]")
+    scope = {}
+    exec("\n".join(lines), scope)
+    return scope["impl"]
+
+
+@cuda.jit
+def _pack(src, dst):
+    """dst[i] = src's C-order element i: a strided device array made contiguous."""
+    start = np.int64(cuda.blockIdx.x) * cuda.blockDim.x + cuda.threadIdx.x
+    step = np.int64(cuda.gridDim.x) * cuda.blockDim.x
+    for i in range(start, dst.shape[0], step):
+        dst[i] = strided_get(src, i)
+
+
+def flat(a):
+    """``a`` (NumPy or numba device array of a public dtype) as a contiguous 1-D
+    device array of its storage dtype (float16 -> int16, bfloat16 -> uint16 bits)."""
+    st = storage(a.dtype)
+    if isinstance(a, np.ndarray):
+        return cuda.to_device(np.ascontiguousarray(a).view(st).reshape(-1))
+    v = a.view(st)  # same item size: a view even when strided
+    n = int(np.prod(v.shape, dtype=np.int64))
+    if n == 0:
+        return cuda.device_array(0, dtype=st)
+    if v.is_c_contiguous():
+        return v.reshape(n)
+    out = cuda.device_array(n, dtype=st)
+    _pack[blocks_for(n), THREADS](v, out)
+    return out
+
+
+def any_on_device(*arrays):
+    return any(a is not None and not isinstance(a, np.ndarray) for a in arrays)
+
+
+def finish(out, shape, dtype, to_host):
+    """The flat storage result ``out`` as ``shape`` of the public ``dtype``: NumPy
+    if ``to_host``, else a numba device array."""
+    if to_host:
+        return out.copy_to_host().view(dtype).reshape(shape)
+    return out.reshape(shape).view(dtype) if out.size else cuda.device_array(shape, dtype=dtype)
+
+
+def int64_array(values):
+    """Small host int64 table as a device array (kernel geometry)."""
+    return cuda.to_device(np.ascontiguousarray(values, dtype=np.int64))
