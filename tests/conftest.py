@@ -20,3 +20,15 @@ def device(request):
 @pytest.fixture
 def rng():
     return np.random.default_rng(1234)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark for ``-m cuda`` every test that runs the CUDA kernels: each one
+    parametrised with ``device="cuda"`` (fixture or parametrize) and all of
+    test_cuda.py, so the simulator run (``NUMBA_ENABLE_CUDASIM=1 pytest -m cuda``)
+    executes every device test on the CUDA kernels."""
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        on_cuda = callspec is not None and callspec.params.get("device") == "cuda"
+        if on_cuda or item.path.name == "test_cuda.py":
+            item.add_marker(pytest.mark.cuda)
