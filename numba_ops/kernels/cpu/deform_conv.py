@@ -1,113 +1,506 @@
-"""DeformConv on the CPU: a sampling plan, an im2col fill, one GEMM per group.
+"""DeformConv on the CPU: zero-bordered channel-last input, per-tile sampling
+plan, im2col fill and single-threaded BLAS per tile, all on numba's one pool.
 
-For each image, the plan holds, for every (offset group, kernel point, output
-position), the 2**n corner indices into the flattened input and their n-linear
-weights with the mask folded in; out-of-range corners get weight 0 and a safe
-index. The fill reuses the plan for every channel of the offset group, and the
-GEMM contracts the column buffer with the weights.
+Algorithm, per image ``n`` (images are processed in chunks so that scratch
+stays bounded, see ``_SCRATCH_BYTES``):
+
+1. ``xp``: the image in the compute type, channel-last (sites x C), with a
+   1-site zero border on every spatial side. Every position ``p`` in
+   ``(-1, D)`` on each axis then has all 2**n interpolation corners at valid
+   indices ``base + coff[corner]``; corners outside the input read the border's
+   exact zeros, so API.md's rule "corners outside count 0" holds without a
+   branch, and an Inf/NaN in ``x`` reaches only the samples whose support holds
+   it. Positions outside ``(-1, D)`` get weight 0 at index 0 (a border zero),
+   non-finite positions weight NaN (the sample is NaN); ``floor`` only ever
+   sees positions inside ``(-1, D)``, so huge offsets never overflow an index.
+2. The output positions are cut into tiles. For each tile, offset group and
+   kernel point a sampling plan (base index, 2**n weights, mask) is built once
+   (vectorised along the last output axis) and applied to every channel of the
+   offset group, a contiguous run of channels in ``xp``: the channel loop is a
+   SIMD loop of 2**n loads and fused multiply-adds.
+3. The tile's column buffer ``(group, T, K, C/group)`` is contracted with the
+   weights, reordered once to ``(group, oC/group, K, C/group)``, by one
+   single-threaded BLAS GEMM per group (numba's ``np.dot`` calls SciPy's
+   BLAS, which ``launch`` holds at one thread while numba's workers run, so
+   the two pools never fight). Bias and the one rounding to the output dtype
+   happen when the GEMM tile is written out.
+
+Work below ``_runtime.PARALLEL_MIN_WORK`` runs the serial driver and wakes no
+pool; tiny GEMMs skip BLAS. Accumulation is float32 for float16/bfloat16/
+float32 (16-bit data is widened on load) and float64 for float64.
 """
+import ctypes
+import glob
+import os
+import threading
+
 import numba
 import numpy as np
-from numba import njit, prange
+from numba import njit, prange, types
+from numba.extending import overload
 
-from ..._dtypes import compute
-from .._scalar import corner_weights
+from ..._dtypes import BFLOAT16, FLOAT16
+from .._scalar import border_corner, load, store
 from . import _runtime
 
 DTYPES = ("float16", "bfloat16", "float32", "float64")
 
+#: the scratch budget of one call: padded images plus every thread's tile buffers.
+_SCRATCH_BYTES = 192 << 20
+#: target bytes of one tile's column buffer (about an L2 cache).
+_TILE_BYTES = 384 << 10
+
+
+# --- compute-type helpers -----------------------------------------------------------
+
+def _empty_like_compute(like, n):
+    """np.empty(n) of the compute type of storage array ``like``."""
+
+
+@overload(_empty_like_compute, jit_options={"inline": "always"})
+def _empty_like_compute_ol(like, n):
+    if like.dtype == types.float64:
+        return lambda like, n: np.empty(n, np.float64)
+    return lambda like, n: np.empty(n, np.float32)
+
+
+def _czero(like):
+    """0 in the compute type of storage array ``like``."""
+
+
+@overload(_czero, jit_options={"inline": "always"})
+def _czero_ol(like):
+    if like.dtype == types.float64:
+        return lambda like: np.float64(0)
+    return lambda like: np.float32(0)
+
+
+def _cast(ref, v):
+    """``v`` converted to the type of the float scalar ``ref``."""
+
+
+@overload(_cast, jit_options={"inline": "always"})
+def _cast_ol(ref, v):
+    if ref == types.float64:
+        return lambda ref, v: np.float64(v)
+    return lambda ref, v: np.float32(v)
+
+
+# --- phase 1: padded channel-last images and reordered weights ---------------------------
 
 @njit(cache=True)
-def _plan(offset, mask, has_mask, geo, og, K):
-    """offset (og*K*nd, P), mask (og*K, P) -> idx, wts of shape (og, K, P, 2**nd).
-
-    geo rows: 0 input sizes, 1 kernel, 2 strides, 3 pads begin, 4 dilations, 5 output sizes.
-    """
+def _pad_row(x3, n, xp, geo, r):
+    """Padded row ``r`` (all leading padded coordinates, flattened) of image ``n``
+    into ``xp`` (sites x C, flat): interior copied channel-last, border zeroed."""
     nd = geo.shape[1]
-    P = offset.shape[1]
-    ncorner = 1 << nd
-    one = offset[0, 0] - offset[0, 0] + 1 if P > 0 else np.float32(1)
-    idx = np.zeros((og, K, P, ncorner), dtype=np.int64)
-    wts = np.zeros((og, K, P, ncorner), dtype=offset.dtype)
-    i0 = np.empty(nd, dtype=np.int64)
-    wa = np.empty((nd, 2), dtype=offset.dtype)
+    C = x3.shape[1]
+    L = geo[0, nd - 1]
+    Lp = L + 2
+    zero = _czero(x3)
+    src_row = 0
+    border = False
+    q = r
+    mul = 1
+    for ax in range(nd - 2, -1, -1):
+        dp = geo[0, ax] + 2
+        cp = q % dp
+        q //= dp
+        if cp == 0 or cp == dp - 1:
+            border = True
+        src_row += (cp - 1) * mul
+        mul *= geo[0, ax]
+    dst = r * Lp * C
+    if border:
+        for i in range(Lp * C):
+            xp[dst + i] = zero
+        return
+    for c in range(C):
+        xp[dst + c] = zero
+        xp[dst + (Lp - 1) * C + c] = zero
+    src = src_row * L
+    for c0 in range(0, C, 16):  # 16-channel blocks: 16 read streams, contiguous writes
+        c1 = min(C, c0 + 16)
+        for j in range(L):
+            o = dst + (j + 1) * C
+            for c in range(c0, c1):
+                xp[o + c] = load(x3[n, c], src + j)
+
+
+@njit(cache=True)
+def _reorder_w(w3, wr, K, o):
+    """wr[o, kidx, c] = w[o, c, kidx] in the compute type (wr flat, one row of oC)."""
+    Cg = w3.shape[1]
+    base = o * K * Cg
+    for c in range(Cg):
+        for k in range(K):
+            wr[base + k * Cg + c] = load(w3[o, c], k)
+
+
+# --- phase 2: sampling plans, column fill, GEMM, write-out -------------------------------
+
+@njit(cache=True)
+def _plan(off3, m3, has_mask, n, geo, pstr, C, kidx, g, K, p0, p1, pidx, pw, pm):
+    """Sampling plan of offset group ``g``, kernel point ``kidx`` for output
+    positions [p0, p1): ``pidx`` the flat index of the lowest corner in ``xp``,
+    ``pw[corner]`` the n-linear weights (NaN for a non-finite position, 0 outside),
+    ``pm`` the mask."""
+    nd = geo.shape[1]
+    NC = 1 << nd
+    oL = geo[5, nd - 1]
+    zero = _czero(off3)
+    one = zero + 1
+    nan = _cast(zero, np.nan)
+    ch0 = (g * K + kidx) * nd
+    # kernel point coordinates and the per-axis constant part of the positions
+    rem = kidx
+    kpos = np.empty(nd, np.int64)
+    for ax in range(nd - 1, -1, -1):
+        kk = rem % geo[1, ax]
+        rem //= geo[1, ax]
+        kpos[ax] = kk * geo[4, ax] - geo[3, ax]
+    lam = np.empty(nd, pw.dtype)
+    p = p0
+    while p < p1:
+        ol = p % oL
+        row = p // oL
+        end = min(p1, p - ol + oL)
+        if nd == 2:
+            # the hot case, branch-free so that it vectorises along the row
+            sy, sx = geo[2, 0], geo[2, 1]
+            Hf = _cast(zero, geo[0, 0])
+            Wf = _cast(zero, geo[0, 1])
+            fy = _cast(zero, row * sy + kpos[0])
+            oy = off3[n, ch0]
+            ox = off3[n, ch0 + 1]
+            ys, xs = pstr[0], pstr[1]
+            for q in range(p, end):
+                py = fy + load(oy, q)
+                px = _cast(zero, (ol + q - p) * sx + kpos[1]) + load(ox, q)
+                iy, ly, oky, finy = border_corner(py, Hf, zero, one)
+                ix, lx, okx, finx = border_corner(px, Wf, zero, one)
+                ok = oky & okx
+                s = one if ok else zero
+                s = s if (finy & finx) else nan
+                j = q - p0
+                pidx[j] = (iy * ys + ix * xs) * C if ok else 0
+                hy = (one - ly) * s
+                ly = ly * s
+                pw[0, j] = hy * (one - lx)
+                pw[1, j] = hy * lx
+                pw[2, j] = ly * (one - lx)
+                pw[3, j] = ly * lx
+                pm[j] = load(m3[n, g * K + kidx], q) if has_mask else one
+        else:
+            for q in range(p, end):
+                rq = q
+                ok = True
+                fin = True
+                base = 0
+                for ax in range(nd - 1, -1, -1):
+                    oq = rq % geo[5, ax]
+                    rq //= geo[5, ax]
+                    pos = _cast(zero, oq * geo[2, ax] + kpos[ax]) + load(off3[n, ch0 + ax], q)
+                    i, l, okk, finn = border_corner(pos, _cast(zero, geo[0, ax]), zero, one)
+                    ok = ok & okk
+                    fin = fin & finn
+                    base += i * pstr[ax]
+                    lam[ax] = l
+                s = one if ok else zero
+                s = s if fin else nan
+                j = q - p0
+                pidx[j] = base * C if ok else 0
+                for cr in range(NC):
+                    wt = s
+                    for ax in range(nd):
+                        if (cr >> (nd - 1 - ax)) & 1:
+                            wt *= lam[ax]
+                        else:
+                            wt *= one - lam[ax]
+                    pw[cr, j] = wt
+                pm[j] = load(m3[n, g * K + kidx], q) if has_mask else one
+        p = end
+
+
+@njit(cache=True)
+def _fill(xp, coff, pidx, pw, pm, cols, tl, T, K, kidx, c0, c1, cpg):
+    """Apply a plan to channels [c0, c1) of one offset group:
+    cols[gi, j, kidx, c - gi*cpg] = mask * sum_corner w * xp[pidx + coff + c]."""
+    NC = coff.shape[0]
+    c = c0
+    while c < c1:
+        gi = c // cpg
+        ce = min(c1, (gi + 1) * cpg)
+        for j in range(tl):
+            b = pidx[j]
+            m = pm[j]
+            d = ((gi * T + j) * K + kidx) * cpg - gi * cpg
+            if NC == 4:
+                w0, w1, w2, w3 = pw[0, j], pw[1, j], pw[2, j], pw[3, j]
+                b0, b1, b2, b3 = b + coff[0], b + coff[1], b + coff[2], b + coff[3]
+                for cc in range(c, ce):
+                    cols[d + cc] = (w0 * xp[b0 + cc] + w1 * xp[b1 + cc]
+                                    + w2 * xp[b2 + cc] + w3 * xp[b3 + cc]) * m
+            elif NC == 2:
+                w0, w1 = pw[0, j], pw[1, j]
+                b0, b1 = b + coff[0], b + coff[1]
+                for cc in range(c, ce):
+                    cols[d + cc] = (w0 * xp[b0 + cc] + w1 * xp[b1 + cc]) * m
+            else:
+                for cc in range(c, ce):
+                    acc = pw[0, j] * xp[b + coff[0] + cc]
+                    for cr in range(1, NC):
+                        acc += pw[cr, j] * xp[b + coff[cr] + cc]
+                    cols[d + cc] = acc * m
+        c = ce
+
+
+@njit(cache=True)
+def _tile(n, nl, p0, p1, xp, off3, m3, has_mask, wr, b, has_b, y3, geo, pstr, coff, dims,
+          cols, outb, pidx, pw, pm):
+    """Output positions [p0, p1) of image ``n`` (``nl``: its slot in ``xp``)."""
+    C, K, group, og, T = dims[0], dims[1], dims[2], dims[3], dims[4]
+    oC = y3.shape[1]
+    cpg, cpo, ocg = C // group, C // og, oC // group
+    kc = K * cpg
+    tl = p1 - p0
+    xi = xp[nl]
     for g in range(og):
         for kidx in range(K):
-            for p in range(P):
-                ok = True
-                rem_k, rem_p = kidx, p
-                for ax in range(nd - 1, -1, -1):
-                    kk = rem_k % geo[1, ax]
-                    rem_k //= geo[1, ax]
-                    oo = rem_p % geo[5, ax]
-                    rem_p //= geo[5, ax]
-                    pos = (oo * geo[2, ax] - geo[3, ax] + kk * geo[4, ax]) + offset[(g * K + kidx) * nd + ax, p]
-                    a, w0, w1, inside = corner_weights(pos, geo[0, ax], one)
-                    i0[ax] = a
-                    wa[ax, 0] = w0
-                    wa[ax, 1] = w1
-                    ok = ok and inside
-                if not ok:
-                    continue
-                m = mask[g * K + kidx, p] if has_mask else one
-                for c in range(ncorner):
-                    wt = m
-                    flat = 0
-                    valid = True
-                    for ax in range(nd):
-                        bit = (c >> (nd - 1 - ax)) & 1
-                        j = i0[ax] + bit
-                        wt *= wa[ax, bit]
-                        if j < 0 or j >= geo[0, ax]:
-                            valid = False
-                        flat = flat * geo[0, ax] + j
-                    wts[g, kidx, p, c] = wt
-                    idx[g, kidx, p, c] = flat if valid else 0
-    return idx, wts
+            _plan(off3, m3, has_mask, n, geo, pstr, C, kidx, g, K, p0, p1, pidx, pw, pm)
+            _fill(xi, coff, pidx, pw, pm, cols, tl, T, K, kidx, g * cpo, (g + 1) * cpo, cpg)
+    zero = _czero(wr)
+    for gi in range(group):
+        out = outb[:ocg * tl].reshape((ocg, tl))
+        a = wr[gi * ocg * kc:(gi + 1) * ocg * kc].reshape((ocg, kc))
+        bt = cols[gi * T * kc:gi * T * kc + tl * kc].reshape((tl, kc))
+        if ocg * tl * kc >= 16384:  # below this, BLAS's call overhead dominates
+            np.dot(a, bt.T, out)
+        else:
+            for o in range(ocg):
+                for j in range(tl):
+                    acc = zero
+                    for k in range(kc):
+                        acc += a[o, k] * bt[j, k]
+                    out[o, j] = acc
+        for o in range(ocg):
+            oc = gi * ocg + o
+            bias = load(b, oc) if has_b else zero
+            yrow = y3[n, oc]
+            for j in range(tl):
+                store(yrow, p0 + j, out[o, j] + bias)
+
+
+@njit(cache=True)
+def _scratch(like, dims, nd, ocg):
+    """One thread's tile buffers: columns, GEMM tile, plan."""
+    C, K, T = dims[0], dims[1], dims[4]
+    cols = _empty_like_compute(like, max(1, T * K * C))
+    outb = _empty_like_compute(like, max(1, ocg * T))
+    pw = _empty_like_compute(like, (1 << nd) * T).reshape((1 << nd, T))
+    pm = _empty_like_compute(like, T)
+    pidx = np.empty(T, np.int64)
+    return cols, outb, pidx, pw, pm
+
+
+def _geometry(x3shape, p):
+    """geo rows: 0 sizes, 1 kernel, 2 strides, 3 pads begin, 4 dilations, 5 outputs."""
+    nd = p.nd
+    geo = np.array([x3shape, p.kernel_shape, p.strides, p.pads_begin, p.dilations, p.out_spatial],
+                   dtype=np.int64).reshape(6, nd)
+    pstr = np.ones(nd, np.int64)  # padded site strides
+    for ax in range(nd - 2, -1, -1):
+        pstr[ax] = pstr[ax + 1] * (geo[0, ax + 1] + 2)
+    return geo, pstr
+
+
+@njit(cache=True)
+def _corner_offsets(pstr, C):
+    nd = pstr.shape[0]
+    coff = np.zeros(1 << nd, np.int64)
+    for cr in range(1 << nd):
+        for ax in range(nd):
+            if (cr >> (nd - 1 - ax)) & 1:
+                coff[cr] += pstr[ax] * C
+    return coff
+
+
+# --- drivers ------------------------------------------------------------------------
+
+@njit(cache=True)
+def _run_serial(x3, w3, off3, m3, b, has_mask, has_b, y3, geo, pstr, dims):
+    N, C = x3.shape[0], x3.shape[1]
+    oC, P = y3.shape[1], y3.shape[2]
+    K, group, T, nb = dims[1], dims[2], dims[4], dims[5]
+    nd = geo.shape[1]
+    ocg = oC // group
+    wr = _empty_like_compute(x3, max(1, oC * K * (C // group)))
+    for o in range(oC):
+        _reorder_w(w3, wr, K, o)
+    sites = 1
+    rows = 1
+    for ax in range(nd):
+        sites *= geo[0, ax] + 2
+        if ax < nd - 1:
+            rows *= geo[0, ax] + 2
+    xp = _empty_like_compute(x3, max(1, nb * sites * C)).reshape((nb, max(1, sites * C)))
+    coff = _corner_offsets(pstr, C)
+    cols, outb, pidx, pw, pm = _scratch(x3, dims, nd, ocg)
+    ntile = (P + T - 1) // T
+    for n0 in range(0, N, nb):
+        nc = min(nb, N - n0)
+        for nl in range(nc):
+            for r in range(rows):
+                _pad_row(x3, n0 + nl, xp[nl], geo, r)
+        for it in range(nc * ntile):
+            nl, t = it // ntile, it % ntile
+            _tile(n0 + nl, nl, t * T, min(P, t * T + T), xp, off3, m3, has_mask, wr, b, has_b, y3,
+                  geo, pstr, coff, dims, cols, outb, pidx, pw, pm)
 
 
 @njit(cache=True, parallel=True)
-def _fill(xn, idx, wts, cols, og):
-    """cols[c*K + kidx, p] = sum over corners of wts * xn[c, idx]."""
-    C, S = xn.shape
-    K, P, ncorner = idx.shape[1], idx.shape[2], idx.shape[3]
-    cpg = C // og
-    for c in prange(C):
-        g = c // cpg
-        for kidx in range(K):
-            row = cols[c * K + kidx]
-            for p in range(P):
-                acc = wts[g, kidx, p, 0] - wts[g, kidx, p, 0]
-                for j in range(ncorner):
-                    wt = wts[g, kidx, p, j]
-                    xv = xn[c, idx[g, kidx, p, j]] if S > 0 else wt - wt
-                    acc += wt * xv
-                row[p] = acc
+def _run_parallel(x3, w3, off3, m3, b, has_mask, has_b, y3, geo, pstr, dims):
+    N, C = x3.shape[0], x3.shape[1]
+    oC, P = y3.shape[1], y3.shape[2]
+    K, group, T, nb, nth = dims[1], dims[2], dims[4], dims[5], dims[6]
+    nd = geo.shape[1]
+    ocg = oC // group
+    wr = _empty_like_compute(x3, max(1, oC * K * (C // group)))
+    for o in prange(oC):
+        _reorder_w(w3, wr, K, o)
+    sites = 1
+    rows = 1
+    for ax in range(nd):
+        sites *= geo[0, ax] + 2
+        if ax < nd - 1:
+            rows *= geo[0, ax] + 2
+    xp = _empty_like_compute(x3, max(1, nb * sites * C)).reshape((nb, max(1, sites * C)))
+    coff = _corner_offsets(pstr, C)
+    ntile = (P + T - 1) // T
+    for n0 in range(0, N, nb):
+        nc = min(nb, N - n0)
+        for i in prange(nc * rows):
+            _pad_row(x3, n0 + i // rows, xp[i // rows], geo, i % rows)
+        items = nc * ntile
+        for th in prange(nth):
+            cols, outb, pidx, pw, pm = _scratch(x3, dims, nd, ocg)
+            # contiguous runs keep a thread on one image's rows (cache locality)
+            lo = th * items // nth
+            hi = (th + 1) * items // nth
+            for it in range(lo, hi):
+                nl, t = it // ntile, it % ntile
+                _tile(n0 + nl, nl, t * T, min(P, t * T + T), xp, off3, m3, has_mask, wr, b, has_b,
+                      y3, geo, pstr, coff, dims, cols, outb, pidx, pw, pm)
+
+
+# --- SciPy's BLAS thread count ----------------------------------------------------------
+
+class _BlasThreads:
+    """Holds SciPy's OpenBLAS (the BLAS numba's np.dot calls) at one thread while
+    numba's workers call it, then restores the caller's setting. Other BLAS builds
+    are left alone."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._get = self._set = None
+        self._loaded = False
+
+    def _load(self):
+        self._loaded = True
+        try:
+            import scipy
+            libdir = os.path.join(os.path.dirname(os.path.dirname(scipy.__file__)), "scipy.libs")
+            for path in glob.glob(os.path.join(libdir, "*openblas*.so*")):
+                lib = ctypes.CDLL(path)
+                for prefix in ("scipy_openblas", "openblas"):
+                    get = getattr(lib, prefix + "_get_num_threads", None)
+                    put = getattr(lib, prefix + "_set_num_threads", None)
+                    if get is not None and put is not None:
+                        get.restype = ctypes.c_int
+                        put.argtypes = [ctypes.c_int]
+                        self._get, self._set = get, put
+                        return
+        except Exception:  # no SciPy OpenBLAS found: nothing to hold
+            pass
+
+    def __enter__(self):
+        if not self._loaded:
+            with self._lock:
+                if not self._loaded:
+                    self._load()
+        self._prev = None
+        if self._get is not None:
+            prev = self._get()
+            if prev != 1:
+                self._set(1)
+                self._prev = prev
+        return self
+
+    def __exit__(self, *exc):
+        if self._prev is not None:
+            self._set(self._prev)
+
+
+_BLAS = _BlasThreads()
+
+
+# --- launch -------------------------------------------------------------------------------
+
+_VIEW = {FLOAT16: np.int16, BFLOAT16: np.uint16}
+_EMPTY = {np.dtype(t): np.empty(0, t) for t in (FLOAT16, BFLOAT16, np.float32, np.float64)}
+
+
+def _plan_sizes(N, C, K, oC, P, group, nd, S, item, nth):
+    """(tile length T, images per chunk nb)."""
+    kc_all = max(1, K * C)
+    T = max(1, min(P, _TILE_BYTES // (kc_all * item)))
+    ntile = -(-P // T)
+    if nth > 1 and N * ntile < 2 * nth and P > 1:  # enough tiles for every thread
+        ntile = min(P, -(-2 * nth // max(N, 1)))
+        T = -(-P // ntile)
+    per_thread = (T * kc_all + (oC // group) * T + ((1 << nd) + 2) * T) * item
+    img = max(1, S * C * item)
+    budget = max(img, _SCRATCH_BYTES - nth * per_thread - oC * kc_all * item)
+    nb = max(1, min(N, budget // img))
+    return T, nb
 
 
 def launch(x, w, offset, b, mask, p):
+    """Compute DeformConv for validated inputs (see numba_ops.deform_conv)."""
     dtype = x.dtype
-    ct = compute(dtype)
-    N, C = x.shape[:2]
+    view = _VIEW.get(dtype)
+    N, C = x.shape[0], x.shape[1]
     oC = w.shape[0]
-    nd, K, og, g = p.nd, p.K, p.offset_group, p.group
-    P = int(np.prod(p.out_spatial, dtype=np.int64))
-    y = np.zeros((N, oC, P), dtype=ct)
-    if b is not None:
-        y += b.astype(ct)[None, :, None]
-    geo = np.array([x.shape[2:], p.kernel_shape, p.strides, p.pads_begin, p.dilations, p.out_spatial],
-                   dtype=np.int64)
-    xc = np.ascontiguousarray(x.astype(ct, copy=False)).reshape(N, C, -1)
-    wc = np.ascontiguousarray(w.astype(ct, copy=False)).reshape(g, oC // g, (C // g) * K)
-    off = np.ascontiguousarray(offset.astype(ct, copy=False)).reshape(N, og * K * nd, P)
-    has_mask = mask is not None
-    mk = (np.ascontiguousarray(mask.astype(ct, copy=False)).reshape(N, og * K, P) if has_mask
-          else np.ones((N, 1, 1), dtype=ct))
-    cols = np.empty((C * K, P), dtype=ct)
-    cg = (C // g) * K
-    for n in range(N):
-        idx, wts = _plan(off[n], mk[n], has_mask, geo, og, K)
-        _fill(xc[n], idx, wts, cols, og)
-        for gi in range(g):
-            y[n, gi * (oC // g):(gi + 1) * (oC // g)] += wc[gi] @ cols[gi * cg:(gi + 1) * cg]
-    return y.reshape((N, oC) + p.out_spatial).astype(dtype)
+    nd, K, group = p.nd, p.K, p.group
+    P = 1
+    for o in p.out_spatial:
+        P *= o
+    S = 1
+    for d in x.shape[2:]:
+        S *= d + 2
+    x3 = np.ascontiguousarray(x).reshape(N, C, -1)
+    w3 = np.ascontiguousarray(w).reshape(oC, C // group, K)
+    off3 = np.ascontiguousarray(offset).reshape(N, -1, P)
+    has_mask, has_b = mask is not None, b is not None
+    m3 = np.ascontiguousarray(mask).reshape(N, -1, P) if has_mask else off3
+    b1 = np.ascontiguousarray(b) if has_b else _EMPTY[dtype]
+    y = np.empty((N, oC) + tuple(p.out_spatial), dtype=dtype)
+    if N == 0 or oC == 0:
+        return y
+    if view is not None:
+        x3, w3, off3, m3, b1 = (a.view(view) for a in (x3, w3, off3, m3, b1))
+        y3 = y.reshape(N, oC, P).view(view)
+    else:
+        y3 = y.reshape(N, oC, P)
+    item = 8 if dtype == np.float64 else 4
+    work = N * P * K * (C + oC * (C // group) // 4 + 4)
+    nth = numba.get_num_threads() if work >= _runtime.PARALLEL_MIN_WORK else 1
+    T, nb = _plan_sizes(N, C, K, oC, P, group, nd, S, item, nth)
+    geo, pstr = _geometry(x.shape[2:], p)
+    dims = np.array([C, K, group, p.offset_group, T, nb, nth], dtype=np.int64)
+    args = (x3, w3, off3, m3, b1, has_mask, has_b, y3, geo, pstr, dims)
+    if nth == 1:
+        _run_serial(*args)
+    else:
+        with _runtime._POOL_LOCK, _BLAS:
+            _run_parallel(*args)
+    return y
