@@ -5,6 +5,7 @@ that device; each such module declares the dtypes it supports (``DTYPES``) besid
 its ``launch`` function. Modules are imported on first use, so importing
 numba_ops compiles nothing and never touches the GPU.
 """
+import functools
 import importlib
 import os
 
@@ -81,6 +82,7 @@ def as_array(a, name, device):
         raise TypeError(f"{name} must be an array of one of {SUPPORTED}; got {type(a).__name__}") from exc
 
 
+@functools.lru_cache(maxsize=None)
 def launcher(op, device):
     """The ``launch`` function of ``op`` on ``device``."""
     return importlib.import_module(LAUNCHERS[op, device]).launch

@@ -23,16 +23,24 @@ def as_int(value, name, minimum=None):
 
 
 def int_tuple(value, name, length=None, minimum=None):
-    """A sequence or 1-D array of integers as a tuple of Python ints."""
-    if isinstance(value, (str, bytes)) or np.ndim(value) != 1:
-        raise ValueError(f"{name} must be a sequence or 1-D array of integers; got {value!r}")
-    arr = np.asarray(value)
-    if arr.size and arr.dtype.kind not in "iu" and not all(
-            isinstance(v, numbers.Integral) and not isinstance(v, (bool, np.bool_)) for v in value):
-        raise ValueError(f"{name} must hold integers; got {value!r}")
-    out = tuple(int(v) for v in arr.tolist())
-    if length is not None and len(out) not in np.atleast_1d(length):
-        want = " or ".join(str(n) for n in np.atleast_1d(length))
+    """A sequence or 1-D array of integers as a tuple of Python ints.
+
+    ``length`` is an int or a tuple of allowed lengths.
+    """
+    if isinstance(value, np.ndarray):
+        if value.ndim != 1 or (value.size and value.dtype.kind not in "iu"):
+            raise ValueError(f"{name} must be a 1-D array of integers; got {value.dtype} shape {value.shape}")
+        out = tuple(value.tolist())
+    else:
+        if isinstance(value, (str, bytes)) or not hasattr(value, "__len__"):
+            raise ValueError(f"{name} must be a sequence or 1-D array of integers; got {value!r}")
+        for v in value:
+            if isinstance(v, (bool, np.bool_)) or not isinstance(v, numbers.Integral):
+                raise ValueError(f"{name} must hold integers; got {value!r}")
+        out = tuple(int(v) for v in value)
+    allowed = (length,) if isinstance(length, int) else length
+    if allowed is not None and len(out) not in allowed:
+        want = " or ".join(str(n) for n in allowed)
         raise ValueError(f"{name} must have {want} entries; got {len(out)}: {list(out)}")
     if minimum is not None and any(v < minimum for v in out):
         raise ValueError(f"{name} entries must be >= {minimum}; got {list(out)}")

@@ -22,9 +22,10 @@ _POOL_LOCK = threading.Lock()
 
 
 def run(serial, parallel, work, *args):
-    """Call ``serial(*args)`` for small work, else ``parallel(*args)`` under the pool lock."""
-    if work < PARALLEL_MIN_WORK or numba.get_num_threads() == 1:
+    """``serial(*args)`` for small work, else ``parallel(*args, nchunks)`` under the pool
+    lock, ``nchunks`` being a few pieces per thread for balance."""
+    if work < PARALLEL_MIN_WORK:
         return serial(*args)
     with _POOL_LOCK:
-        return parallel(*args)
+        return parallel(*args, 4 * numba.get_num_threads())
 

@@ -5,7 +5,6 @@ with per-row constants, so the inner loop is a fused multiply-add over the
 precomputed base coordinates that LLVM vectorises, and every output element is
 written once, rounded straight into its storage type.
 """
-import numba
 import numpy as np
 from numba import njit, prange
 
@@ -60,13 +59,14 @@ def _rows(theta, out, shape, align, one, r0, r1):
 
 
 @njit(cache=True)
-def _serial(theta, out, shape, align, one, nchunks):
+def _serial(theta, out, shape, align, one):
     _rows(theta, out, shape, align, one, 0, out.shape[0])
 
 
 @njit(cache=True, parallel=True)
 def _parallel(theta, out, shape, align, one, nchunks):
     rows = out.shape[0]
+    nchunks = min(rows, nchunks)
     for c in prange(nchunks):
         _rows(theta, out, shape, align, one, c * rows // nchunks, (c + 1) * rows // nchunks)
 
@@ -79,8 +79,7 @@ def launch(theta, size, align):
     out = np.empty(shape + (nd,), dtype=storage(dtype))
     if out.size == 0:
         return out.view(dtype)
-    th = np.ascontiguousarray(theta.astype(compute(dtype), copy=False))
+    th = np.ascontiguousarray(theta, dtype=compute(dtype))
     rows = out.reshape(-1, shape[-1] * nd)
-    nchunks = min(rows.shape[0], 4 * numba.get_num_threads())
-    _runtime.run(_serial, _parallel, out.size, th, rows, shape, align, th.dtype.type(1), nchunks)
+    _runtime.run(_serial, _parallel, out.size, th, rows, shape, align, th.dtype.type(1))
     return out.view(dtype)
