@@ -4,6 +4,10 @@ import numbers
 import numpy as np
 
 
+class IntegerError(TypeError, ValueError):
+    """A value that must be an integer is not (both kinds of error: a wrong type and a wrong value)."""
+
+
 def as_bool(value, name):
     """A bool, or the integer 0/1; anything else is a ValueError naming ``name``."""
     if isinstance(value, (bool, np.bool_)):
@@ -15,7 +19,7 @@ def as_bool(value, name):
 
 def as_int(value, name, minimum=None):
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
-        raise ValueError(f"{name} must be an integer; got {value!r}")
+        raise IntegerError(f"{name} must be an integer; got {value!r}")
     value = int(value)
     if minimum is not None and value < minimum:
         raise ValueError(f"{name} must be >= {minimum}; got {value}")
@@ -25,19 +29,20 @@ def as_int(value, name, minimum=None):
 def int_tuple(value, name, length=None, minimum=None):
     """A sequence or 1-D array of integers as a tuple of Python ints.
 
-    ``length`` is an int or a tuple of allowed lengths.
+    ``length`` is an int or a tuple of allowed lengths. Non-integer entries raise
+    ``IntegerError`` (a TypeError and a ValueError: the value's type is wrong).
     """
-    if isinstance(value, np.ndarray):
-        if value.ndim != 1 or (value.size and value.dtype.kind not in "iu"):
-            raise ValueError(f"{name} must be a 1-D array of integers; got {value.dtype} shape {value.shape}")
-        out = tuple(value.tolist())
-    else:
-        if isinstance(value, (str, bytes)) or not hasattr(value, "__len__"):
-            raise ValueError(f"{name} must be a sequence or 1-D array of integers; got {value!r}")
-        for v in value:
-            if isinstance(v, (bool, np.bool_)) or not isinstance(v, numbers.Integral):
-                raise ValueError(f"{name} must hold integers; got {value!r}")
-        out = tuple(int(v) for v in value)
+    if isinstance(value, (str, bytes)):
+        raise ValueError(f"{name} must be a sequence or 1-D array of integers; got {value!r}")
+    try:
+        arr = value if isinstance(value, np.ndarray) else np.asarray(value)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{name} must be a sequence or 1-D array of integers; got {value!r}") from exc
+    if arr.ndim != 1:
+        raise ValueError(f"{name} must be 1-D (a sequence of integers); got shape {arr.shape}")
+    if arr.size and arr.dtype.kind not in "iu":
+        raise IntegerError(f"{name} must hold integers; got {arr.dtype} values {arr.tolist()}")
+    out = tuple(arr.tolist())
     allowed = (length,) if isinstance(length, int) else length
     if allowed is not None and len(out) not in allowed:
         want = " or ".join(str(n) for n in allowed)
