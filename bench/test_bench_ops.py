@@ -1,0 +1,39 @@
+"""Run time of each op × device × dtype × case of the shared case table
+(``numba_ops._cases``; the same names as ``numba-ops bench`` and the peer benchmark).
+
+Timed with ``pytest bench --benchmark-enable`` (``tox -e bench``); once, on
+shrunken inputs, as a smoke test otherwise. Compilation happens in a warm-up
+call outside the timing: JIT time has its own benchmark (test_bench_jit.py).
+On numba's CUDA simulator only the cheap cases run, shrunken.
+"""
+import numpy as np
+import pytest
+
+from numba_ops import _cases
+
+NAMES = [name for _, name in _cases.CASES]
+
+
+def _host(a):
+    return a.copy_to_host() if hasattr(a, "copy_to_host") else np.asarray(a)
+
+
+@pytest.mark.parametrize("dtype", _cases.DTYPE_NAMES)
+@pytest.mark.parametrize("name", NAMES, ids=[f"{op}-{n}" for op, n in _cases.CASES])
+def test_op(benchmark, smoke, simulated, device, dtype, name):
+    on_sim = device == "cuda" and simulated
+    if on_sim and name not in _cases.SIMULATOR_CASES:
+        pytest.skip("the CUDA simulator runs only the cheap cases (SIMULATOR_CASES)")
+    small = smoke or on_sim
+    op, args, kwargs, work = _cases.inputs(name, dtype, small=small)
+    fn = _cases.call(name, dtype, small=small, device=device)
+    if device == "cuda" and not simulated:
+        from numba import cuda
+        call = fn
+        fn = lambda: (call(), cuda.synchronize())[0]  # noqa: E731
+    first = _host(fn())  # compile (or load from the JIT cache) outside the timing
+    assert first.dtype == _cases.np_dtype(dtype) and first.size > 0
+    benchmark.group = f"{op} {device} {dtype}"
+    benchmark.extra_info.update(op=op, case=name, device=device, dtype=dtype, small=small,
+                                work=work, work_unit="bytes written" if op == "affine_grid" else "flops")
+    benchmark(fn)
