@@ -377,9 +377,14 @@ def _installed_peers(device):
     return have
 
 
+def _worker_argv():
+    """The command line that starts a worker process (``main(["_worker", cfg])``)."""
+    return [sys.executable, "-m", "numba_ops.cli"]
+
+
 def _run_worker(cfg, log):
     """Run one implementation in its own process; print a progress line per case."""
-    cmd = [sys.executable, "-m", "numba_ops.cli", "_worker", json.dumps(cfg)]
+    cmd = _worker_argv() + ["_worker", json.dumps(cfg)]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     got = {}
     for line in p.stdout:

@@ -1,0 +1,202 @@
+"""numba_ops.onnx: whole ONNX models through onnx's ReferenceEvaluator with our
+operators, against onnxruntime (API.md, ONNX)."""
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import numba_ops
+
+onnx = pytest.importorskip("onnx")  # test dependency ([test] extra); absent only in a bare install
+ort = pytest.importorskip("onnxruntime")
+from onnx import TensorProto as TP  # noqa: E402
+from onnx import helper  # noqa: E402
+from onnx.reference import ReferenceEvaluator  # noqa: E402
+
+from numba_ops.onnx import AffineGrid, DeformConv, ops  # noqa: E402
+
+ELEM = {np.float32: TP.FLOAT, np.float64: TP.DOUBLE}
+
+
+def _model(nodes, inputs, outputs, opset=22):
+    """inputs/outputs: [(name, elem_type)]; shapes left open."""
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info(n, t, None) for n, t in inputs],
+                          [helper.make_tensor_value_info(n, t, None) for n, t in outputs])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)])
+
+
+def _ours(model, feeds, device=None):
+    sess = ReferenceEvaluator(model, new_ops=ops(device))
+    ours = [n for n in sess.rt_nodes_ if isinstance(n, (AffineGrid, DeformConv))]
+    assert ours, "the evaluator did not pick numba_ops' operators"
+    return sess.run(None, feeds)
+
+
+def _ort(model, feeds):
+    s = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return s.run(None, feeds)
+
+
+def _close(got, want, dtype):
+    tol = 1e-5 if dtype == np.float32 else 1e-11
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        np.testing.assert_allclose(g, w, rtol=tol, atol=tol * max(1.0, np.abs(w).max()))
+
+
+def _deform_inputs(rng, dtype, N=2, C=4, H=7, W=6, oC=6, k=(3, 2), og=2, group=2, stride=(2, 1),
+                   pads=(1, 0, 1, 1), dil=(1, 2)):
+    nd = len(k)
+    outs = [(d + pads[i] + pads[i + nd] - ((k[i] - 1) * dil[i] + 1)) // stride[i] + 1
+            for i, d in enumerate((H, W))]
+    K = int(np.prod(k))
+    feeds = {
+        "X": rng.standard_normal((N, C, H, W)).astype(dtype),
+        "W": rng.standard_normal((oC, C // group) + tuple(k)).astype(dtype),
+        "offset": (1.5 * rng.standard_normal((N, og * K * nd, *outs))).astype(dtype),
+        "B": rng.standard_normal((oC,)).astype(dtype),
+        "mask": rng.random((N, og * K, *outs)).astype(dtype),
+    }
+    attrs = dict(kernel_shape=list(k), strides=list(stride), pads=list(pads), dilations=list(dil),
+                 group=group, offset_group=og)
+    return feeds, attrs
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("size,align", [((2, 3, 5, 7), 0), ((2, 3, 5, 7), 1), ((2, 1, 3, 4, 5), 0),
+                                        ((1, 1, 2, 4, 3), 1), ((1, 1, 1, 4, 1), 0)])
+def test_affine_grid_model(rng, dtype, size, align):
+    nd = len(size) - 2
+    node = helper.make_node("AffineGrid", ["theta", "size"], ["grid"], align_corners=align)
+    m = _model([node], [("theta", ELEM[dtype]), ("size", TP.INT64)], [("grid", ELEM[dtype])], opset=20)
+    feeds = {"theta": rng.standard_normal((size[0], nd, nd + 1)).astype(dtype),
+             "size": np.array(size, dtype=np.int64)}
+    _close(_ours(m, feeds), _ort(m, feeds), dtype)
+
+
+def test_affine_grid_default_align_corners(rng):
+    node = helper.make_node("AffineGrid", ["theta", "size"], ["grid"])  # align_corners defaults to 0
+    m = _model([node], [("theta", TP.FLOAT), ("size", TP.INT64)], [("grid", TP.FLOAT)], opset=20)
+    feeds = {"theta": rng.standard_normal((2, 2, 3)).astype(np.float32), "size": np.array([2, 1, 4, 5])}
+    got = _ours(m, feeds)[0]
+    np.testing.assert_allclose(got, numba_ops.affine_grid(feeds["theta"], [2, 1, 4, 5], 0), rtol=0, atol=0)
+    _close([got], _ort(m, feeds), np.float32)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("optional", ["B+mask", "none", "mask only (B empty-named)", "B only"])
+def test_deform_conv_model(rng, dtype, optional):
+    feeds, attrs = _deform_inputs(rng, dtype)
+    names = {"B+mask": ["X", "W", "offset", "B", "mask"], "none": ["X", "W", "offset"],
+             "mask only (B empty-named)": ["X", "W", "offset", "", "mask"], "B only": ["X", "W", "offset", "B"]}[optional]
+    feeds = {n: feeds[n] for n in names if n}
+    node = helper.make_node("DeformConv", names, ["Y"], **attrs)
+    m = _model([node], [(n, ELEM[dtype]) for n in names if n], [("Y", ELEM[dtype])])
+    _close(_ours(m, feeds), _ort(m, feeds), dtype)
+
+
+def test_deform_conv_attribute_defaults(rng):
+    """No strides/pads/dilations/group/offset_group/kernel_shape on the node: ONNX defaults."""
+    feeds, _ = _deform_inputs(rng, np.float32, k=(2, 3), og=1, group=1, stride=(1, 1), pads=(0, 0, 0, 0),
+                              dil=(1, 1))
+    feeds = {n: feeds[n] for n in ("X", "W", "offset")}
+    node = helper.make_node("DeformConv", ["X", "W", "offset"], ["Y"])
+    m = _model([node], [(n, TP.FLOAT) for n in feeds], [("Y", TP.FLOAT)], opset=19)
+    _close(_ours(m, feeds), _ort(m, feeds), np.float32)
+
+
+def test_affine_grid_length_one_axis_align_corners():
+    """API.md: an axis of length 1 has the single coordinate 0 under both settings
+    (as PyTorch); onnxruntime 1.x gives -1 there with align_corners=1, so this edge
+    is checked against the definition, not against onnxruntime."""
+    node = helper.make_node("AffineGrid", ["theta", "size"], ["grid"], align_corners=1)
+    m = _model([node], [("theta", TP.FLOAT), ("size", TP.INT64)], [("grid", TP.FLOAT)], opset=20)
+    theta = np.array([[[1, 0, 0, 0.5], [0, 1, 0, 0.25], [0, 0, 1, -0.5]]], np.float32)
+    got = _ours(m, {"theta": theta, "size": np.array([1, 1, 1, 2, 1])})[0]
+    want = np.array([[0.5, -0.75, -0.5], [0.5, 1.25, -0.5]], np.float32).reshape(1, 1, 2, 1, 3)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_deform_conv_1d_and_3d(rng):
+    """N-D: onnxruntime and onnx's reference take only 2-D DeformConv, so 1-D and 3-D
+    models go against the float64 oracle."""
+    from reference import deform_conv_ref
+
+    for shape, k in (((2, 2, 9), (3,)), ((1, 2, 4, 5, 4), (2, 2, 3))):
+        nd = len(k)
+        outs = [d - kk + 1 for d, kk in zip(shape[2:], k)]
+        K = int(np.prod(k))
+        feeds = {"X": rng.standard_normal(shape).astype(np.float32),
+                 "W": rng.standard_normal((3, shape[1]) + k).astype(np.float32),
+                 "offset": rng.standard_normal((shape[0], K * nd, *outs)).astype(np.float32)}
+        node = helper.make_node("DeformConv", ["X", "W", "offset"], ["Y"], kernel_shape=list(k))
+        m = _model([node], [(n, TP.FLOAT) for n in feeds], [("Y", TP.FLOAT)])
+        want = deform_conv_ref(feeds["X"], feeds["W"], feeds["offset"]).astype(np.float32)
+        _close(_ours(m, feeds), [want], np.float32)
+
+
+def test_affine_grid_then_grid_sample(rng):
+    """A spatial transformer: AffineGrid -> GridSample, every other op on onnx's reference."""
+    nodes = [helper.make_node("AffineGrid", ["theta", "size"], ["grid"], align_corners=0),
+             helper.make_node("GridSample", ["X", "grid"], ["Y"], align_corners=0, mode="linear",
+                              padding_mode="zeros")]
+    m = _model(nodes, [("X", TP.FLOAT), ("theta", TP.FLOAT), ("size", TP.INT64)], [("Y", TP.FLOAT)])
+    theta = np.tile(np.array([[0.9, -0.2, 0.1], [0.25, 1.1, -0.05]], np.float32), (2, 1, 1))
+    theta += 0.05 * rng.standard_normal(theta.shape).astype(np.float32)
+    feeds = {"X": rng.standard_normal((2, 3, 8, 9)).astype(np.float32), "theta": theta,
+             "size": np.array([2, 3, 6, 7], np.int64)}
+    got, want = _ours(m, feeds), _ort(m, feeds)
+    assert got[0].shape == (2, 3, 6, 7)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-4, atol=1e-4)
+
+
+def test_deform_conv_then_conv(rng):
+    feeds, attrs = _deform_inputs(rng, np.float32, stride=(1, 1), pads=(1, 1, 1, 1), dil=(1, 1), k=(3, 3))
+    feeds["W2"] = rng.standard_normal((5, 6, 3, 3)).astype(np.float32)
+    nodes = [helper.make_node("DeformConv", ["X", "W", "offset", "B", "mask"], ["H"], **attrs),
+             helper.make_node("Relu", ["H"], ["R"]),
+             helper.make_node("Conv", ["R", "W2"], ["Y"], pads=[1, 1, 1, 1])]
+    m = _model(nodes, [(n, TP.FLOAT) for n in feeds], [("Y", TP.FLOAT)])
+    got, want = _ours(m, feeds), _ort(m, feeds)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-4, atol=1e-4 * np.abs(want[0]).max())
+
+
+def test_classes_replace_the_builtins():
+    assert AffineGrid.op_domain == "" and DeformConv.op_domain == ""
+    from onnx.reference.op_run import OpRun
+    assert issubclass(AffineGrid, OpRun) and issubclass(DeformConv, OpRun)
+
+
+def test_device_selection(rng):
+    cpu = ops("cpu")
+    assert [c.__name__ for c in cpu] == ["AffineGrid", "DeformConv"]
+    assert all(c.device == "cpu" for c in cpu) and AffineGrid.device is None
+    assert ops() == [AffineGrid, DeformConv]
+    with pytest.raises(ValueError, match="device"):
+        ops("tpu")
+    node = helper.make_node("AffineGrid", ["theta", "size"], ["grid"])
+    m = _model([node], [("theta", TP.FLOAT), ("size", TP.INT64)], [("grid", TP.FLOAT)], opset=20)
+    feeds = {"theta": rng.standard_normal((1, 2, 3)).astype(np.float32), "size": np.array([1, 1, 3, 4])}
+    want = numba_ops.affine_grid(feeds["theta"], [1, 1, 3, 4])
+    for dev in numba_ops.devices():
+        got = ReferenceEvaluator(m, new_ops=ops(dev)).run(None, feeds)[0]
+        assert isinstance(got, np.ndarray)
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    if "cuda" not in numba_ops.devices():
+        with pytest.raises(RuntimeError, match="cuda|CUDA|GPU"):
+            ReferenceEvaluator(m, new_ops=ops("cuda")).run(None, feeds)
+
+
+def test_bad_input_keeps_numba_ops_errors(rng):
+    node = helper.make_node("AffineGrid", ["theta", "size"], ["grid"], align_corners=2)
+    m = _model([node], [("theta", TP.FLOAT), ("size", TP.INT64)], [("grid", TP.FLOAT)], opset=20)
+    feeds = {"theta": rng.standard_normal((1, 2, 3)).astype(np.float32), "size": np.array([1, 1, 3, 4])}
+    with pytest.raises(ValueError, match="align_corners"):
+        ReferenceEvaluator(m, new_ops=ops()).run(None, feeds)
+
+
+def test_import_numba_ops_does_not_import_onnx():
+    code = "import sys, numba_ops; assert 'onnx' not in sys.modules, 'onnx imported'"
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
