@@ -185,18 +185,19 @@ def border_corner(p, size, zero, one):
     """Linear-interpolation support of ``p`` on an axis of ``size`` stored with a
     1-element zero border on each side (element ``i`` of the axis at index ``i + 1``).
 
-    Returns ``(i, lam, ok, finite)``: ``i = floor(p) + 1`` the bordered index of
-    the lower corner (the upper one is ``i + 1``), ``lam = p - floor(p)`` the weight
-    of the upper corner, ``ok`` whether ``p`` is inside ``(-1, size)`` (otherwise
-    the sample is 0 and ``i = 0, lam = 0``), ``finite`` whether ``p`` is finite
-    (otherwise the sample is NaN). Corners outside ``[0, size - 1]`` land on the
-    border's zeros, so they count 0 exactly (API.md) without a branch; ``floor``
-    only sees positions inside ``(-1, size)``, so huge offsets never overflow an
-    index. ``zero``/``one`` are 0 and 1 in the compute type. Branch-free, so a
-    loop of calls vectorises.
+    Returns ``(f, lam, ok, finite)``: ``f = floor(p)`` as a float, so the bordered
+    index of the lower corner is ``int(f) + 1`` and of the upper one ``int(f) + 2``;
+    ``lam = p - f`` the weight of the upper corner; ``ok`` whether ``p`` is inside
+    ``(-1, size)`` (otherwise the sample is 0, and ``f = lam = 0``); ``finite``
+    whether ``p`` is finite (otherwise the sample is NaN). Corners outside
+    ``[0, size - 1]`` land on the border's zeros, so they count 0 exactly (API.md)
+    without a branch; ``f`` lies in ``[-1, size - 1]`` whatever ``p`` is, so huge
+    offsets never overflow an index. ``zero``/``one`` are 0 and 1 in the compute
+    type. Branch-free (the caller picks the integer width), so a loop of calls
+    vectorises.
     """
     ok = (p > -one) & (p < size)
     finite = (p - p) == zero
     pc = p if ok else zero
     f = np.floor(pc)
-    return np.int64(f) + 1, pc - f, ok, finite
+    return f, pc - f, ok, finite
