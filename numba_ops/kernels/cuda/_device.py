@@ -15,6 +15,10 @@ With ``NUMBA_ENABLE_CUDASIM=1`` numba's simulator stands in for the GPU: its
 "device" arrays live in host memory, so a foreign ``__cuda_array_interface__`` is
 read straight from its pointer (tests use that to exercise the bfloat16 path).
 """
+import contextlib
+import sys
+import threading
+
 import numpy as np
 from numba import cuda
 from numba.cuda.core import config as _cuda_config
@@ -29,6 +33,29 @@ SIMULATOR = bool(_cuda_config.ENABLE_CUDASIM)
 #: its runs exercise the grid-stride loops).
 THREADS = 32 if SIMULATOR else 256
 MAX_BLOCKS = 3 if SIMULATOR else 1 << 16
+
+
+_SIM_LOCK = threading.RLock()
+
+
+@contextlib.contextmanager
+def launch_guard():
+    """Wraps every launcher. On a GPU it does nothing. In the simulator it
+    serialises launches (while a simulated kernel runs, numba swaps the ``cuda``
+    global of the kernel's module for a fake, which breaks host code of that module
+    running in another thread) and shortens the interpreter's thread switch
+    interval: the simulator's block manager busy-polls its threads, so each
+    ``syncthreads`` otherwise costs a 5 ms GIL hand-over (measured: 7x faster)."""
+    if not SIMULATOR:
+        yield
+        return
+    with _SIM_LOCK:
+        old = sys.getswitchinterval()
+        sys.setswitchinterval(1e-4)
+        try:
+            yield
+        finally:
+            sys.setswitchinterval(old)
 
 
 def is_numba_device_array(a):

@@ -73,6 +73,11 @@ def signatures():
 
 def launch(theta, size, align):
     """theta: NumPy or device array (N, nd, nd+1), validated; size: (N, C, [D,] H, W)."""
+    with _device.launch_guard():
+        return _launch(theta, size, align)
+
+
+def _launch(theta, size, align):
     dtype = np.dtype(theta.dtype)
     nd = len(size) - 2
     shape = (size[0],) + tuple(size[2:]) + (nd,)

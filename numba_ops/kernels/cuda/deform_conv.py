@@ -265,6 +265,11 @@ def signatures():
 
 def launch(x, w, offset, b, mask, p):
     """Validated inputs (NumPy or numba device arrays of one dtype) and DeformParams."""
+    with _device.launch_guard():
+        return _launch(x, w, offset, b, mask, p)
+
+
+def _launch(x, w, offset, b, mask, p):
     dtype = np.dtype(x.dtype)
     st = storage(dtype)
     N, C = int(x.shape[0]), int(x.shape[1])

@@ -1,0 +1,434 @@
+"""The CUDA backend: kernels compiled for real GPUs, the no-GPU path, device interop.
+
+Numerical agreement of the CUDA kernels with the oracles is tested by the op test
+files through the ``device`` fixture (every test there runs on "cuda" too when it
+is usable: under NUMBA_ENABLE_CUDASIM=1 in CI). This file adds what those cannot
+see: type-checking for sm_80/sm_90 (the simulator runs kernels as Python and
+checks no types), the error path without a GPU, which array kinds come back,
+strided and foreign (``__cuda_array_interface__``) device inputs, and the
+production tile configuration.
+"""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import types
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import numba_ops
+from numba_ops import _dispatch
+from reference import affine_grid_ref, deform_conv_ref
+
+SIMULATOR = _dispatch.cuda_simulator()
+CUDA = "cuda" in numba_ops.devices()
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a GPU or NUMBA_ENABLE_CUDASIM=1 (CI's second pass)")
+BF16 = ml_dtypes.bfloat16
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+CCS = [(8, 0), (9, 0)]
+
+
+def _env(**extra):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, HERE, env.get("PYTHONPATH", "")])
+    env.update(extra)
+    return env
+
+
+# --- compile_ptx: every kernel, every dtype, sm_80 and sm_90 -----------------------
+
+def compile_kernels(which, cc):
+    """Compile kernel family ``which`` for compute capability ``cc``, every dtype.
+
+    Returns {label: PTX size}. Needs libNVVM, not a GPU. ``cuda.compile_ptx``
+    compiles a kernel for the ``cc`` asked, but when the kernel calls device
+    functions (our shared ``@njit`` helpers and ``@overload``s, compiled by
+    numba-cuda as device functions) ``CUDADispatcher.compile_device`` asks
+    ``get_current_device()`` for the compute capability, which needs a GPU. The
+    caller therefore replaces ``numba.cuda.dispatcher.get_current_device`` with a
+    stand-in reporting ``cc`` (see ``_pretend_device``): the PTX produced is the
+    same as on a GPU of that capability.
+    """
+    from numba import cuda, types as nt
+    from numba.cuda.cudadrv import nvvm
+    try:
+        nvvm.NVVM()
+    except Exception as exc:  # loud: without NVVM nothing here type-checks
+        raise AssertionError(f"libNVVM is missing, so the CUDA kernels cannot be compiled or type-checked: {exc}")
+    from numba.np.numpy_support import from_dtype
+    from numba_ops._dtypes import DTYPES, storage
+    from numba_ops.kernels.cuda import _device, affine_grid as ag, deform_conv as dc
+
+    jobs = []
+    if which == "affine_grid":
+        jobs = [(f"affine_grid/{dt}", ag.kernel(ct), sig) for dt, ct, sig in ag.signatures()]
+    elif which.startswith("deform_conv"):
+        tiles, nd_max = dc.variants()[0 if which == "deform_conv" else 1]
+        jobs = [(f"{which}/{dt}", dc.kernel(ct, tiles, nd_max), sig) for dt, ct, sig in dc.signatures()]
+    elif which == "pack":
+        for dt in DTYPES:
+            st = from_dtype(storage(dt))
+            for rank in (1, 3, 5):
+                jobs.append((f"pack/{dt}/rank{rank}", _device._pack,
+                             (nt.Array(st, rank, "A"), nt.Array(st, 1, "C"))))
+    assert jobs, which
+    sizes = {}
+    for label, kern, sig in jobs:
+        ptx, _ = cuda.compile_ptx(kern.py_func, sig, cc=cc)
+        assert f".target sm_{cc[0]}{cc[1]}" in ptx, label
+        sizes[label] = len(ptx)
+    return sizes
+
+
+def _pretend_device(setattr_, cc):
+    import numba.cuda.dispatcher
+    setattr_(numba.cuda.dispatcher, "get_current_device",
+             lambda: types.SimpleNamespace(compute_capability=cc))
+
+
+@pytest.mark.parametrize("cc", CCS, ids=lambda cc: f"sm_{cc[0]}{cc[1]}")
+@pytest.mark.parametrize("which", ["affine_grid", "deform_conv", "deform_conv_nd", "pack"])
+def test_compile_ptx(which, cc, monkeypatch):
+    if not SIMULATOR:
+        _pretend_device(monkeypatch.setattr, cc)
+        sizes = compile_kernels(which, cc)
+    else:
+        # The simulator replaces numba-cuda's compiler in this process: compile in
+        # a fresh one without it, so the simulator pass type-checks too.
+        code = textwrap.dedent(f"""
+            import json, test_cuda
+            test_cuda._pretend_device(setattr, {cc!r})
+            print(json.dumps(test_cuda.compile_kernels({which!r}, {cc!r})))
+        """)
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              env=_env(NUMBA_ENABLE_CUDASIM="0"), cwd=HERE, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        sizes = json.loads(proc.stdout.strip().splitlines()[-1])
+    n_dtypes = 4 * (3 if which == "pack" else 1)
+    assert len(sizes) == n_dtypes and all(v > 0 for v in sizes.values()), sizes
+
+
+# --- without a GPU ----------------------------------------------------------------
+
+def _small_inputs(dtype=np.float32):
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((1, 2, 3, 3)).astype(dtype)
+    w = rng.standard_normal((2, 2, 2, 2)).astype(dtype)
+    off = rng.standard_normal((1, 8, 2, 2)).astype(dtype)
+    theta = rng.standard_normal((2, 2, 3)).astype(dtype)
+    return theta, x, w, off
+
+
+def test_no_gpu_is_a_runtime_error(monkeypatch):
+    """No GPU (numba-cuda reports none): devices() is ("cpu",) and device="cuda" says so."""
+    from numba import cuda
+    monkeypatch.setattr(cuda, "is_available", lambda: False)
+    assert numba_ops.devices() == ("cpu",)
+    theta, x, w, off = _small_inputs()
+    with pytest.raises(RuntimeError, match="no CUDA GPU"):
+        numba_ops.affine_grid(theta, [2, 1, 3, 4], device="cuda")
+    with pytest.raises(RuntimeError, match="no CUDA GPU"):
+        numba_ops.deform_conv(x, w, off, device="cuda")
+    # the CPU still works, and device=None with host inputs is the CPU
+    assert isinstance(numba_ops.affine_grid(theta, [2, 1, 3, 4]), np.ndarray)
+
+
+def test_broken_driver_is_not_usable(monkeypatch):
+    from numba import cuda
+
+    def boom():
+        raise OSError("driver exploded")
+    monkeypatch.setattr(cuda, "is_available", boom)
+    assert numba_ops.devices() == ("cpu",)
+    with pytest.raises(RuntimeError, match="no CUDA GPU"):
+        numba_ops.affine_grid(_small_inputs()[0], [2, 1, 3, 4], device="cuda")
+
+
+def test_no_gpu_for_real_in_a_fresh_process():
+    """The same without monkeypatching: simulator off and every GPU hidden."""
+    code = textwrap.dedent("""
+        import numpy as np, numba_ops
+        assert numba_ops.devices() == ("cpu",), numba_ops.devices()
+        try:
+            numba_ops.affine_grid(np.zeros((1, 2, 3), np.float32), [1, 1, 2, 2], device="cuda")
+        except RuntimeError as e:
+            assert "no CUDA GPU" in str(e), e
+        else:
+            raise SystemExit("device='cuda' did not raise")
+        print("ok")
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env=_env(NUMBA_ENABLE_CUDASIM="0", CUDA_VISIBLE_DEVICES=""))
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout + proc.stderr[-3000:]
+
+
+def test_cpu_works_without_numba_cuda():
+    """numba-cuda is imported lazily: with it uninstallable, numba_ops imports and
+    the CPU path runs; devices() is ("cpu",) and device="cuda" is the RuntimeError."""
+    code = textwrap.dedent("""
+        import sys
+        class Block:
+            def find_spec(self, name, path=None, target=None):
+                if name == "numba.cuda" or name.startswith("numba.cuda.") or name.startswith("numba_cuda"):
+                    raise ImportError("numba-cuda blocked for this test")
+        sys.meta_path.insert(0, Block())
+        import numpy as np, numba_ops
+        th = np.zeros((1, 2, 3), np.float32)
+        numba_ops.affine_grid(th, [1, 1, 2, 2])
+        numba_ops.deform_conv(np.ones((1, 1, 3, 3)), np.ones((1, 1, 2, 2)), np.zeros((1, 8, 2, 2)))
+        assert numba_ops.devices() == ("cpu",)
+        try:
+            numba_ops.affine_grid(th, [1, 1, 2, 2], device="cuda")
+        except RuntimeError:
+            pass
+        else:
+            raise SystemExit("no RuntimeError")
+        assert not any(m.startswith("numba.cuda") or m.startswith("numba_cuda") for m in sys.modules)
+        print("ok")
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env=_env(NUMBA_ENABLE_CUDASIM="0"))
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout + proc.stderr[-3000:]
+
+
+# --- host and device arrays in, the right kind out --------------------------------
+
+def _dc_case(rng, dtype, nd=2, strides=None):
+    xs = (2, 4) + (5, 4, 3)[:nd]
+    x = rng.standard_normal(xs)
+    w = rng.standard_normal((4, 2) + (2,) * nd)
+    kw = dict(pads=[1] * nd + [0] * nd, group=2, offset_group=2)
+    outs = tuple(d + 1 - 2 + 1 for d in xs[2:])
+    off = rng.standard_normal((2, 2 * 2 ** nd * nd) + outs) * 2
+    mask = rng.standard_normal((2, 2 * 2 ** nd) + outs)
+    b = rng.standard_normal(4)
+    return [a.astype(dtype) for a in (x, w, off, b, mask)], kw
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16, BF16])
+def test_host_in_host_out(dtype):
+    rng = np.random.default_rng(0)
+    theta = rng.standard_normal((2, 3, 4)).astype(dtype)
+    g = numba_ops.affine_grid(theta, [2, 1, 2, 3, 2], True, device="cuda")
+    assert type(g) is np.ndarray and g.dtype == dtype and g.shape == (2, 2, 3, 2, 3)
+    np.testing.assert_array_equal(g, numba_ops.affine_grid(theta, [2, 1, 2, 3, 2], True, device="cpu"))
+    args, kw = _dc_case(rng, dtype)
+    y = numba_ops.deform_conv(*args, **kw, device="cuda")
+    assert type(y) is np.ndarray and y.dtype == dtype and y.shape == (2, 4, 5, 4)
+    want = numba_ops.deform_conv(*args, **kw, device="cpu")
+    tol = {np.dtype(np.float64): 1e-12, np.dtype(np.float32): 1e-5}.get(np.dtype(dtype), 1e-2)
+    np.testing.assert_allclose(y.astype(np.float64), want.astype(np.float64), rtol=tol,
+                               atol=tol * np.abs(want.astype(np.float64)).max())
+
+
+def _is_numba_device_array(a):
+    return bool(getattr(type(a), "__cuda_ndarray__", False))
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16, BF16])
+def test_device_in_device_out(dtype):
+    from numba import cuda
+    rng = np.random.default_rng(1)
+    theta = rng.standard_normal((2, 2, 3)).astype(dtype)
+    dth = cuda.to_device(theta)
+    g = numba_ops.affine_grid(dth, [2, 1, 3, 4])  # device=None follows the input
+    assert _is_numba_device_array(g) and g.dtype == dtype and g.shape == (2, 3, 4, 2)
+    np.testing.assert_array_equal(g.copy_to_host(), numba_ops.affine_grid(theta, [2, 1, 3, 4], device="cpu"))
+    args, kw = _dc_case(rng, dtype, nd=1)
+    dargs = [cuda.to_device(a) for a in args]
+    y = numba_ops.deform_conv(*dargs, **kw)
+    assert _is_numba_device_array(y) and y.dtype == dtype
+    want = deform_conv_ref(*[a.astype(np.float64) for a in args], **kw)
+    tol = {np.dtype(np.float64): 1e-12, np.dtype(np.float32): 1e-5}.get(np.dtype(dtype), 2e-2)
+    np.testing.assert_allclose(y.copy_to_host().astype(np.float64), want, rtol=tol, atol=tol * np.abs(want).max())
+    # a device input with device="cpu" runs on the CPU and gives NumPy
+    c = numba_ops.affine_grid(dth, [2, 1, 3, 4], device="cpu")
+    assert type(c) is np.ndarray
+    # inputs are not modified
+    np.testing.assert_array_equal(dth.copy_to_host(), theta)
+    for d, a in zip(dargs, args):
+        np.testing.assert_array_equal(d.copy_to_host(), a)
+
+
+@needs_cuda
+def test_mixed_host_and_device_inputs_give_device_output():
+    from numba import cuda
+    args, kw = _dc_case(np.random.default_rng(2), np.float32, nd=1)
+    mixed = [cuda.to_device(args[0])] + args[1:]
+    y = numba_ops.deform_conv(*mixed, **kw)
+    assert _is_numba_device_array(y)
+    np.testing.assert_allclose(y.copy_to_host(), numba_ops.deform_conv(*args, **kw, device="cpu"),
+                               rtol=1e-5, atol=1e-5)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [np.float32, BF16])
+def test_strided_device_inputs(dtype):
+    """Sliced (non-contiguous) device arrays are packed on the device. Positive
+    steps only: numba's own device arrays are sliced, not transposed, into views
+    (foreign transposed and reversed views: test_torch_interface_in_simulator)."""
+    from numba import cuda
+    rng = np.random.default_rng(3)
+    base = rng.standard_normal((3, 4, 6)).astype(dtype)
+    dtheta = cuda.to_device(base)[:, 1:3, 1::2]  # (3, 2, 3)
+    assert not dtheta.is_c_contiguous()
+    g = numba_ops.affine_grid(dtheta, [3, 1, 2, 3])
+    np.testing.assert_array_equal(g.copy_to_host(),
+                                  numba_ops.affine_grid(base[:, 1:3, 1::2], [3, 1, 2, 3], device="cpu"))
+    args, kw = _dc_case(rng, dtype)
+    x = args[0]
+    big = np.zeros(x.shape[:2] + tuple(2 * d for d in x.shape[2:]), dtype)
+    big[:, :, ::2, 1::2] = x
+    dx = cuda.to_device(big)[:, :, ::2, 1::2]
+    dw = cuda.to_device(np.concatenate([args[1], args[1]], axis=0))[::2]  # every other row
+    assert dx.shape == x.shape and not dx.is_c_contiguous() and not dw.is_c_contiguous()
+    w2 = np.concatenate([args[1], args[1]], axis=0)[::2]
+    dargs = [dx, dw] + [cuda.to_device(a) for a in args[2:]]
+    y = numba_ops.deform_conv(*dargs, **kw)
+    want = numba_ops.deform_conv(x, w2, *args[2:], **kw, device="cpu")
+    tol = 1e-5 if dtype is np.float32 else 2e-2
+    np.testing.assert_allclose(y.copy_to_host().astype(np.float64), want.astype(np.float64),
+                               rtol=tol, atol=tol * np.abs(want.astype(np.float64)).max())
+
+
+@needs_cuda
+def test_empty_results_keep_their_kind():
+    from numba import cuda
+    theta = np.zeros((0, 2, 3), np.float32)
+    g = numba_ops.affine_grid(cuda.to_device(np.zeros((1, 2, 3), np.float32)), [1, 1, 0, 3])
+    assert _is_numba_device_array(g) and g.shape == (1, 0, 3, 2)
+    h = numba_ops.affine_grid(theta, [0, 1, 3, 3], device="cuda")
+    assert type(h) is np.ndarray and h.shape == (0, 3, 3, 2)
+    y = numba_ops.deform_conv(np.zeros((0, 1, 3, 3)), np.ones((2, 1, 2, 2)), np.zeros((0, 8, 2, 2)), device="cuda")
+    assert type(y) is np.ndarray and y.shape == (0, 2, 2, 2)
+
+
+# --- foreign __cuda_array_interface__ exporters (PyTorch's bfloat16 "<V2") ----------
+
+class _TorchLike:
+    """A torch tensor exported the way ``torch.Tensor.__cuda_array_interface__``
+    does it (bfloat16 as typestr "<V2"). Only under the simulator, where device
+    memory is host memory, can a CPU tensor stand in for a CUDA one."""
+
+    def __init__(self, t):
+        import torch
+        self.t = t
+        self.dtype = t.dtype
+        self.shape = tuple(t.shape)
+        typestr = {torch.bfloat16: "<V2", torch.float16: "<f2", torch.float32: "<f4", torch.float64: "<f8"}[t.dtype]
+        itemsize = t.element_size()
+        self.__cuda_array_interface__ = {
+            "typestr": typestr, "shape": self.shape, "data": (t.data_ptr(), False), "version": 2,
+            "strides": None if t.is_contiguous() else tuple(s * itemsize for s in t.stride())}
+
+
+def test_untyped_interface_dtypes():
+    from numba_ops.kernels.cuda._device import interface_desc
+
+    class Obj:
+        def __init__(self, typestr, dtype):
+            self.dtype = dtype
+            self.__cuda_array_interface__ = {"typestr": typestr, "shape": (2,), "data": (0, False), "version": 3}
+    desc, bf16 = interface_desc(Obj("<V2", "torch.bfloat16"), "X")
+    assert bf16 and desc["typestr"] == "<u2"
+    desc, bf16 = interface_desc(Obj("<f4", "torch.float32"), "X")
+    assert not bf16 and desc["typestr"] == "<f4"
+    with pytest.raises(TypeError, match="X"):
+        interface_desc(Obj("<V2", "something"), "X")
+    with pytest.raises(TypeError, match="theta"):
+        interface_desc(Obj("|V4", "torch.bfloat16"), "theta")
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="a CPU tensor stands in for a CUDA one only in the simulator")
+@pytest.mark.parametrize("tdtype", ["bfloat16", "float16", "float32"])
+def test_torch_interface_in_simulator(tdtype):
+    torch = pytest.importorskip("torch")
+    tdt = getattr(torch, tdtype)
+    npdt = BF16 if tdtype == "bfloat16" else np.dtype(tdtype)
+    rng = np.random.default_rng(4)
+    theta = rng.standard_normal((2, 2, 3)).astype(npdt)
+    t = torch.from_numpy(theta.astype(np.float32)).to(tdt)
+    g = numba_ops.affine_grid(_TorchLike(t), [2, 1, 3, 4])
+    assert _is_numba_device_array(g) and g.dtype == npdt
+    np.testing.assert_array_equal(g.copy_to_host(), numba_ops.affine_grid(theta, [2, 1, 3, 4], device="cpu"))
+    # a transposed (non-contiguous) tensor
+    args, kw = _dc_case(rng, np.float32, nd=1)
+    xt = torch.from_numpy(np.ascontiguousarray(args[0].transpose(0, 2, 1))).to(tdt).transpose(1, 2)
+    assert not xt.is_contiguous()
+    others = [torch.from_numpy(a).to(tdt) for a in args[1:]]
+    y = numba_ops.deform_conv(_TorchLike(xt), *[_TorchLike(o) for o in others], **kw)
+    assert _is_numba_device_array(y) and y.dtype == npdt
+    host = [a.astype(npdt) for a in args]
+    want = numba_ops.deform_conv(*host, **kw, device="cpu")
+    tol = 1e-5 if tdtype == "float32" else 2e-2
+    np.testing.assert_allclose(y.copy_to_host().astype(np.float64), want.astype(np.float64),
+                               rtol=tol, atol=tol * np.abs(want.astype(np.float64)).max())
+
+
+# --- the GPU tile configurations, run by the simulator ------------------------------
+
+@needs_cuda
+@pytest.mark.parametrize("nd", [2, 4])
+def test_gpu_tile_configuration(nd, monkeypatch):
+    """The simulator normally runs 4-thread tiles; run the GPU's 256-thread tiles
+    once on a tiny case so the production configuration is checked too."""
+    from numba_ops.kernels.cuda import deform_conv as dc
+    tiles, nd_max = dc.variants()[0 if nd <= 3 else 1]
+    monkeypatch.setattr(dc, "config", lambda n: (tiles, max(nd_max, n)))
+    rng = np.random.default_rng(6)
+    xs = (1, 3) + (3, 4, 2, 2)[:nd]
+    x = rng.standard_normal(xs)
+    w = rng.standard_normal((2, 3) + (2,) * nd)
+    outs = tuple(d - 1 for d in xs[2:])
+    off = rng.standard_normal((1, 2 ** nd * nd) + outs)
+    b = rng.standard_normal(2)
+    got = numba_ops.deform_conv(x, w, off, b, device="cuda")
+    want = deform_conv_ref(x, w, off, b)
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12 * np.abs(want).max())
+
+
+@needs_cuda
+def test_nan_and_huge_offsets_on_cuda():
+    """Non-finite position -> NaN sample even when another axis is outside; huge
+    finite offsets -> 0; an Inf in x next to an out-of-range corner never leaks."""
+    x = np.arange(9.0).reshape(1, 1, 3, 3)
+    x[0, 0, 0, 0] = np.inf
+    w = np.ones((1, 1, 1, 1))
+    off = np.zeros((1, 2, 3, 3))
+    off[0, 0, 0, 1] = np.nan          # y NaN
+    off[0, 1, 0, 1] = 1e30            # x far outside as well: still NaN
+    off[0, 0, 1, 1] = 2.0 ** 63       # huge finite: 0
+    off[0, 1, 2, 2] = -1e30
+    off[0, 0, 2, 0] = np.inf
+    off[0, 1, 1, 0] = 0.5             # between x[1,0] and x[1,1]: finite
+    off[0, 1, 1, 2] = 0.5             # x = 2.5: corner 3 is outside, x[0,0] = inf must not leak in
+    got = numba_ops.deform_conv(x, w, off, device="cuda")
+    assert np.isnan(got[0, 0, 0, 1]) and np.isnan(got[0, 0, 2, 0])
+    assert got[0, 0, 1, 1] == 0 and got[0, 0, 2, 2] == 0
+    assert got[0, 0, 1, 0] == 3.5 and got[0, 0, 1, 2] == 2.5 and np.isinf(got[0, 0, 0, 0])
+
+
+@needs_cuda
+def test_concurrent_calls_match_serial():
+    rng = np.random.default_rng(7)
+    cases = [_dc_case(rng, np.float32, nd=1) for _ in range(4)]
+    serial = [numba_ops.deform_conv(*a, **kw, device="cuda") for a, kw in cases]
+    out = [None] * len(cases)
+
+    def work(i):
+        a, kw = cases[i]
+        out[i] = numba_ops.deform_conv(*a, **kw, device="cuda")
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(cases))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for want, got in zip(serial, out):
+        np.testing.assert_array_equal(got, want)
