@@ -28,6 +28,30 @@ from ..._dtypes import BFLOAT16, storage
 
 SIMULATOR = bool(_cuda_config.ENABLE_CUDASIM)
 
+
+def _register_np_floor():
+    """numba-cuda (0.30) types ``np.floor`` on scalars but has no lowering for it
+    in its ufunc table, though ``math.floor``'s libdevice one (``__nv_floor[f]``,
+    one ``cvt.rmi`` instruction) is there. The shared ``border_corner`` uses
+    ``np.floor`` (a float result, so the CPU loop vectorises); register that
+    lowering so the same helper compiles for the GPU. No-op if numba-cuda already
+    has it; the simulator runs helpers on the CPU and needs nothing."""
+    import math
+
+    from numba.cuda import ufuncs
+    from numba.cuda.mathimpl import get_unary_impl_for_fn_and_ty
+
+    def floor_impl(context, builder, sig, args):
+        return get_unary_impl_for_fn_and_ty(math.floor, sig.args[0])(context, builder, sig, args)
+
+    db = ufuncs.ufunc_db()
+    if np.floor not in db:
+        db[np.floor] = {"f->f": floor_impl, "d->d": floor_impl}
+
+
+if not SIMULATOR:
+    _register_np_floor()
+
 #: threads per block for the element-wise kernels; the simulator runs every
 #: thread as a Python thread, so it gets few (and few blocks, which also makes
 #: its runs exercise the grid-stride loops).

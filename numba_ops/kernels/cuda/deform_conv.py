@@ -10,8 +10,8 @@ the reduction in chunks of ``RK`` rows:
 
 1. the *sampling plan* for the tile's positions at one kernel point ``kidx`` and
    offset group: for each position, the flat indices of its in-range corners and
-   their n-linear weights with the mask folded in (``corner_weights`` from
-   ``kernels/_scalar.py``, shared with the CPU). A plan serves every channel of
+   their n-linear weights with the mask folded in (per axis, ``border_corner``
+   from ``kernels/_scalar.py``, the CPU kernel's function). A plan serves every channel of
    the offset group, so it is rebuilt only when ``kidx`` or the offset group
    changes (the reduction runs kidx-major, channel-minor);
 2. the ``RK × TP`` sample tile is filled from the plan into shared memory
@@ -37,7 +37,7 @@ ample for this op's 2·oC·C·K FLOPs per output position.
 rounding on the way out); all index arithmetic is 64-bit. Every output element is
 written once, by the thread that accumulated it: ``y = b + Σ``. Corners outside
 the input count 0 exactly (they are dropped from the plan, never multiplied by 0),
-a non-finite sample position gives a NaN sample, and ``corner_weights`` keeps
+a non-finite sample position gives a NaN sample, and ``border_corner`` keeps
 huge finite offsets from ever reaching an integer conversion.
 """
 import functools
@@ -48,7 +48,7 @@ import numpy as np
 from numba import cuda
 
 from ..._dtypes import compute, storage
-from .._scalar import corner_weights, load, store
+from .._scalar import border_corner, load, store
 from . import _device
 
 DTYPES = ("float16", "bfloat16", "float32", "float64")
@@ -172,12 +172,12 @@ def kernel(ct, tiles, nd_max):
                                     rem_p = rem_p // geo[5, ax]
                                     pos = ct(oo * geo[2, ax] - geo[3, ax] + kk * geo[4, ax]) \
                                         + load(off, (ob + ax) * P + p)
-                                    i0, w0, w1, inside = corner_weights(pos, geo[0, ax], one)
-                                    ax_i0[ax] = i0
-                                    ax_w[ax, 0] = w0
-                                    ax_w[ax, 1] = w1
+                                    f, lam, inside, fin = border_corner(pos, ct(geo[0, ax]), zero, one)
+                                    ax_i0[ax] = np.int64(f)
+                                    ax_w[ax, 0] = one - lam
+                                    ax_w[ax, 1] = lam
                                     ok = ok and inside
-                                    finite = finite and math.isfinite(pos)
+                                    finite = finite and fin
                                 if not finite:
                                     cnt = -1
                                 elif ok:
