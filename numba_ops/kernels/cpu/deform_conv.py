@@ -189,27 +189,29 @@ def _plan(off3, m3, has_mask, n, geo, pstr, C, kidx, g, K, p0, p1, pidx, pw, pm,
     nan = _cast(zero, np.nan)
     ch0 = (g * K + kidx) * nd
     mm = m3[n, g * K + kidx]
-    # kernel point coordinates: the constant part of the positions on each axis
+    if fast2d:
+        hw = (_cast(zero, geo[0, 0]), _cast(zero, geo[0, 1]))
+        sx = _cast(zero, geo[2, 1])
+        ys = np.int32(pstr[0])
+        # kernel point coordinates: the constant part of the positions on each axis
+        ky = (kidx // geo[1, 1]) * geo[4, 0] - geo[3, 0]
+        kx = (kidx % geo[1, 1]) * geo[4, 1] - geo[3, 1]
+        p = p0
+        while p < p1:
+            ol = p % oL
+            end = min(p1, p - ol + oL)
+            fy = _cast(zero, (p // oL) * geo[2, 0] + ky)
+            fx = _cast(zero, ol * geo[2, 1] + kx)
+            _plan_row2d(off3[n, ch0], off3[n, ch0 + 1], mm, has_mask, fy, fx, sx, hw, ys, C,
+                        p, end, p - p0, pidx, pw, pm)
+            p = end
+        return
     rem = kidx
     kpos = np.empty(nd, np.int64)
     for ax in range(nd - 1, -1, -1):
         kk = rem % geo[1, ax]
         rem //= geo[1, ax]
         kpos[ax] = kk * geo[4, ax] - geo[3, ax]
-    if fast2d:
-        hw = (_cast(zero, geo[0, 0]), _cast(zero, geo[0, 1]))
-        sx = _cast(zero, geo[2, 1])
-        ys = np.int32(pstr[0])
-        p = p0
-        while p < p1:
-            ol = p % oL
-            end = min(p1, p - ol + oL)
-            fy = _cast(zero, (p // oL) * geo[2, 0] + kpos[0])
-            fx = _cast(zero, ol * geo[2, 1] + kpos[1])
-            _plan_row2d(off3[n, ch0], off3[n, ch0 + 1], mm, has_mask, fy, fx, sx, hw, ys, C,
-                        p, end, p - p0, pidx, pw, pm)
-            p = end
-        return
     lam = np.empty(nd, pw.dtype)
     for q in range(p0, p1):
         rq = q
@@ -366,6 +368,50 @@ def _corner_offsets(pstr, C):
 
 # --- drivers ------------------------------------------------------------------------
 
+def _as_c(a):
+    """``a`` itself when numba types it C-contiguous, else a C-ordered copy."""
+
+
+@overload(_as_c, jit_options={"inline": "always"})
+def _as_c_ol(a):
+    if a.layout == "C":
+        return lambda a: a
+    return lambda a: np.ascontiguousarray(a)
+
+
+@njit(cache=True)
+def _flat3(geo, x, w, off, m, y):
+    """The N-D arrays as (N, C, sites), (oC, C/group, K), (N, channels, positions)."""
+    nd = geo.shape[1]
+    S = 1
+    P = 1
+    K = 1
+    for ax in range(nd):
+        S *= geo[0, ax]
+        P *= geo[5, ax]
+        K *= geo[1, ax]
+    x3 = _as_c(x).reshape((x.shape[0], x.shape[1], S))
+    w3 = _as_c(w).reshape((w.shape[0], w.shape[1], K))
+    off3 = _as_c(off).reshape((off.shape[0], off.shape[1], P))
+    m3 = _as_c(m).reshape((m.shape[0], m.shape[1], P))
+    y3 = y.reshape((y.shape[0], y.shape[1], P))
+    return x3, w3, off3, m3, y3
+
+
+@njit(cache=True)
+def _serial(x, w, off, m, b, has_mask, has_b, y, geo, pstr, dims):
+    """Serial entry: any rank and layout, see ``_run_serial``."""
+    x3, w3, off3, m3, y3 = _flat3(geo, x, w, off, m, y)
+    _run_serial(x3, w3, off3, m3, _as_c(b), has_mask, has_b, y3, geo, pstr, dims)
+
+
+@njit(cache=True)
+def _parallel(x, w, off, m, b, has_mask, has_b, y, geo, pstr, dims):
+    """Parallel entry: any rank and layout, see ``_run_parallel``."""
+    x3, w3, off3, m3, y3 = _flat3(geo, x, w, off, m, y)
+    _run_parallel(x3, w3, off3, m3, _as_c(b), has_mask, has_b, y3, geo, pstr, dims)
+
+
 @njit(cache=True)
 def _run_serial(x3, w3, off3, m3, b, has_mask, has_b, y3, geo, pstr, dims):
     N, C = x3.shape[0], x3.shape[1]
@@ -505,44 +551,73 @@ def _plan_sizes(N, C, K, oC, P, group, nd, S, item, nth):
     return T, nb
 
 
+class _State:
+    """Everything ``launch`` derives from a call's geometry, kept per geometry."""
+    __slots__ = ("p", "xshape", "oC", "yshape", "view", "empty", "work", "args")
+
+    def __init__(self, x, w, p):
+        N, C = x.shape[0], x.shape[1]
+        oC = w.shape[0]
+        nd, K, group = p.nd, p.K, p.group
+        P = 1
+        for o in p.out_spatial:
+            P *= o
+        S = 1
+        for d in x.shape[2:]:
+            S *= d + 2
+        self.p, self.xshape, self.oC = p, x.shape, oC
+        self.yshape = (N, oC) + tuple(p.out_spatial)
+        self.view = _VIEW.get(x.dtype)
+        self.empty = N == 0 or oC == 0
+        item = 8 if x.dtype == np.float64 else 4
+        self.work = N * P * K * (C + oC * (C // group) // 4 + 4)
+        geo, pstr = _geometry(x.shape[2:], p)
+        fast2d = (nd == 2 and S < _I32 and max(x.shape[2:]) < _I32
+                  and max(p.out_spatial) * max(p.strides) + max(p.kernel_shape) * max(p.dilations) < _I32)
+        self.args = {}
+        for nth in {1, max(1, numba.get_num_threads())}:
+            T, nb = _plan_sizes(N, C, K, oC, P, group, nd, S, item, nth)
+            dims = np.array([C, K, group, p.offset_group, T, nb, nth, fast2d], dtype=np.int64)
+            self.args[nth] = (geo, pstr, dims)
+
+
+_STATES = {}
+_STATES_MAX = 256
+
+
+def _state(x, w, p):
+    key = (id(p), x.shape, x.dtype, w.shape[0])
+    st = _STATES.get(key)
+    if st is None or st.p is not p:  # the state holds p, so its id is not reused while it lives
+        st = _State(x, w, p)
+        if len(_STATES) >= _STATES_MAX:
+            _STATES.clear()
+        _STATES[key] = st
+    return st
+
+
 def launch(x, w, offset, b, mask, p):
     """Compute DeformConv for validated inputs (see numba_ops.deform_conv)."""
-    dtype = x.dtype
-    view = _VIEW.get(dtype)
-    N, C = x.shape[0], x.shape[1]
-    oC = w.shape[0]
-    nd, K, group = p.nd, p.K, p.group
-    P = 1
-    for o in p.out_spatial:
-        P *= o
-    S = 1
-    for d in x.shape[2:]:
-        S *= d + 2
-    x3 = np.ascontiguousarray(x).reshape(N, C, -1)
-    w3 = np.ascontiguousarray(w).reshape(oC, C // group, K)
-    off3 = np.ascontiguousarray(offset).reshape(N, -1, P)
-    has_mask, has_b = mask is not None, b is not None
-    m3 = np.ascontiguousarray(mask).reshape(N, -1, P) if has_mask else off3
-    b1 = np.ascontiguousarray(b) if has_b else _EMPTY[dtype]
-    y = np.empty((N, oC) + tuple(p.out_spatial), dtype=dtype)
-    if N == 0 or oC == 0:
+    st = _state(x, w, p)
+    y = np.empty(st.yshape, dtype=x.dtype)
+    if st.empty:
         return y
+    has_mask, has_b = mask is not None, b is not None
+    if not has_mask:
+        mask = offset  # never read
+    if not has_b:
+        b = _EMPTY[x.dtype]
+    view = st.view
+    yk = y
     if view is not None:
-        x3, w3, off3, m3, b1 = (a.view(view) for a in (x3, w3, off3, m3, b1))
-        y3 = y.reshape(N, oC, P).view(view)
-    else:
-        y3 = y.reshape(N, oC, P)
-    item = 8 if dtype == np.float64 else 4
-    work = N * P * K * (C + oC * (C // group) // 4 + 4)
-    nth = numba.get_num_threads() if work >= _runtime.PARALLEL_MIN_WORK else 1
-    T, nb = _plan_sizes(N, C, K, oC, P, group, nd, S, item, nth)
-    geo, pstr = _geometry(x.shape[2:], p)
-    fast2d = nd == 2 and S < _I32 and max(x.shape[2:]) < _I32 and max(p.out_spatial) * max(p.strides) < _I32
-    dims = np.array([C, K, group, p.offset_group, T, nb, nth, fast2d], dtype=np.int64)
-    args = (x3, w3, off3, m3, b1, has_mask, has_b, y3, geo, pstr, dims)
-    if nth == 1:
-        _run_serial(*args)
-    else:
-        with _runtime._POOL_LOCK, _BLAS:
-            _run_parallel(*args)
+        x, w, offset, mask, b, yk = (a.view(view) for a in (x, w, offset, mask, b, y))
+    if st.work < _runtime.PARALLEL_MIN_WORK:
+        _serial(x, w, offset, mask, b, has_mask, has_b, yk, *st.args[1])
+        return y
+    nth = numba.get_num_threads()
+    args = st.args.get(nth)
+    if args is None:  # the caller changed numba's thread count
+        args = st.args[nth] = _State(x, w, p).args[nth]
+    with _runtime._POOL_LOCK, _BLAS:
+        (_serial if nth == 1 else _parallel)(x, w, offset, mask, b, has_mask, has_b, yk, *args)
     return y
