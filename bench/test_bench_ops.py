@@ -3,7 +3,8 @@
 
 Timed with ``pytest bench --benchmark-enable`` (``tox -e bench``); once, on
 shrunken inputs, as a smoke test otherwise. Compilation happens in a warm-up
-call outside the timing: JIT time has its own benchmark (test_bench_jit.py).
+call outside the timing: JIT time has its own benchmark (test_jit_compile.py, run after this file so its
+smoke run finds the kernels cached).
 On numba's CUDA simulator only the cheap cases run, shrunken.
 """
 import numpy as np

@@ -1,0 +1,193 @@
+"""The ``numba-ops`` command (API.md, Command line): each subcommand in a fresh
+process, as a user runs it; faults and slowdowns are injected through a small
+wrapper script that patches numba_ops, then calls ``numba_ops.cli.main``."""
+import importlib.metadata
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import numba_ops
+
+ROOT = Path(__file__).resolve().parents[1]
+BASELINE = ROOT / "bench" / "baseline.json"
+N_CHECK_CASES = 16  # 8 ONNX backend cases + 8 operator-page examples
+
+
+def run(*args, script=None, timeout=300):
+    """``python -m numba_ops ARGS``, or ``python SCRIPT ARGS`` for a wrapper script."""
+    cmd = [sys.executable] + ([str(script)] if script else ["-m", "numba_ops"]) + list(args)
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    return p.returncode, p.stdout, p.stderr
+
+
+def wrapper(tmp_path, source):
+    path = tmp_path / "wrapped_numba_ops.py"
+    path.write_text(textwrap.dedent(source))
+    return path
+
+
+# A kernel fault: the CPU AffineGrid launcher returns a grid shifted by 1e-3.
+BROKEN_AFFINE_GRID = """
+    import sys
+    import numba_ops.kernels.cpu.affine_grid as k
+    real = k.launch
+    def broken(theta, size, align):
+        out = real(theta, size, align)
+        out[...] += 1e-3
+        return out
+    k.launch = broken
+    from numba_ops import cli
+    sys.exit(cli.main(sys.argv[1:]))
+"""
+
+# A slowdown: every CPU kernel launch sleeps 20 ms first. The bench's workers
+# are started as this script too, so the slowdown reaches them.
+SLOW_KERNELS = """
+    import sys, time
+    from numba_ops import cli
+    import numba_ops.kernels.cpu.affine_grid as ka
+    import numba_ops.kernels.cpu.deform_conv as kd
+    for k in (ka, kd):
+        def slow(*a, _real=k.launch):
+            time.sleep(0.02)
+            return _real(*a)
+        k.launch = slow
+    cli._worker_argv = lambda: [sys.executable, __file__]
+    sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+def test_console_script_is_declared():
+    eps = importlib.metadata.entry_points(group="console_scripts")
+    ep = [e for e in eps if e.name == "numba-ops"]
+    assert ep and ep[0].value == "numba_ops.cli:main"
+
+
+def test_console_script_runs():
+    exe = Path(sys.executable).with_name("numba-ops")
+    if not exe.exists():  # installed elsewhere (e.g. a user scheme): run it through its entry point
+        pytest.skip("no numba-ops script beside this interpreter")
+    p = subprocess.run([str(exe), "--help"], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and all(c in p.stdout for c in ("info", "check", "bench"))
+
+
+def test_info():
+    rc, out, err = run("info")
+    assert rc == 0, err
+    for key in ("numba_ops", "numba", "numba-cuda", "numpy", "devices", "threads", "threading layer", "JIT cache"):
+        assert re.search(rf"^{re.escape(key)}\s", out, re.M), f"info lacks {key!r}:\n{out}"
+    assert numba_ops.__version__ in out
+    devices = re.search(r"^devices\s+(.*)$", out, re.M).group(1)
+    assert devices.startswith("cpu") and (("cuda" in devices) == ("cuda" in numba_ops.devices()))
+    layer = re.search(r"^threading layer\s+(\S+)", out, re.M).group(1)
+    assert layer in ("workqueue", "omp", "tbb"), out
+
+
+def test_check_passes():
+    rc, out, err = run("check")
+    assert rc == 0, out + err
+    lines = [ln for ln in out.splitlines() if ln.startswith(("PASS", "FAIL"))]
+    assert len(lines) == N_CHECK_CASES and all(ln.startswith("PASS") for ln in lines), out
+    for name in ("test_affine_grid_3d_align_corners", "test_deform_conv_with_multiple_offset_groups",
+                 "test_cc_deform_conv_with_mask_bias"):
+        assert name in out
+    assert f"{N_CHECK_CASES} cases: {N_CHECK_CASES} passed, 0 failed" in out
+
+
+def test_check_fails_on_a_broken_kernel(tmp_path):
+    rc, out, err = run("check", script=wrapper(tmp_path, BROKEN_AFFINE_GRID))
+    assert rc == 1, out + err
+    fails = [ln for ln in out.splitlines() if ln.startswith("FAIL")]
+    assert len(fails) == 8 and all("AffineGrid" in ln for ln in fails), out  # 4 backend + 4 page cases
+    assert "8 passed, 8 failed" in out
+
+
+@pytest.mark.skipif("cuda" in numba_ops.devices(), reason="checks the no-GPU message")
+def test_check_on_an_unusable_device_says_so():
+    rc, out, err = run("check", "--device", "cuda")
+    assert rc == 2 and "not usable" in err
+
+
+def test_bench_quick(tmp_path):
+    out_json = tmp_path / "bench.json"
+    rc, out, err = run("bench", "--quick", "--repeat", "1", "--only", "ag2d_small,dc_seed",
+                       "--peers", "onnxruntime", "--json", str(out_json))
+    assert rc == 0, out + err
+    # a progress line per case and implementation, then the table
+    for impl in ("numba_ops", "onnxruntime"):
+        for case in ("ag2d_small", "dc_seed"):
+            assert re.search(rf"\[{impl}\] {case}: [\d.]+ ms warm, [\d.]+ ms cold", out), out
+    assert re.search(r"limits: write bandwidth [\d.]+ GB/s .*GEMM [\d.]+ GFLOP/s", out), out
+    head = [ln for ln in out.splitlines() if ln.startswith("case ")][0]
+    for col in ("numba_ops ms", "cold ms", "onnxruntime ms", "ours/best peer", "% of limit"):
+        assert col in head
+    rows = {ln.split()[0]: ln for ln in out.splitlines() if ln.startswith(("ag2d_small ", "dc_seed "))}
+    assert set(rows) == {"ag2d_small", "dc_seed"} and all("x onnxruntime" in r and "%" in r for r in rows.values())
+    report = json.loads(out_json.read_text())
+    assert report["dtype"] == "float32" and report["device"] == "cpu"
+    for case in ("ag2d_small", "dc_seed"):
+        figs = report["cases"][case]["figures"]
+        assert figs["fraction_of_limit"] > 0 and figs["speed_vs_onnxruntime"] > 0
+
+
+def test_baseline_is_committed_and_complete():
+    base = json.loads(BASELINE.read_text())
+    from numba_ops import _cases
+    assert set(base["cases"]) == {n for _, n in _cases.CASES}
+    for name, row in base["cases"].items():
+        assert row["figures"]["fraction_of_limit"] > 0, name
+
+
+def test_gate_passes_on_the_baseline():
+    rc, out, err = run("bench", "--load", str(BASELINE), "--compare", str(BASELINE))
+    assert rc == 0, out + err
+    assert "regression gate: passed" in out and "REGRESSION" not in out
+
+
+@pytest.mark.parametrize("slower,fails", [(1.10, False), (1.25, True)])
+def test_gate_on_a_slowed_report(tmp_path, slower, fails):
+    report = json.loads(BASELINE.read_text())
+    report["cases"]["dc_r50_c64_56"]["ms"]["numba_ops"] *= slower
+    path = tmp_path / "slowed.json"
+    path.write_text(json.dumps(report))
+    rc, out, err = run("bench", "--load", str(path), "--compare", str(BASELINE))
+    assert rc == (1 if fails else 0), out + err
+    regressed = [ln for ln in out.splitlines() if "REGRESSION" in ln]
+    if fails:
+        assert regressed and all("dc_r50_c64_56" in ln for ln in regressed)
+    else:
+        assert not regressed
+
+
+def test_gate_fails_on_an_injected_slowdown(tmp_path):
+    """A live run with every kernel launch 20 ms slower falls far below the baseline."""
+    script = wrapper(tmp_path, SLOW_KERNELS)
+    rc, out, err = run("bench", "--quick", "--repeat", "1", "--only", "ag2d_small,dc_seed", "--peers", "none",
+                       "--compare", str(BASELINE), script=script)
+    assert rc == 1, out + err
+    assert re.search(r"REGRESSION\s+ag2d_small fraction_of_limit", out), out
+    assert "regression gate: FAILED" in out
+
+
+def test_gate_refuses_a_baseline_of_another_dtype(tmp_path):
+    report = json.loads(BASELINE.read_text())
+    report["dtype"] = "float64"
+    path = tmp_path / "f64.json"
+    path.write_text(json.dumps(report))
+    rc, out, err = run("bench", "--load", str(BASELINE), "--compare", str(path))
+    assert rc == 2 and "dtype" in err
+
+
+def test_python_dash_m_and_help():
+    rc, out, err = run("--help")
+    assert rc == 0 and "info" in out and "check" in out and "bench" in out
+    rc, out, err = run("bench", "--help")
+    for opt in ("--device", "--dtype", "--quick", "--json", "--compare"):
+        assert opt in out
+    assert os.path.exists(ROOT / "numba_ops" / "__main__.py")
