@@ -40,9 +40,6 @@ DEFORM = {
 #: every benchmark case as (op, name), AffineGrid first
 CASES = [("affine_grid", n) for n in AFFINE] + [("deform_conv", n) for n in DEFORM]
 
-#: cheap enough to run on numba's CUDA simulator
-SIMULATOR_CASES = ("ag2d_small", "dc_seed")
-
 
 def op_of(name):
     """``"affine_grid"`` or ``"deform_conv"`` for a case name."""
@@ -81,9 +78,9 @@ def affine_inputs(name, dtype="float32", small=False):
 
 def deform_params(name, small=False):
     N, C, H, W, oC, k, pad, stride, dil, group, og, use_mask = DEFORM[name]
-    if small:  # keep the structure, shrink the sizes
-        N, H, W = min(N, 2), min(H, 9), min(W, 9)
-        C, oC = min(C, 4 * max(group, og)), min(oC, 4 * group)
+    if small:  # keep the structure (kernel, pads, strides, groups, mask), shrink the sizes
+        N, H, W = min(N, 2), min(H, 6), min(W, 6)
+        C, oC = min(C, 2 * int(np.lcm(group, og))), min(oC, 2 * group)
     return N, C, H, W, oC, k, pad, stride, dil, group, og, use_mask
 
 
