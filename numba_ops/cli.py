@@ -257,9 +257,7 @@ def _peer_fn(impl, name, device):
             shape = [int(s) for s in size]
             align = bool(kw["align_corners"])
             return lambda: (F.affine_grid(tt, shape, align_corners=align), sync())
-        import torchvision.ops as tvo
-        if kw["group"] != 1:
-            return "torchvision's deform_conv2d infers groups from the weight; no like-for-like call"
+        import torchvision.ops as tvo  # infers group and offset_group from W's and offset's shapes, as ONNX does
         X, W, off, B, mask = (None if a is None else torch.from_numpy(a).to(dev) for a in args)
         return lambda: (tvo.deform_conv2d(X, off, W, B, stride=kw["strides"], padding=kw["pads"][:2],
                                           dilation=kw["dilations"], mask=mask), sync())
