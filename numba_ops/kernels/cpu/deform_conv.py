@@ -140,7 +140,7 @@ def _reorder_w(w3, wr, K, o):
 # --- phase 2: sampling plans, column fill, GEMM, write-out -------------------------------
 
 @njit(cache=True)
-def _plan_row2d(oy, ox, mm, has_mask, fy, fx, sx, hw, ys, C, q0, q1, j0, pidx, pw, pm):
+def _plan_row2d(oy, ox, mm, has_mask, fy, fx, sx, hw, ys, zsite, C, q0, q1, j0, pidx, pw, pm):
     """2-D plan of output positions q0..q1 of one output row: the hot loop,
     branch-free, 32-bit (the launcher checks the sizes) and on 0-based slices,
     so that it vectorises."""
@@ -164,7 +164,7 @@ def _plan_row2d(oy, ox, mm, has_mask, fy, fx, sx, hw, ys, C, q0, q1, j0, pidx, p
         mfin = (m - m) == zero
         s = s * m if mfin else s
         site = (np.int32(ay) + 1) * ys + np.int32(ax) + 1
-        pidx[i] = np.int64(site if ok else np.int32(0)) * C
+        pidx[i] = np.int64(site if ok else zsite) * C
         hy = (one - ly) * s
         ly = ly * s
         pw0[i] = hy * (one - lx)
@@ -175,7 +175,7 @@ def _plan_row2d(oy, ox, mm, has_mask, fy, fx, sx, hw, ys, C, q0, q1, j0, pidx, p
 
 
 @njit(cache=True)
-def _plan(off3, m3, has_mask, n, geo, pstr, C, kidx, g, K, p0, p1, pidx, pw, pm, fast2d):
+def _plan(off3, m3, has_mask, n, geo, pstr, C, kidx, g, K, p0, p1, pidx, pw, pm, fast2d, zsite):
     """Sampling plan of offset group ``g``, kernel point ``kidx`` for output
     positions [p0, p1): ``pidx`` the flat index of the lowest corner in ``xp``,
     ``pw[corner]`` the n-linear weights (NaN for a non-finite position, 0 outside)
@@ -202,7 +202,7 @@ def _plan(off3, m3, has_mask, n, geo, pstr, C, kidx, g, K, p0, p1, pidx, pw, pm,
             end = min(p1, p - ol + oL)
             fy = _cast(zero, (p // oL) * geo[2, 0] + ky)
             fx = _cast(zero, ol * geo[2, 1] + kx)
-            _plan_row2d(off3[n, ch0], off3[n, ch0 + 1], mm, has_mask, fy, fx, sx, hw, ys, C,
+            _plan_row2d(off3[n, ch0], off3[n, ch0 + 1], mm, has_mask, fy, fx, sx, hw, ys, np.int32(zsite), C,
                         p, end, p - p0, pidx, pw, pm)
             p = end
         return
@@ -230,7 +230,7 @@ def _plan(off3, m3, has_mask, n, geo, pstr, C, kidx, g, K, p0, p1, pidx, pw, pm,
         s = one if ok else zero
         s = s if fin else nan
         j = q - p0
-        pidx[j] = base * C if ok else 0
+        pidx[j] = (base if ok else zsite) * C
         for cr in range(NC):
             wt = s
             for ax in range(nd):
@@ -307,7 +307,7 @@ def _tile(n, nl, p0, p1, xp, off3, m3, has_mask, wr, b, has_b, y3, geo, pstr, co
     xi = xp[nl]
     for g in range(og):
         for kidx in range(K):
-            _plan(off3, m3, has_mask, n, geo, pstr, C, kidx, g, K, p0, p1, pidx, pw, pm, dims[7] != 0)
+            _plan(off3, m3, has_mask, n, geo, pstr, C, kidx, g, K, p0, p1, pidx, pw, pm, dims[7] != 0, dims[8])
             _fill(xi, coff, pidx, pw, pm, cols, tl, T, K, kidx, g * cpo, (g + 1) * cpo, cpg)
     zero = _czero(wr)
     for gi in range(group):
@@ -353,6 +353,23 @@ def _geometry(x3shape, p):
     for ax in range(nd - 2, -1, -1):
         pstr[ax] = pstr[ax + 1] * (geo[0, ax + 1] + 2)
     return geo, pstr
+
+
+@njit(cache=True)
+def _padded_buffer(like, nb, sites, pstr, C):
+    """nb padded images, each followed by a zero tail at least as long as the corner
+    offsets: samples that are 0 (or NaN) point their base there, so that every
+    corner they read is an exact zero, never an input value."""
+    tail = 1
+    for ax in range(pstr.shape[0]):
+        tail += pstr[ax]
+    per = (sites + tail) * C
+    xp = _empty_like_compute(like, max(1, nb * per)).reshape((nb, max(1, per)))
+    zero = _czero(like)
+    for i in range(nb):
+        for j in range(sites * C, per):
+            xp[i, j] = zero
+    return xp
 
 
 @njit(cache=True)
@@ -428,7 +445,7 @@ def _run_serial(x3, w3, off3, m3, b, has_mask, has_b, y3, geo, pstr, dims):
         sites *= geo[0, ax] + 2
         if ax < nd - 1:
             rows *= geo[0, ax] + 2
-    xp = _empty_like_compute(x3, max(1, nb * sites * C)).reshape((nb, max(1, sites * C)))
+    xp = _padded_buffer(x3, nb, sites, pstr, C)
     coff = _corner_offsets(pstr, C)
     cols, outb, pidx, pw, pm = _scratch(x3, dims, nd, ocg)
     ntile = (P + T - 1) // T
@@ -459,7 +476,7 @@ def _run_parallel(x3, w3, off3, m3, b, has_mask, has_b, y3, geo, pstr, dims):
         sites *= geo[0, ax] + 2
         if ax < nd - 1:
             rows *= geo[0, ax] + 2
-    xp = _empty_like_compute(x3, max(1, nb * sites * C)).reshape((nb, max(1, sites * C)))
+    xp = _padded_buffer(x3, nb, sites, pstr, C)
     coff = _corner_offsets(pstr, C)
     ntile = (P + T - 1) // T
     for n0 in range(0, N, nb):
@@ -576,8 +593,8 @@ class _State:
                   and max(p.out_spatial) * max(p.strides) + max(p.kernel_shape) * max(p.dilations) < _I32)
         self.args = {}
         for nth in {1, max(1, numba.get_num_threads())}:
-            T, nb = _plan_sizes(N, C, K, oC, P, group, nd, S, item, nth)
-            dims = np.array([C, K, group, p.offset_group, T, nb, nth, fast2d], dtype=np.int64)
+            T, nb = _plan_sizes(N, C, K, oC, P, group, nd, S + 1 + int(pstr.sum()), item, nth)
+            dims = np.array([C, K, group, p.offset_group, T, nb, nth, fast2d, S], dtype=np.int64)
             self.args[nth] = (geo, pstr, dims)
 
 

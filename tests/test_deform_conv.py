@@ -1,0 +1,500 @@
+"""numba_ops.deform_conv against API.md (deform_conv, dtypes, Bad input) and the
+ONNX DeformConv page: worked examples, ONNX backend cases, onnxruntime and
+torchvision as 2-D oracles, tests/reference.py (float64, any rank) for the rest."""
+import threading
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import numba_ops
+from numba_ops.kernels.cpu import deform_conv as cpu_dc
+
+from onnx_cases import attrs as node_attrs
+from onnx_cases import backend_cases
+from reference import deform_conv_ref
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+TOL = {np.dtype(np.float32): 1e-5, np.dtype(np.float64): 1e-12}
+
+
+def assert_api_close(got, want, dtype):
+    """API.md accuracy: rel tol plus tol x the largest finite |exact output|;
+    non-finite entries must match exactly (NaN where NaN, same-signed Inf)."""
+    tol = TOL[np.dtype(dtype)]
+    got = np.asarray(got, dtype=np.float64)
+    want = np.asarray(want, dtype=np.float64)
+    assert got.shape == want.shape
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    fin = np.isfinite(want)
+    np.testing.assert_array_equal(got[~fin & ~np.isnan(want)], want[~fin & ~np.isnan(want)])
+    scale = np.abs(want[fin]).max() if fin.any() else 0.0
+    np.testing.assert_allclose(got[fin], want[fin], rtol=tol, atol=tol * scale)
+
+
+def out_sizes(D, k, pads, strides, dil):
+    nd = len(D)
+    return tuple((D[i] + pads[i] + pads[nd + i] - ((k[i] - 1) * dil[i] + 1)) // strides[i] + 1
+                 for i in range(nd))
+
+
+def make_case(rng, N=1, C=2, D=(4, 5), oC=2, k=(2, 2), pads=None, strides=None, dil=None, group=1,
+              og=1, bias=True, mask=True, spread=1.5):
+    nd = len(D)
+    pads = list(pads or [0] * (2 * nd))
+    strides = list(strides or [1] * nd)
+    dil = list(dil or [1] * nd)
+    outs = out_sizes(D, k, pads, strides, dil)
+    K = int(np.prod(k))
+    ins = dict(
+        x=rng.standard_normal((N, C) + tuple(D)),
+        w=rng.standard_normal((oC, C // group) + tuple(k)),
+        offset=spread * rng.standard_normal((N, og * K * nd) + outs),
+        b=rng.standard_normal(oC) if bias else None,
+        mask=rng.random((N, og * K) + outs) if mask else None,
+    )
+    att = dict(kernel_shape=list(k), pads=pads, strides=strides, dilations=dil, group=group, offset_group=og)
+    return ins, att
+
+
+def cast(ins, dtype):
+    return {k: (None if v is None else v.astype(dtype)) for k, v in ins.items()}
+
+
+def call(ins, att, device=None, **kw):
+    return numba_ops.deform_conv(ins["x"], ins["w"], ins["offset"], ins["b"], ins["mask"],
+                                 device=device, **att, **kw)
+
+
+def ref(ins, att):
+    a = {k: v for k, v in att.items() if k != "kernel_shape"}
+    a["offset_group"] = att["offset_group"]
+    return deform_conv_ref(ins["x"], ins["w"], ins["offset"], ins["b"], ins["mask"], **a)
+
+
+# --- the ONNX page's worked examples and ONNX's backend cases ------------------------------
+
+X33 = np.arange(9, dtype=np.float32).reshape(1, 1, 3, 3)
+W1 = np.ones((1, 1, 2, 2), np.float32)
+
+
+def _seed_examples():
+    off_p = np.zeros((1, 8, 4, 4), np.float32)
+    off_p[0, 0, 0, 0] = 0.5
+    off_p[0, 5, 1, 2] = -0.1
+    off = np.zeros((1, 8, 2, 2), np.float32)
+    off[0, 0, 0, 0] = 0.5
+    off[0, 5, 0, 1] = -0.1
+    mask = np.ones((1, 4, 2, 2), np.float32)
+    mask[0, 2, 1, 1] = 0.2
+    x2 = np.concatenate([X33, X33[:, :, ::-1, ::-1]], axis=1)
+    off2 = np.zeros((1, 16, 2, 2), np.float32)
+    off2[0, 0, 0, 0] = 0.5
+    off2[0, 13, 0, 1] = -0.1
+    return {
+        "with_padding": ((X33, W1, off_p, None, None), dict(kernel_shape=[2, 2], pads=[1, 1, 1, 1]),
+                         [[0, 1, 3, 2], [3, 8, 11.9, 7], [9, 20, 24, 13], [6, 13, 15, 8]]),
+        "without_padding": ((X33, W1, off, None, None), dict(kernel_shape=[2, 2], pads=[0, 0, 0, 0]),
+                            [[9.5, 11.9], [20, 24]]),
+        "with_mask_bias": ((X33, W1, off, np.ones(1, np.float32), mask), dict(kernel_shape=[2, 2], pads=[0, 0, 0, 0]),
+                           [[10.5, 12.9], [21, 19.4]]),
+        "multiple_offset_groups": ((x2, np.ones((1, 2, 2, 2), np.float32), off2, None, None),
+                                   dict(kernel_shape=[2, 2], pads=[0, 0, 0, 0], offset_group=2),
+                                   [[33.5, 32.1], [32, 32]]),
+    }
+
+
+@pytest.mark.parametrize("name", list(_seed_examples()))
+def test_seed_page_examples(name, device):
+    inputs, att, want = _seed_examples()[name]
+    y = numba_ops.deform_conv(*inputs, device=device, **att)
+    want = np.array(want, np.float32)[None, None]
+    assert y.dtype == np.float32 and y.shape == want.shape
+    np.testing.assert_allclose(y, want, rtol=1e-6, atol=1e-6)
+
+
+BACKEND = backend_cases("deformconv")
+
+
+def test_backend_cases_found():
+    assert len(BACKEND) >= 4
+
+
+@pytest.mark.parametrize("case", BACKEND, ids=[c[0] for c in BACKEND])
+def test_onnx_backend_cases(case, device):
+    name, node, inputs, outputs = case
+    att = node_attrs(node)
+    ins = list(inputs) + [None] * (5 - len(inputs))
+    y = numba_ops.deform_conv(*ins, device=device, **att)
+    assert y.dtype == outputs[0].dtype and y.shape == outputs[0].shape
+    np.testing.assert_allclose(y, outputs[0], rtol=1e-6, atol=1e-6)
+
+
+# --- 2-D against onnxruntime and torchvision ------------------------------------------------
+
+CASES_2D = [
+    dict(),
+    dict(N=2, C=4, D=(5, 6), oC=4, k=(3, 3), pads=[1, 1, 1, 1]),
+    dict(N=1, C=4, D=(7, 6), oC=6, k=(3, 2), pads=[1, 0, 2, 1], strides=[2, 1], dil=[1, 2], group=2, og=2),
+    dict(N=3, C=6, D=(5, 5), oC=3, k=(2, 3), pads=[0, 2, 1, 0], strides=[1, 2], group=3, og=3, mask=False),
+    dict(N=2, C=4, D=(6, 4), oC=4, k=(1, 3), dil=[3, 1], group=1, og=4, bias=False),
+    dict(N=1, C=2, D=(3, 3), oC=2, k=(3, 3), pads=[2, 2, 2, 2], strides=[3, 3], bias=False, mask=False,
+         spread=4.0),
+    dict(N=2, C=6, D=(4, 4), oC=6, k=(2, 2), pads=[1, 1, 0, 0], group=2, og=3),
+]
+
+
+def _ort_deform(ins, att):
+    ort = pytest.importorskip("onnxruntime")
+    from onnx import TensorProto, helper
+    names = ["X", "W", "offset", "B", "mask"]
+    vals = [ins["x"], ins["w"], ins["offset"], ins["b"], ins["mask"]]
+    feeds, node_in = {}, []
+    for n, v in zip(names, vals):
+        if v is None:
+            node_in.append("")
+        else:
+            node_in.append(n)
+            feeds[n] = v
+    while node_in and node_in[-1] == "":
+        node_in.pop()
+    node = helper.make_node("DeformConv", node_in, ["Y"], **att)
+    g = helper.make_graph([node], "g", [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in feeds],
+                          [helper.make_tensor_value_info("Y", TensorProto.FLOAT, None)])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 22)])
+    s = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+    return s.run(None, feeds)[0]
+
+
+@pytest.mark.parametrize("i", range(len(CASES_2D)))
+def test_2d_vs_onnxruntime(i, device):
+    ins, att = make_case(np.random.default_rng(i), **CASES_2D[i])
+    ins32 = cast(ins, np.float32)
+    want = _ort_deform(ins32, att)
+    assert_api_close(call(ins32, att, device), want, np.float32)
+
+
+@pytest.mark.parametrize("i", range(len(CASES_2D)))
+def test_2d_vs_torchvision(i, device):
+    torch = pytest.importorskip("torch")
+    tvo = pytest.importorskip("torchvision.ops")
+    ins, att = make_case(np.random.default_rng(100 + i), **CASES_2D[i])
+    p = att["pads"]
+    if p[0] != p[2] or p[1] != p[3]:
+        pytest.skip("torchvision pads symmetrically")
+    t = {k: (None if v is None else torch.from_numpy(v)) for k, v in ins.items()}
+    want = tvo.deform_conv2d(t["x"], t["offset"], t["w"], t["b"], stride=att["strides"], padding=p[:2],
+                             dilation=att["dilations"], mask=t["mask"]).numpy()
+    assert_api_close(call(ins, att, device), want, np.float64)
+
+
+# --- 1-D, 2-D, 3-D against the float64 oracle -------------------------------------------------
+
+CASES_ND = [
+    dict(N=2, C=2, D=(7,), oC=3, k=(3,), pads=[1, 2], strides=[2], dil=[1]),
+    dict(N=1, C=4, D=(9,), oC=2, k=(2,), pads=[0, 0], dil=[3], group=2, og=2, mask=False),
+    dict(N=1, C=2, D=(3, 4, 4), oC=2, k=(2, 2, 2), pads=[1, 0, 1, 0, 1, 1], strides=[1, 2, 1]),
+    dict(N=2, C=4, D=(3, 3, 4), oC=4, k=(2, 1, 3), pads=[0, 1, 1, 1, 0, 0], dil=[2, 1, 1], group=2, og=4,
+         bias=False),
+] + CASES_2D[1:4]
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("i", range(len(CASES_ND)))
+def test_vs_float64_reference(i, dtype, device):
+    ins, att = make_case(np.random.default_rng(200 + i), **CASES_ND[i])
+    want = ref(ins, att)
+    y = call(cast(ins, dtype), att, device)
+    assert y.dtype == dtype
+    assert_api_close(y, want, dtype)
+
+
+def test_4d_spatial():
+    ins, att = make_case(np.random.default_rng(7), N=1, C=2, D=(2, 3, 2, 3), oC=2, k=(2, 1, 2, 2),
+                         pads=[0, 1, 0, 1, 1, 0, 0, 0])
+    assert_api_close(call(ins, att), ref(ins, att), np.float64)
+
+
+# --- the parallel path, tiling and chunking ---------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_parallel_path_vs_reference(dtype, monkeypatch):
+    """Large enough to go parallel; tiny tiles and a tiny scratch budget force
+    several tiles per image and one image per chunk."""
+    rng = np.random.default_rng(11)
+    ins, att = make_case(rng, N=3, C=8, D=(9, 11), oC=6, k=(3, 3), pads=[1, 1, 1, 1], group=2, og=2)
+    want = ref(ins, att)
+    monkeypatch.setattr(cpu_dc, "_TILE_BYTES", 4096)
+    monkeypatch.setattr(cpu_dc, "_SCRATCH_BYTES", 1)
+    monkeypatch.setattr(cpu_dc, "_STATES", {})
+    assert cpu_dc._plan_sizes(3, 8, 9, 6, 99, 2, 2, 11 * 13, 4, 2) [1] == 1
+    y = call(cast(ins, dtype), att)
+    assert_api_close(y, want, dtype)
+    monkeypatch.setattr(cpu_dc, "_STATES", {})
+    monkeypatch.setattr(numba_ops.kernels.cpu._runtime, "PARALLEL_MIN_WORK", 1 << 62)
+    assert_api_close(call(cast(ins, dtype), att), want, dtype)
+
+
+def test_2d_generic_plan_matches_fast_plan(monkeypatch):
+    """The 32-bit 2-D plan and the generic N-D plan agree."""
+    ins, att = make_case(np.random.default_rng(12), N=2, C=4, D=(6, 7), oC=3, k=(3, 2), pads=[1, 0, 1, 1],
+                         strides=[2, 1], group=1, og=2, spread=3.0)
+    fast = call(ins, att)
+    monkeypatch.setattr(cpu_dc, "_I32", 0)
+    monkeypatch.setattr(cpu_dc, "_STATES", {})
+    slow = call(ins, att)
+    np.testing.assert_allclose(slow, fast, rtol=1e-13, atol=1e-13)
+
+
+# --- dtypes ----------------------------------------------------------------------------------
+
+def _ordered_bits(a):
+    b = a.view(np.int16).astype(np.int32)
+    return np.where(b < 0, -(b & 0x7FFF), b)
+
+
+@pytest.mark.parametrize("dtype", [np.dtype(np.float16), BF16])
+@pytest.mark.parametrize("i", [0, 2, 3])
+def test_16bit_is_float32_rounded_once(i, dtype, device):
+    ins, att = make_case(np.random.default_rng(300 + i), **(CASES_2D + CASES_ND)[i])
+    lo = cast(ins, dtype)
+    y = call(lo, att, device)
+    assert y.dtype == dtype
+    up = cast(lo, np.float32)
+    exact = ref(up, att).astype(np.float32)
+    want = exact.astype(dtype)
+    assert np.abs(_ordered_bits(y) - _ordered_bits(want)).max() <= 1
+
+
+def test_mixed_and_bad_dtypes():
+    ins, att = make_case(np.random.default_rng(0))
+    bad = dict(ins, w=ins["w"].astype(np.float32))
+    with pytest.raises(TypeError, match="W"):
+        call(bad, att)
+    bad = dict(ins, mask=ins["mask"].astype(np.float16))
+    with pytest.raises(TypeError, match="mask"):
+        call(bad, att)
+    bad = {k: (None if v is None else v.astype(np.int32)) for k, v in ins.items()}
+    with pytest.raises(TypeError, match="X"):
+        call(bad, att)
+
+
+# --- boundary rule, non-finite values, huge offsets -------------------------------------------
+
+def test_integer_and_border_positions(device):
+    """Offsets that put samples exactly on integers, on the first/last pixel,
+    at -1 and at D (both sample 0), and just inside them."""
+    rng = np.random.default_rng(5)
+    ins, att = make_case(rng, N=1, C=2, D=(4, 5), oC=2, k=(2, 2), pads=[1, 1, 1, 1])
+    vals = np.array([0.0, 1.0, -1.0, 2.0, -2.0, 3.0, 4.0, -4.0, 5.0, 0.5, -0.999, 3.999, 4.999, -1.0001])
+    ins["offset"] = rng.choice(vals, ins["offset"].shape)
+    assert_api_close(call(ins, att, device), ref(ins, att), np.float64)
+    ins32 = cast(ins, np.float32)
+    assert_api_close(call(ins32, att, device), ref(ins32, att), np.float32)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_far_offsets_sample_zero(dtype, device):
+    ins, att = make_case(np.random.default_rng(6), N=1, C=2, D=(3, 4), oC=2, k=(2, 2), pads=[1, 1, 1, 1])
+    ins = cast(ins, dtype)
+    big = np.array([1e30, -1e30, 2.0 ** 63, -(2.0 ** 63), 2.0 ** 31, -(2.0 ** 31), 2.0 ** 32 + 0.5,
+                    np.finfo(dtype).max, -np.finfo(dtype).max], dtype)
+    for v in big:
+        ins["offset"] = np.full_like(ins["offset"], v)
+        y = call(ins, att, device)
+        np.testing.assert_array_equal(y, np.broadcast_to(ins["b"][None, :, None, None], y.shape))
+    # one axis far out, the other in range: still 0
+    off = np.zeros_like(ins["offset"])
+    off[:, 0::2] = 1e30
+    ins["offset"] = off
+    y = call(ins, att, device)
+    np.testing.assert_array_equal(y, np.broadcast_to(ins["b"][None, :, None, None], y.shape))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("where", ["x", "x0", "w", "offset", "mask", "b"])
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_non_finite_inputs(where, bad, dtype, device):
+    """Never a crash; NaN/Inf reach exactly the outputs the definition says
+    (the float64 oracle), e.g. an Inf in x[0] does not leak into samples whose
+    support does not hold it, and a non-finite position gives NaN."""
+    rng = np.random.default_rng(8)
+    ins, att = make_case(rng, N=2, C=4, D=(4, 5), oC=4, k=(2, 2), pads=[1, 1, 1, 1], group=2, og=2)
+    ins = cast(ins, dtype)
+    key = "x" if where == "x0" else where
+    a = ins[key]
+    if where == "x0":
+        a.flat[0] = bad
+        ins["offset"][:] = np.round(ins["offset"])  # integer positions: zero-weight corners too
+    else:
+        idx = tuple(rng.integers(0, s) for s in a.shape)
+        a[idx] = bad
+        a.flat[-1] = bad
+    y = call(ins, att, device)
+    want = ref(ins, att)
+    assert_api_close(y, want, dtype)
+    if where == "offset":
+        assert np.isnan(y).any()
+
+
+def test_non_finite_offset_is_nan_even_if_far_on_other_axis():
+    ins, att = make_case(np.random.default_rng(9), N=1, C=1, D=(3, 3), oC=1, k=(1, 1), bias=False, mask=False)
+    ins["offset"][:] = 0.0
+    ins["offset"][0, 0, 0, 0] = np.nan
+    ins["offset"][0, 1, 0, 0] = 1e30
+    ins["offset"][0, 0, 1, 1] = np.inf
+    y = call(ins, att)
+    assert np.isnan(y[0, 0, 0, 0]) and np.isnan(y[0, 0, 1, 1])
+    assert np.isfinite(np.delete(y.ravel(), [0, 4])).all()
+
+
+# --- shapes and layouts ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_empty_batch(dtype, device):
+    ins, att = make_case(np.random.default_rng(0), N=0, C=2, D=(4, 5), oC=3, k=(2, 2))
+    y = call(cast(ins, dtype), att, device)
+    assert y.shape == (0, 3, 3, 4) and y.dtype == dtype
+
+
+def test_zero_length_spatial_axis(device):
+    """D = 0 with pads large enough for an output: every corner is outside."""
+    rng = np.random.default_rng(1)
+    ins, att = make_case(rng, N=1, C=2, D=(0, 3), oC=2, k=(2, 2), pads=[1, 0, 1, 0])
+    ins["offset"][:] = rng.uniform(-0.99, 0.99, ins["offset"].shape)
+    y = call(ins, att, device)
+    assert y.shape == (1, 2, 1, 2)
+    np.testing.assert_array_equal(y, np.broadcast_to(ins["b"][None, :, None, None], y.shape))
+
+
+def test_no_input_channels():
+    ins, att = make_case(np.random.default_rng(1), N=1, C=0, D=(3, 3), oC=2, k=(2, 2))
+    y = call(ins, att)
+    np.testing.assert_array_equal(y, np.broadcast_to(ins["b"][None, :, None, None], y.shape))
+
+
+def test_inputs_not_modified_and_any_layout(device):
+    rng = np.random.default_rng(2)
+    ins, att = make_case(rng, N=2, C=4, D=(5, 6), oC=4, k=(2, 3), pads=[1, 0, 0, 1], group=2, og=2)
+    want = call(ins, att, device)
+    # non-contiguous (every other element of a bigger array) and negative strides
+    views = {}
+    for k, v in ins.items():
+        big = np.zeros(tuple(2 * s for s in v.shape), v.dtype)
+        big[tuple(slice(None, None, 2) for _ in v.shape)] = v
+        views[k] = big[tuple(slice(None, None, 2) for _ in v.shape)]
+    flipped = {k: np.ascontiguousarray(v[..., ::-1])[..., ::-1] for k, v in ins.items()}
+    fortran = {k: np.asfortranarray(v) for k, v in ins.items()}
+    for variant in (views, flipped, fortran):
+        before = {k: v.copy() for k, v in variant.items()}
+        y = call(variant, att, device)
+        np.testing.assert_array_equal(y, want)
+        for k in variant:
+            np.testing.assert_array_equal(variant[k], before[k])
+    ro = {k: v.copy() for k, v in ins.items()}
+    for v in ro.values():
+        v.flags.writeable = False
+    np.testing.assert_array_equal(call(ro, att, device), want)
+
+
+def test_threads_match_serial(device):
+    """8 threads at once (serial- and parallel-path shapes) give the serial results."""
+    big = device == "cpu"
+    rng = np.random.default_rng(3)
+    cases = [make_case(rng, N=2, C=8, D=(12, 12), oC=8, k=(3, 3), pads=[1, 1, 1, 1], group=2) if big else
+             make_case(rng, N=1, C=2, D=(3, 4), oC=2, k=(2, 2)),
+             make_case(rng, N=1, C=2, D=(4, 4), oC=2, k=(2, 2), og=2)]
+    cases = [(cast(i, np.float32), a) for i, a in cases]
+    want = [call(i, a, device) for i, a in cases]
+    errors = []
+
+    def work(t):
+        try:
+            for r in range(4):
+                i, a = cases[(t + r) % 2]
+                np.testing.assert_array_equal(call(i, a, device), want[(t + r) % 2])
+        except Exception as exc:  # reported in the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
+
+
+def test_attribute_defaults_and_sequences():
+    ins, att = make_case(np.random.default_rng(4), N=1, C=2, D=(4, 4), oC=2, k=(2, 2))
+    y = call(ins, dict(kernel_shape=None, group=1))
+    np.testing.assert_array_equal(y, call(ins, att))
+    y2 = numba_ops.deform_conv(ins["x"], ins["w"], ins["offset"], ins["b"], ins["mask"],
+                               kernel_shape=np.array([2, 2]), pads=(0, 0, 0, 0), strides=np.array([1, 1]),
+                               dilations=(1, 1), group=np.int64(1), offset_group=np.int32(1))
+    np.testing.assert_array_equal(y2, y)
+
+
+# --- bad input ----------------------------------------------------------------------------------
+
+def _bad_calls():
+    rng = np.random.default_rng(0)
+    ins, att = make_case(rng, N=1, C=4, D=(5, 5), oC=4, k=(3, 3), pads=[1, 1, 1, 1], group=2, og=2)
+    x, w, off, b, m = ins["x"], ins["w"], ins["offset"], ins["b"], ins["mask"]
+    A = att
+    return [
+        ("X", (x[0], w, off, b, m), A),
+        ("X", (x[0, 0, 0], w, off, b, m), A),
+        ("W", (x, w[0], off, b, m), A),
+        ("kernel_shape", (x, w, off, b, m), dict(A, kernel_shape=[3, 2])),
+        ("kernel_shape", (x, w, off, b, m), dict(A, kernel_shape=[3])),
+        ("strides", (x, w, off, b, m), dict(A, strides=[1])),
+        ("strides", (x, w, off, b, m), dict(A, strides=[0, 1])),
+        ("strides", (x, w, off, b, m), dict(A, strides=[1.5, 1])),
+        ("dilations", (x, w, off, b, m), dict(A, dilations=[1, 1, 1])),
+        ("dilations", (x, w, off, b, m), dict(A, dilations=[1, -1])),
+        ("pads", (x, w, off, b, m), dict(A, pads=[1, 1])),
+        ("pads", (x, w, off, b, m), dict(A, pads=[1, 1, -1, 1])),
+        ("group", (x, w, off, b, m), dict(A, group=0)),
+        ("group", (x, w, off, b, m), dict(A, group=3)),
+        ("group", (x, w[:3], off, b[:3], m), A),
+        ("W", (x, np.concatenate([w, w], 1), off, b, m), A),
+        ("offset_group", (x, w, off, b, m), dict(A, offset_group=3)),
+        ("offset_group", (x, w, off, b, m), dict(A, offset_group=0)),
+        ("offset", (x, w, off[:, :-1], b, m), A),
+        ("offset", (x, w, off[..., :-1], b, m), A),
+        ("offset", (x, w, off[0], b, m), A),
+        ("mask", (x, w, off, b, m[:, :-1]), A),
+        ("mask", (x, w, off, b, np.concatenate([m, m], 1)), A),
+        ("mask", (x, w, off, b, m[..., :-1, :]), A),
+        ("B", (x, w, off, b[:-1], m), A),
+        ("B", (x, w, off, b[None], m), A),
+        ("output", (x[..., :1, :1], w, off, b, m), dict(A, pads=[0, 0, 0, 0])),
+        ("offset", (x, w, None, b, m), A),
+        ("X", (None, w, off, b, m), A),
+    ]
+
+
+@pytest.mark.parametrize("i", range(len(_bad_calls())))
+def test_bad_input_names_the_culprit(i):
+    name, args, att = _bad_calls()[i]
+    with pytest.raises((ValueError, TypeError), match=name):
+        numba_ops.deform_conv(*args, **att)
+    # the same shapes once valid, then invalid again: the call cache must not let it through
+    with pytest.raises((ValueError, TypeError), match=name):
+        numba_ops.deform_conv(*args, **att)
+
+
+def test_bad_attribute_after_valid_call():
+    """A call cached as valid does not make a float or bool attribute valid."""
+    ins, att = make_case(np.random.default_rng(0), N=1, C=2, D=(4, 4), oC=2, k=(2, 2))
+    call(ins, att)
+    with pytest.raises((ValueError, TypeError), match="strides"):
+        call(ins, dict(att, strides=[1.0, 1.0]))
+    with pytest.raises((ValueError, TypeError), match="group"):
+        call(ins, dict(att, group=True))
+
+
+def test_bad_device():
+    ins, att = make_case(np.random.default_rng(0))
+    with pytest.raises(ValueError, match="device"):
+        call(ins, att, device="tpu")
