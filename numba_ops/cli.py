@@ -226,8 +226,6 @@ def _ort_session(op, named, attrs, opset, device):
     g = helper.make_graph([node], "g", vi, [helper.make_tensor_value_info("y", out_t, None)])
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)])
     providers = ["CUDAExecutionProvider"] if device == "cuda" else ["CPUExecutionProvider"]
-    if device == "cuda" and providers[0] not in ort.get_available_providers():
-        raise RuntimeError("onnxruntime has no CUDAExecutionProvider here")
     s = ort.InferenceSession(m.SerializeToString(), providers=providers)
     feed = dict(named)
     return lambda: s.run(None, feed)[0]
@@ -238,6 +236,10 @@ def _peer_fn(impl, name, device):
     are timed), or a string saying why the peer has no such case."""
     op, args, kw, _ = _cases.inputs(name, "float32")
     if impl == "onnxruntime":
+        if device == "cuda":
+            import onnxruntime as ort
+            if "CUDAExecutionProvider" not in ort.get_available_providers():
+                return "this onnxruntime has no CUDAExecutionProvider"
         if op == "affine_grid":
             theta, size = args
             return _ort_session("AffineGrid", [("theta", theta), ("size", size)],

@@ -200,3 +200,24 @@ def test_import_numba_ops_does_not_import_onnx():
     code = "import sys, numba_ops; assert 'onnx' not in sys.modules, 'onnx imported'"
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert p.returncode == 0, p.stderr
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_16_bit_models(rng, dtype):
+    """float16 and bfloat16 models: the evaluator hands our ops the 16-bit arrays and
+    returns exactly what the Python API gives."""
+    from numba_ops._cases import np_dtype
+    dt = np_dtype(dtype)
+    et = TP.FLOAT16 if dtype == "float16" else TP.BFLOAT16
+    feeds, attrs = _deform_inputs(rng, np.float32)
+    feeds = {k: v.astype(dt) for k, v in feeds.items()}
+    names = ["X", "W", "offset", "B", "mask"]
+    nodes = [helper.make_node("DeformConv", names, ["Y"], **attrs),
+             helper.make_node("AffineGrid", ["theta", "size"], ["G"], align_corners=1)]
+    feeds["theta"] = rng.standard_normal((2, 2, 3)).astype(dt)
+    feeds["size"] = np.array([2, 1, 3, 5], np.int64)
+    m = _model(nodes, [(n, et) for n in names] + [("theta", et), ("size", TP.INT64)], [("Y", et), ("G", et)])
+    y, g = _ours(m, feeds)
+    assert y.dtype == dt and g.dtype == dt
+    np.testing.assert_array_equal(y, numba_ops.deform_conv(*(feeds[n] for n in names), **attrs))
+    np.testing.assert_array_equal(g, numba_ops.affine_grid(feeds["theta"], [2, 1, 3, 5], 1))
