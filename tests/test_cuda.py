@@ -54,28 +54,15 @@ def compile_kernels(which, cc):
     stand-in reporting ``cc`` (see ``_pretend_device``): the PTX produced is the
     same as on a GPU of that capability.
     """
-    from numba import cuda, types as nt
+    from numba import cuda
     from numba.cuda.cudadrv import nvvm
     try:
         nvvm.NVVM()
     except Exception as exc:  # loud: without NVVM nothing here type-checks
         raise AssertionError(f"libNVVM is missing, so the CUDA kernels cannot be compiled or type-checked: {exc}")
-    from numba.np.numpy_support import from_dtype
-    from numba_ops._dtypes import DTYPES, storage
-    from numba_ops.kernels.cuda import _device, affine_grid as ag, deform_conv as dc
-
-    jobs = []
-    if which == "affine_grid":
-        jobs = [(f"affine_grid/{dt}", ag.kernel(ct), sig) for dt, ct, sig in ag.signatures()]
-    elif which.startswith("deform_conv"):
-        tiles, nd_max = dc.variants()[0 if which == "deform_conv" else 1]
-        jobs = [(f"{which}/{dt}", dc.kernel(ct, tiles, nd_max), sig) for dt, ct, sig in dc.signatures()]
-    elif which == "pack":
-        for dt in DTYPES:
-            st = from_dtype(storage(dt))
-            for rank in (1, 3, 5):
-                jobs.append((f"pack/{dt}/rank{rank}", _device._pack,
-                             (nt.Array(st, rank, "A"), nt.Array(st, 1, "C"))))
+    from numba_ops.kernels.cuda import _device, affine_grid, deform_conv
+    module = {"affine_grid": affine_grid, "deform_conv": deform_conv, "pack": _device}[which]
+    jobs = list(module.compile_jobs())
     assert jobs, which
     sizes = {}
     for label, kern, sig in jobs:
@@ -92,7 +79,7 @@ def _pretend_device(setattr_, cc):
 
 
 @pytest.mark.parametrize("cc", CCS, ids=lambda cc: f"sm_{cc[0]}{cc[1]}")
-@pytest.mark.parametrize("which", ["affine_grid", "deform_conv", "deform_conv_nd", "pack"])
+@pytest.mark.parametrize("which", ["affine_grid", "deform_conv", "pack"])
 def test_compile_ptx(which, cc, monkeypatch):
     if not SIMULATOR:
         _pretend_device(monkeypatch.setattr, cc)
@@ -109,8 +96,10 @@ def test_compile_ptx(which, cc, monkeypatch):
                               env=_env(NUMBA_ENABLE_CUDASIM="0"), cwd=HERE, timeout=600)
         assert proc.returncode == 0, proc.stderr[-4000:]
         sizes = json.loads(proc.stdout.strip().splitlines()[-1])
-    n_dtypes = 4 * (3 if which == "pack" else 1)
-    assert len(sizes) == n_dtypes and all(v > 0 for v in sizes.values()), sizes
+    # every dtype of every kernel variant: 2 kernels x 2 nd, 2 tile variants, 3 ranks
+    assert len(sizes) == 4 * {"affine_grid": 4, "deform_conv": 2, "pack": 3}[which], sorted(sizes)
+    for dt in ("float16", "bfloat16", "float32", "float64"):
+        assert any(label.endswith("/" + dt) for label in sizes), dt
 
 
 # --- without a GPU ----------------------------------------------------------------

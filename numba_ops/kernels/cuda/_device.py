@@ -187,6 +187,18 @@ def flat(a):
     return out
 
 
+def compile_jobs():
+    """(label, kernel, argument types) of ``_pack`` for every storage dtype and a
+    few ranks: what ``compile_ptx`` type-checks (tests/test_cuda.py)."""
+    from numba import types
+    from numba.np.numpy_support import from_dtype
+    from ..._dtypes import DTYPES
+    for dt in DTYPES:
+        st = from_dtype(storage(dt))
+        for rank in (1, 3, 5):
+            yield f"pack/rank{rank}/{dt}", _pack, (types.Array(st, rank, "A"), types.Array(st, 1, "C"))
+
+
 def any_on_device(*arrays):
     return any(a is not None and not isinstance(a, np.ndarray) for a in arrays)
 

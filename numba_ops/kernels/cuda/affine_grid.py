@@ -1,15 +1,23 @@
-"""AffineGrid on the GPU: one thread per output element, grid-stride.
+"""AffineGrid on the GPU: a block per output row, threads along the row.
 
-The op writes N·D·H·W·nd elements from an N·nd·(nd+1) theta, so it is bound by
-the write bandwidth (an H100/H200 writes ~3-4.5 TB/s). Mapping consecutive
-threads to consecutive output elements (component fastest) makes every warp
-store one contiguous 32-element run, fully coalesced, whatever nd is; theta is
-tiny and stays in L1/L2. The index arithmetic is 64-bit (outputs beyond 2^31
-elements); NVVM bypasses 64-bit division with a 32-bit one when the operands
-fit, so the unravelling costs a few integer ops per element, well below the
-store's cost. The math (base coordinates, loads, the rounding store) is
-``kernels/_scalar.py``'s, shared with the CPU kernel, with the same order of
-operations: ``theta[k,0]·x + (theta[k,1]·y [+ theta[k,2]·z] + theta[k,nd])``.
+The op writes N·D·H·W·nd elements from a tiny theta, so it is bound by the write
+bandwidth, and on an H100/H200 (3.3-4.8 TB/s) that leaves only ~25-40 thread
+instructions per float32 element: per-element index unravelling (64-bit
+divisions) or per-element base coordinates (a float64 division each) would make
+it compute-bound. So the work is organised as the CPU kernel's rows:
+
+- ``coords`` tabulates the base coordinates of the W, H and D axes once
+  (``base_coord``, the CPU kernel's function; W + H + D values);
+- ``grid`` gives each block whole rows ``(n, d, h)`` (grid-stride over rows, so
+  any grid is correct); a row is ``out[w, k] = theta[n,k,0]·xs[w] + b[k]`` with
+  ``b[k] = theta[n,k,1]·ys[h] (+ theta[n,k,2]·zs[d]) + theta[n,k,nd]`` — the CPU's
+  order of operations. The block has a multiple of nd threads, so thread ``t``
+  always writes component ``k = t % nd``: its two row constants cost a few loads
+  per row, and each element is one table load, one FMA and one store, consecutive
+  threads storing consecutive elements (fully coalesced). The row decomposition
+  (64-bit, for outputs beyond 2^31 elements) is paid once per row, not per element.
+
+16-bit outputs are rounded once by the shared ``store``.
 """
 import functools
 
@@ -23,52 +31,75 @@ from . import _device
 DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 
-@functools.lru_cache(maxsize=None)
-def kernel(ct):
-    """The kernel for compute type ``ct`` (np.float32 or np.float64).
+def threads(nd):
+    """Threads per block: a multiple of nd (the component a thread writes is fixed)
+    and of the warp size; 8 elements per thread on a 512-wide row."""
+    return 2 * nd if _device.SIMULATOR else 64 * nd
 
-    Arguments: theta (N*nd*(nd+1),) and out (N*D*H*W*nd,) flat storage arrays,
-    D, H, W (D = 1 for 2-D), nd, align (0/1).
-    """
+
+@functools.lru_cache(maxsize=None)
+def kernels(ct, nd):
+    """``(coords, grid)`` kernels for compute type ``ct`` and ``nd`` spatial dims."""
     ct = np.dtype(ct).type
+    ND = nd
+    UND = np.uint64(nd)  # unsigned in the element loop: no Python floor/negative-index fix-ups
 
     @cuda.jit
-    def affine_grid_kernel(theta, out, D, H, W, nd, align):
+    def coords(c, D, H, W, align):
+        """c[:W], c[W:W+H], c[W+H:] = base coordinates of the W, H, D axes."""
         one = ct(1)
         start = np.int64(cuda.blockIdx.x) * cuda.blockDim.x + cuda.threadIdx.x
         step = np.int64(cuda.gridDim.x) * cuda.blockDim.x
-        for e in range(start, out.shape[0], step):
-            k = e % nd
-            r = e // nd
-            w = r % W
-            r = r // W
-            h = r % H
-            r = r // H
-            d = r % D
-            n = r // D
-            t = (n * nd + k) * (nd + 1)
-            x = ct(base_coord(w, W, align, one))
-            y = ct(base_coord(h, H, align, one))
-            if nd == 3:
-                z = ct(base_coord(d, D, align, one))
-                b = load(theta, t + 1) * y + load(theta, t + 2) * z + load(theta, t + 3)
+        for i in range(start, c.shape[0], step):
+            if i < W:
+                c[i] = base_coord(i, W, align, one)
+            elif i < W + H:
+                c[i] = base_coord(i - W, H, align, one)
             else:
-                b = load(theta, t + 1) * y + load(theta, t + 2)
-            store(out, e, load(theta, t) * x + b)
+                c[i] = base_coord(i - W - H, D, align, one)
 
-    return affine_grid_kernel
+    @cuda.jit
+    def grid(theta, c, out, D, H, W):
+        """out viewed as rows (n, d, h) of W * nd elements; theta flat (N*nd*(nd+1),)."""
+        t = np.uint64(cuda.threadIdx.x)
+        bd = np.uint64(cuda.blockDim.x)
+        k = np.int64(cuda.threadIdx.x % ND)
+        L = W * ND
+        UL = np.uint64(L)
+        rows = out.shape[0] // L
+        for r in range(np.int64(cuda.blockIdx.x), rows, np.int64(cuda.gridDim.x)):
+            h = r % H
+            q = r // H
+            d = q % D
+            n = q // D
+            th = (n * ND + k) * (ND + 1)
+            if ND == 3:
+                b = load(theta, th + 1) * c[W + h] + load(theta, th + 2) * c[W + H + d] + load(theta, th + 3)
+            else:
+                b = load(theta, th + 1) * c[W + h] + load(theta, th + 2)
+            a = load(theta, th)
+            base = np.uint64(r * L)
+            for j in range(t, UL, bd):
+                store(out, base + j, a * c[j // UND] + b)
+
+    return coords, grid
 
 
-def signatures():
-    """(compute type, argument types) for every dtype in DTYPES: what ``compile_ptx`` checks."""
+def compile_jobs():
+    """(label, kernel, argument types) for every kernel, dtype and nd: what
+    ``compile_ptx`` type-checks (tests/test_cuda.py)."""
     from numba import types
     from numba.np.numpy_support import from_dtype
     from ..._dtypes import DTYPES as ALL
+    i64 = types.int64
     for dt in ALL:
-        st = from_dtype(storage(dt))
-        arr = types.Array(st, 1, "C")
-        yield dt, compute(dt).type, (arr, arr, types.int64, types.int64, types.int64, types.int64,
-                                     types.boolean)
+        ct = compute(dt).type
+        st = types.Array(from_dtype(storage(dt)), 1, "C")
+        cf = types.Array(from_dtype(np.dtype(ct)), 1, "C")
+        for nd in (2, 3):
+            coords, grid = kernels(ct, nd)
+            yield f"affine_grid.coords/{nd}d/{dt}", coords, (cf, i64, i64, i64, types.boolean)
+            yield f"affine_grid.grid/{nd}d/{dt}", grid, (st, cf, st, i64, i64, i64)
 
 
 def launch(theta, size, align):
@@ -85,8 +116,13 @@ def _launch(theta, size, align):
     to_host = isinstance(theta, np.ndarray)
     out = cuda.device_array(total, dtype=storage(dtype))
     if total:
+        ct = compute(dtype).type
         D = size[2] if nd == 3 else 1
-        th = _device.flat(theta)
-        kernel(compute(dtype))[_device.blocks_for(total), _device.THREADS](
-            th, out, np.int64(D), np.int64(size[-2]), np.int64(size[-1]), np.int64(nd), bool(align))
+        H, W = size[-2], size[-1]
+        coords, grid = kernels(ct, nd)
+        c = cuda.device_array(W + H + D, dtype=ct)
+        coords[_device.blocks_for(W + H + D), _device.THREADS](c, np.int64(D), np.int64(H), np.int64(W), bool(align))
+        rows = total // (W * nd)
+        blocks = max(1, min(rows, _device.MAX_BLOCKS))
+        grid[blocks, threads(nd)](_device.flat(theta), c, out, np.int64(D), np.int64(H), np.int64(W))
     return _device.finish(out, shape, dtype, to_host)

@@ -247,20 +247,22 @@ def kernel(ct, tiles, nd_max):
 
 
 def variants():
-    """Every (compute type, tiles, nd_max) the launcher can pick on a GPU."""
+    """Every (tiles, nd_max) the launcher picks on a GPU: n <= 3, and n >= 4 (shown for n = 4)."""
     return [(GPU_TILES, 3), (GPU_TILES_ND, 4)]
 
 
-def signatures():
-    """(dtype, compute type, argument types) for every dtype in DTYPES: what ``compile_ptx`` checks."""
+def compile_jobs():
+    """(label, kernel, argument types) for every GPU variant and dtype: what
+    ``compile_ptx`` type-checks (tests/test_cuda.py)."""
     from numba import types
     from numba.np.numpy_support import from_dtype
     from ..._dtypes import DTYPES as ALL
     i64 = types.int64
     for dt in ALL:
         arr = types.Array(from_dtype(storage(dt)), 1, "C")
-        yield dt, compute(dt).type, (arr, arr, arr, arr, arr, arr, types.Array(i64, 2, "C"),
-                                     types.Array(i64, 1, "C"))
+        args = (arr,) * 6 + (types.Array(i64, 2, "C"), types.Array(i64, 1, "C"))
+        for tiles, nd_max in variants():
+            yield f"deform_conv/nd<={nd_max}/{dt}", kernel(compute(dt).type, tiles, nd_max), args
 
 
 def launch(x, w, offset, b, mask, p):
