@@ -37,8 +37,10 @@ ample for this op's 2·oC·C·K FLOPs per output position.
 rounding on the way out); all index arithmetic is 64-bit. Every output element is
 written once, by the thread that accumulated it: ``y = b + Σ``. Corners outside
 the input count 0 exactly (they are dropped from the plan, never multiplied by 0),
-a non-finite sample position gives a NaN sample, and ``border_corner`` keeps
-huge finite offsets from ever reaching an integer conversion.
+a non-finite sample position gives a NaN sample, a position outside the input
+gives ``0 · mask`` (so a NaN/Inf mask still poisons it, as the definition's
+``mask · sample`` does), and ``border_corner`` keeps huge finite offsets from
+ever reaching an integer conversion.
 """
 import functools
 import math
@@ -121,7 +123,7 @@ def kernel(ct, tiles, nd_max):
         ws = cuda.shared.array((RK, TO), ct)
         pidx = cuda.shared.array((TP, NC), np.int64)
         pw = cuda.shared.array((TP, NC), ct)
-        pcnt = cuda.shared.array(TP, np.int64)  # corners in the plan; -1: NaN sample
+        pcnt = cuda.shared.array(TP, np.int64)  # corners in the plan; -1: the sample is pw[q, 0]
         ax_i0 = cuda.local.array(ND, np.int64)
         ax_w = cuda.local.array((ND, 2), ct)
         acc = cuda.local.array((TM, TN), ct)
@@ -178,10 +180,14 @@ def kernel(ct, tiles, nd_max):
                                     ax_w[ax, 1] = lam
                                     ok = ok and inside
                                     finite = finite and fin
+                                m = load(mask, ((n * og + g) * K + kidx) * P + p) if has_mask else one
                                 if not finite:
                                     cnt = -1
-                                elif ok:
-                                    m = load(mask, ((n * og + g) * K + kidx) * P + p) if has_mask else one
+                                    pw[q, 0] = nan
+                                elif not ok:  # sample 0, times the mask (NaN for a NaN/Inf mask)
+                                    cnt = -1
+                                    pw[q, 0] = zero * m
+                                else:
                                     for corner in range(1 << nd):
                                         wt = m
                                         flat = np.int64(0)
@@ -208,7 +214,7 @@ def kernel(ct, tiles, nd_max):
                         if rr < rows:
                             cnt = pcnt[pp]
                             if cnt < 0:
-                                v = nan
+                                v = pw[pp, 0]
                             else:
                                 xb = (n * C + c + rr) * S
                                 for jc in range(cnt):
