@@ -30,6 +30,7 @@ import sys
 import time
 
 import numpy as np
+from numba import prange
 
 from . import _cases
 
@@ -279,10 +280,20 @@ def _ours_fn(name, dtype, device):
     return lambda: (numba_ops.deform_conv(*dargs, device="cuda", **kw), cuda.synchronize())
 
 
+def _fill_parallel(a, v):
+    for i in prange(a.size):
+        a[i] = v
+
+
+def _fill_serial(a, v):
+    for i in range(a.size):
+        a[i] = v
+
+
 def _limits(cfg):
     """This machine's limits, measured now: write bandwidth, the alloc+fill floor of
     each AffineGrid case's output, and the GEMM rate in the accumulation dtype."""
-    from numba import njit, prange
+    from numba import njit
 
     quick, repeat = cfg["quick"], cfg["repeat"]
     reps = 1 if repeat == 1 else 3 if quick else 5
@@ -303,16 +314,8 @@ def _limits(cfg):
         sfill = pfill
     else:
         from .kernels.cpu import _runtime  # noqa: F401  (numba_ops' threading layer, set before the pool starts)
-
-        @njit(parallel=True)
-        def pfill(a, v):
-            for i in prange(a.size):
-                a[i] = v
-
-        @njit
-        def sfill(a, v):
-            for i in range(a.size):
-                a[i] = v
+        pfill = njit(parallel=True, cache=True)(_fill_parallel)
+        sfill = njit(cache=True)(_fill_serial)
         empty = np.empty
     a = empty(64 * 2 ** 20, dtype=np.float32)  # 256 MiB
     pfill(a, 0.0)
