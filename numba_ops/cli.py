@@ -383,7 +383,7 @@ def _worker(cfg):
 # bench: driver, table, gate
 # --------------------------------------------------------------------------
 
-def _installed_peers(device):
+def _installed_peers():
     have = []
     if importlib.util.find_spec("onnxruntime") and importlib.util.find_spec("onnx"):
         have.append("onnxruntime")
@@ -400,10 +400,12 @@ def _worker_argv():
 def _run_worker(cfg, log):
     """Run one implementation in its own process; print a progress line per case."""
     cmd = _worker_argv() + ["_worker", json.dumps(cfg)]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    got = {}
+    # stderr joins stdout: a chatty worker cannot fill an unread pipe and stall
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    got, other = {}, []
     for line in p.stdout:
         if not line.startswith(_MARK):
+            other = (other + [line])[-40:]
             continue
         ev = json.loads(line[len(_MARK):])
         if "limits" in ev:
@@ -419,9 +421,8 @@ def _run_worker(cfg, log):
             log(f"  [{cfg['impl']}] {name}: {ev['ms']:.3f} ms warm, {ev['cold_ms']:.3f} ms cold")
         else:
             log(f"  [{cfg['impl']}] {name}: {'skipped: ' + ev['skip'] if 'skip' in ev else 'ERROR ' + ev['error']}")
-    err = p.stderr.read()
     if p.wait() != 0:
-        log(f"  [{cfg['impl']}] failed (exit {p.returncode}): {err.strip()[-1500:]}")
+        log(f"  [{cfg['impl']}] failed (exit {p.returncode}): {''.join(other).strip()[-1500:]}")
     return got
 
 
@@ -547,7 +548,7 @@ def cmd_bench(args):
             return 2
         cases = _select(args.only)
         if args.peers is None:
-            peers = _installed_peers(device)
+            peers = _installed_peers()
         else:
             peers = [p for p in args.peers.split(",") if p and p != "none"]
             unknown = set(peers) - set(PEERS)
