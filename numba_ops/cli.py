@@ -546,6 +546,11 @@ def cmd_bench(args):
             print(f"numba-ops bench: device {device!r} is not usable here "
                   f"(usable: {', '.join(numba_ops.devices())})", file=sys.stderr)
             return 2
+        from ._dispatch import cuda_simulator
+        if device == "cuda" and cuda_simulator():
+            print("numba-ops bench: NUMBA_ENABLE_CUDASIM=1 runs the CUDA kernels in numba's simulator, "
+                  "which is for correctness, not timing; unset it to time a GPU", file=sys.stderr)
+            return 2
         cases = _select(args.only)
         if args.peers is None:
             peers = _installed_peers()

@@ -191,3 +191,20 @@ def test_python_dash_m_and_help():
     for opt in ("--device", "--dtype", "--quick", "--json", "--compare"):
         assert opt in out
     assert os.path.exists(ROOT / "numba_ops" / "__main__.py")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif("cuda" not in numba_ops.devices(), reason="no GPU and no CUDA simulator here")
+def test_bench_worker_times_the_cuda_kernels():
+    """The bench's numba_ops worker on CUDA (device arrays in, synchronised); in CI
+    this runs on the simulator, where `bench --device cuda` itself refuses to time."""
+    cfg = {"impl": "numba_ops", "cases": ["ag2d_small", "dc_seed"], "dtype": "float32", "device": "cuda",
+           "quick": True, "repeat": 1, "peers": []}
+    rc, out, err = run("_worker", json.dumps(cfg), timeout=600)
+    assert rc == 0, out + err
+    events = [json.loads(ln.split(" ", 1)[1]) for ln in out.splitlines() if ln.startswith("@@numba-ops ")]
+    assert [e["case"] for e in events] == ["ag2d_small", "dc_seed"] and all(e["ms"] > 0 for e in events), out
+    from numba_ops._dispatch import cuda_simulator
+    if cuda_simulator():
+        rc, out, err = run("bench", "--device", "cuda")
+        assert rc == 2 and "simulator" in err
