@@ -221,3 +221,22 @@ def test_16_bit_models(rng, dtype):
     assert y.dtype == dt and g.dtype == dt
     np.testing.assert_array_equal(y, numba_ops.deform_conv(*(feeds[n] for n in names), **attrs))
     np.testing.assert_array_equal(g, numba_ops.affine_grid(feeds["theta"], [2, 1, 3, 5], 1))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif("cuda" not in numba_ops.devices(), reason="no GPU and no CUDA simulator here")
+def test_models_on_cuda_match_cpu(rng):
+    """ops("cuda"): NumPy feeds go over to the GPU and back; results equal the CPU's."""
+    feeds, attrs = _deform_inputs(rng, np.float32, N=1, H=5, W=4)
+    names = ["X", "W", "offset", "B", "mask"]
+    nodes = [helper.make_node("DeformConv", names, ["Y"], **attrs),
+             helper.make_node("AffineGrid", ["theta", "size"], ["G"])]
+    feeds["theta"] = rng.standard_normal((1, 2, 3)).astype(np.float32)
+    feeds["size"] = np.array([1, 1, 3, 4], np.int64)
+    m = _model(nodes, [(n, TP.FLOAT) for n in names] + [("theta", TP.FLOAT), ("size", TP.INT64)],
+               [("Y", TP.FLOAT), ("G", TP.FLOAT)])
+    got = _ours(m, feeds, device="cuda")
+    want = _ours(m, feeds, device="cpu")
+    for g, w in zip(got, want):
+        assert isinstance(g, np.ndarray)
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5 * np.abs(w).max())
