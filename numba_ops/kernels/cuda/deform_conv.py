@@ -15,8 +15,10 @@ the reduction in chunks of ``RK`` rows:
    the offset group, so it is rebuilt only when ``kidx`` or the offset group
    changes (the reduction runs kidx-major, channel-minor);
 2. the ``RK × TP`` sample tile is filled from the plan into shared memory
-   (a few gathers and FMAs per sample, from L2-resident ``x``) and the
-   ``RK × TO`` weight tile beside it;
+   (a few gathers and FMAs per sample, from L2-resident ``x``; the plan is
+   stored corner-major so a warp reads it without bank conflicts) and the
+   ``RK × TO`` weight tile beside it, with coalesced loads from a copy of W laid
+   out (group, kidx, c, oc) by ``weights_by_kernel_point`` once per call;
 3. each of the 256 threads accumulates a ``TM × TN`` (4 × 4) register block of
    the output tile by outer products over the ``RK`` rows, reading 8 shared
    values per 16 FMAs, with float32 accumulators (float64 for float64).
@@ -89,7 +91,8 @@ def kernel(ct, tiles, nd_max):
     """The tiled kernel for compute type ``ct``, tile shape ``tiles`` and at most
     ``nd_max`` spatial dims.
 
-    Arguments (flat, C-contiguous storage arrays): x (N*C*S), w (oC*C/group*K),
+    Arguments (flat, C-contiguous storage arrays): x (N*C*S), w (group, K, C/group,
+    oC/group: ``weights_by_kernel_point``'s layout, so a tile's weights are rows),
     offset (N*og*K*nd*P), mask (N*og*K*P, or a 1-element dummy), bias (oC, or a
     dummy), y (N*oC*P); geo (6, nd) int64 rows: input sizes, kernel, strides,
     pads begin, dilations, output sizes; dims int64: N, C, oC, group,
@@ -121,9 +124,10 @@ def kernel(ct, tiles, nd_max):
 
         cols = cuda.shared.array((RK, TP), ct)
         ws = cuda.shared.array((RK, TO), ct)
-        pidx = cuda.shared.array((TP, NC), np.int64)
-        pw = cuda.shared.array((TP, NC), ct)
-        pcnt = cuda.shared.array(TP, np.int64)  # corners in the plan; -1: the sample is pw[q, 0]
+        # corner-major, so the threads of a warp (consecutive positions) hit distinct banks
+        pidx = cuda.shared.array((NC, TP), np.int64)
+        pw = cuda.shared.array((NC, TP), ct)
+        pcnt = cuda.shared.array(TP, np.int64)  # corners in the plan; -1: the sample is pw[0, q]
         ax_i0 = cuda.local.array(ND, np.int64)
         ax_w = cuda.local.array((ND, 2), ct)
         acc = cuda.local.array((TM, TN), ct)
@@ -183,10 +187,10 @@ def kernel(ct, tiles, nd_max):
                                 m = load(mask, ((n * og + g) * K + kidx) * P + p) if has_mask else one
                                 if not finite:
                                     cnt = -1
-                                    pw[q, 0] = nan
+                                    pw[0, q] = nan
                                 elif not ok:  # sample 0, times the mask (NaN for a NaN/Inf mask)
                                     cnt = -1
-                                    pw[q, 0] = zero * m
+                                    pw[0, q] = zero * m
                                 else:
                                     for corner in range(1 << nd):
                                         wt = m
@@ -199,8 +203,8 @@ def kernel(ct, tiles, nd_max):
                                             valid = valid and 0 <= jj < geo[0, ax]
                                             flat = flat * geo[0, ax] + jj
                                         if valid:
-                                            pidx[q, cnt] = flat
-                                            pw[q, cnt] = wt
+                                            pidx[cnt, q] = flat
+                                            pw[cnt, q] = wt
                                             cnt += 1
                             pcnt[q] = cnt
                         plan_g = g
@@ -214,11 +218,11 @@ def kernel(ct, tiles, nd_max):
                         if rr < rows:
                             cnt = pcnt[pp]
                             if cnt < 0:
-                                v = pw[pp, 0]
+                                v = pw[0, pp]
                             else:
                                 xb = (n * C + c + rr) * S
                                 for jc in range(cnt):
-                                    v += pw[pp, jc] * load(x, xb + pidx[pp, jc])
+                                    v += pw[jc, pp] * load(x, xb + pidx[jc, pp])
                         cols[rr, pp] = v
                     # -- ... and the RK x TO weight tile (0 past the group's channels)
                     for e in range(t, RK * TO, NT):
@@ -227,7 +231,7 @@ def kernel(ct, tiles, nd_max):
                         oc = oc0 + mm
                         v = zero
                         if rr < rows and oc < oc_hi:
-                            v = load(w, (oc * cpg + c_lo + rr) * K + kidx)
+                            v = load(w, ((gi * K + kidx) * cpg + c_lo + rr) * ocg + oc - oc_lo)
                         ws[rr, mm] = v
                     cuda.syncthreads()
                     # -- register-blocked outer products
@@ -252,6 +256,22 @@ def kernel(ct, tiles, nd_max):
     return deform_conv_kernel
 
 
+@cuda.jit
+def weights_by_kernel_point(w, wt, cpg, K, ocg):
+    """wt[((gi*K + kidx)*cpg + c)*ocg + o] = w[((gi*ocg + o)*cpg + c)*K + kidx]: the
+    weight tile of a chunk (fixed kidx, consecutive c, consecutive oc) becomes
+    contiguous rows, so its loads coalesce. Storage-type copy; W is small."""
+    start = np.int64(cuda.blockIdx.x) * cuda.blockDim.x + cuda.threadIdx.x
+    step = np.int64(cuda.gridDim.x) * cuda.blockDim.x
+    for i in range(start, w.shape[0], step):
+        kidx = i % K
+        r = i // K
+        c = r % cpg
+        oc = r // cpg
+        gi = oc // ocg
+        wt[((gi * K + kidx) * cpg + c) * ocg + oc - gi * ocg] = w[i]
+
+
 def variants():
     """Every (tiles, nd_max) the launcher picks on a GPU: n <= 3, and n >= 4 (shown for n = 4)."""
     return [(GPU_TILES, 3), (GPU_TILES_ND, 4)]
@@ -269,6 +289,7 @@ def compile_jobs():
         args = (arr,) * 6 + (types.Array(i64, 2, "C"), types.Array(i64, 1, "C"))
         for tiles, nd_max in variants():
             yield f"deform_conv/nd<={nd_max}/{dt}", kernel(compute(dt).type, tiles, nd_max), args
+        yield f"deform_conv.weights/{dt}", weights_by_kernel_point, (arr, arr, i64, i64, i64)
 
 
 def launch(x, w, offset, b, mask, p):
@@ -293,7 +314,11 @@ def _launch(x, w, offset, b, mask, p):
     y = cuda.device_array(total, dtype=st)
     if total:
         dummy = cuda.device_array(1, dtype=st)
-        xf, wf, of = _device.flat(x), _device.flat(w), _device.flat(offset)
+        xf, wf0, of = _device.flat(x), _device.flat(w), _device.flat(offset)
+        wf = cuda.device_array(wf0.shape[0], dtype=st)
+        if wf.shape[0]:
+            weights_by_kernel_point[_device.blocks_for(wf.shape[0]), _device.THREADS](
+                wf0, wf, np.int64(C // group), np.int64(K), np.int64(oC // group))
         mf = dummy if mask is None else _device.flat(mask)
         bf = dummy if b is None else _device.flat(b)
         geo = _device.int64_array([tuple(x.shape[2:]), p.kernel_shape, p.strides, p.pads_begin,
