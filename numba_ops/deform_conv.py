@@ -58,45 +58,41 @@ _SEEN = {}
 _SEEN_MAX = 512
 
 
-def _ints_key(v):
-    if v is None:
-        return None
-    t = type(v)
-    if t is tuple or t is list:
-        for e in v:
-            if type(e) is not int:
-                return _NOKEY
-        return (t is list, *v)
-    return _NOKEY
-
-
-_NOKEY = object()
+_ND = np.ndarray
+_INT = int
 
 
 def _fast_key(x, w, offset, b, mask, kernel_shape, strides, pads, dilations, group, offset_group):
-    """The cache key of a plain NumPy call, or None when the call must take the full path."""
-    nd = np.ndarray
-    if type(x) is not nd or type(w) is not nd or type(offset) is not nd:
+    """The cache key of a plain NumPy call, or None when the call must take the full path.
+
+    Exact ndarrays of one dtype object, ``int`` group/offset_group and attributes
+    that are None or lists/tuples of exact ``int`` (bool and float are not): a
+    float stride can never hit the entry of an integer one."""
+    if type(x) is not _ND or type(w) is not _ND or type(offset) is not _ND:
         return None
     dt = x.dtype
     if w.dtype is not dt or offset.dtype is not dt:
         return None
-    bs = ms = None
-    if b is not None:
-        if type(b) is not nd or b.dtype is not dt:
-            return None
-        bs = b.shape
-    if mask is not None:
-        if type(mask) is not nd or mask.dtype is not dt:
-            return None
-        ms = mask.shape
-    if type(group) is not int or type(offset_group) is not int:
+    if b is not None and (type(b) is not _ND or b.dtype is not dt):
         return None
-    key = (x.shape, w.shape, offset.shape, bs, ms, dt, group, offset_group, _ints_key(kernel_shape),
-           _ints_key(strides), _ints_key(pads), _ints_key(dilations))
-    if _NOKEY in key[8:]:
+    if mask is not None and (type(mask) is not _ND or mask.dtype is not dt):
         return None
-    return key
+    if type(group) is not _INT or type(offset_group) is not _INT:
+        return None
+    key = [x.shape, w.shape, offset.shape, None if b is None else b.shape, None if mask is None else mask.shape,
+           dt, group, offset_group]
+    for v in (kernel_shape, strides, pads, dilations):
+        if v is None:
+            key.append(None)
+            continue
+        t = type(v)
+        if t is not list and t is not tuple:
+            return None
+        for e in v:
+            if type(e) is not _INT:
+                return None
+        key.append(tuple(v))
+    return tuple(key)
 
 
 def deform_conv(x, w, offset, b=None, mask=None, *, kernel_shape=None, strides=None, pads=None,
@@ -122,7 +118,7 @@ def deform_conv(x, w, offset, b=None, mask=None, *, kernel_shape=None, strides=N
         if key is not None:
             p = _SEEN.get(key)
             if p is not None:
-                return _cpu_launch()(x, w, offset, b, mask, p)
+                return (_CPU or _cpu_launch())(x, w, offset, b, mask, p)
     else:
         key = None
     inputs = {"X": x, "W": w, "offset": offset, "B": b, "mask": mask}
@@ -146,5 +142,10 @@ def deform_conv(x, w, offset, b=None, mask=None, *, kernel_shape=None, strides=N
     return launcher("deform_conv", device)(x, w, offset, b, mask, p)
 
 
+_CPU = None
+
+
 def _cpu_launch():
-    return launcher("deform_conv", "cpu")
+    global _CPU
+    _CPU = launcher("deform_conv", "cpu")
+    return _CPU

@@ -209,6 +209,24 @@ def test_vs_float64_reference(i, dtype, device):
     assert_api_close(y, want, dtype)
 
 
+@pytest.mark.parametrize("dtype", [np.float64, np.float32, np.float16])
+@pytest.mark.parametrize("path", ["direct", "tiled"])
+@pytest.mark.parametrize("i", range(len(CASES_ND)))
+def test_cpu_paths_vs_reference(i, path, dtype, monkeypatch):
+    """The CPU's tiny-call path (straight loops) and its tiled path both, whatever
+    size would pick."""
+    monkeypatch.setattr(cpu_dc, "_DIRECT_MAX", 1 << 62 if path == "direct" else -1)
+    monkeypatch.setattr(cpu_dc, "_STATES", {})
+    ins, att = make_case(np.random.default_rng(200 + i), **CASES_ND[i])
+    lo = cast(ins, dtype)
+    want = ref(lo, att)
+    y = call(lo, att)
+    if dtype == np.float16:
+        assert np.abs(_ordered_bits(y) - _ordered_bits(want.astype(np.float32).astype(dtype))).max() <= 1
+    else:
+        assert_api_close(y, want, dtype)
+
+
 def test_4d_spatial():
     ins, att = make_case(np.random.default_rng(7), N=1, C=2, D=(2, 3, 2, 3), oC=2, k=(2, 1, 2, 2),
                          pads=[0, 1, 0, 1, 1, 0, 0, 0])
@@ -227,7 +245,7 @@ def test_parallel_path_vs_reference(dtype, monkeypatch):
     monkeypatch.setattr(cpu_dc, "_TILE_BYTES", 4096)
     monkeypatch.setattr(cpu_dc, "_SCRATCH_BYTES", 1)
     monkeypatch.setattr(cpu_dc, "_STATES", {})
-    assert cpu_dc._plan_sizes(3, 8, 9, 6, 99, 2, 2, 11 * 13, 4, 2) [1] == 1
+    assert cpu_dc._plan_sizes(3, 8, 9, 6, 99, 2, 2, 2, 11 * 13, 4, 2)[1] == 1
     y = call(cast(ins, dtype), att)
     assert_api_close(y, want, dtype)
     monkeypatch.setattr(cpu_dc, "_STATES", {})
@@ -314,10 +332,13 @@ def test_far_offsets_sample_zero(dtype, device):
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("where", ["x", "x0", "w", "offset", "mask", "b"])
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
-def test_non_finite_inputs(where, bad, dtype, device):
+@pytest.mark.parametrize("path", ["direct", "tiled"])
+def test_non_finite_inputs(where, bad, dtype, path, device, monkeypatch):
     """Never a crash; NaN/Inf reach exactly the outputs the definition says
     (the float64 oracle), e.g. an Inf in x[0] does not leak into samples whose
     support does not hold it, and a non-finite position gives NaN."""
+    monkeypatch.setattr(cpu_dc, "_DIRECT_MAX", 1 << 62 if path == "direct" else -1)
+    monkeypatch.setattr(cpu_dc, "_STATES", {})
     rng = np.random.default_rng(8)
     ins, att = make_case(rng, N=2, C=4, D=(4, 5), oC=4, k=(2, 2), pads=[1, 1, 1, 1], group=2, og=2)
     ins = cast(ins, dtype)

@@ -47,8 +47,11 @@ DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 #: the scratch budget of one call: padded images plus every thread's tile buffers.
 _SCRATCH_BYTES = 192 << 20
-#: target bytes of one tile's column buffer (about an L2 cache).
-_TILE_BYTES = 384 << 10
+#: target bytes of one tile's column buffer (about an L2 cache), and the fewest positions.
+_TILE_BYTES = 512 << 10
+_TILE_MIN = 256
+#: calls with at most this many (sample, output channel, corner) triples take the direct path.
+_DIRECT_MAX = 1024
 
 
 # --- compute-type helpers -----------------------------------------------------------
@@ -119,12 +122,23 @@ def _pad_row(x3, n, xp, geo, r):
         xp[dst + (Lp - 1) * C + c] = zero
     src = src_row * L
     xn = x3[n]
-    for c0 in range(0, C, 16):  # 16-channel blocks: 16 read streams, contiguous writes
-        c1 = min(C, c0 + 16)
-        for j in range(L):
-            o = dst + (j + 1) * C
-            for c in range(c0, c1):
-                xp[o + c] = load(xn, (c, src + j))
+    for c0 in range(0, C, 8):
+        if c0 + 8 <= C:
+            # 8 channels at a time: 8 contiguous read streams, 8 contiguous writes per site
+            r0, r1 = xn[c0, src:src + L], xn[c0 + 1, src:src + L]
+            r2, r3 = xn[c0 + 2, src:src + L], xn[c0 + 3, src:src + L]
+            r4, r5 = xn[c0 + 4, src:src + L], xn[c0 + 5, src:src + L]
+            r6, r7 = xn[c0 + 6, src:src + L], xn[c0 + 7, src:src + L]
+            for j in range(L):
+                o = dst + (j + 1) * C + c0
+                xp[o], xp[o + 1] = load(r0, j), load(r1, j)
+                xp[o + 2], xp[o + 3] = load(r2, j), load(r3, j)
+                xp[o + 4], xp[o + 5] = load(r4, j), load(r5, j)
+                xp[o + 6], xp[o + 7] = load(r6, j), load(r7, j)
+        else:
+            for c in range(c0, C):
+                for j in range(L):
+                    xp[dst + (j + 1) * C + c] = load(xn, (c, src + j))
 
 
 @njit(cache=True)
@@ -243,72 +257,80 @@ def _plan(off3, m3, has_mask, n, geo, pstr, C, kidx, g, K, p0, p1, pidx, pw, pm,
 
 
 @njit(cache=True, fastmath={"contract"})
-def _fill(xp, coff, pidx, pw, pm, cols, tl, T, K, kidx, c0, c1, cpg):
-    """Apply a plan to channels [c0, c1) of one offset group:
-    cols[gi, j, kidx, c - gi*cpg] = mask * sum_corner w * xp[pidx + coff + c].
+def _fill(xp, coff, pidx, pw, pm, cols, tl, T, K, og, cpo, cpg):
+    """Apply the tile's plans: cols[gi, j, kidx, c - gi*cpg] =
+    mask * sum_corner w * xp[pidx + coff + c] for every channel c.
 
+    Position by position, so that each column row is written front to back;
+    each (kernel point, offset group) is a contiguous run of channels in ``xp``.
     A finite mask is folded into the plan's weights by ``_plan`` (``pm`` is then
-    1); a non-finite one multiplies the sample, as the definition says."""
+    1); a non-finite one multiplies the sample, as the definition orders it."""
     NC = coff.shape[0]
     one = _czero(pm) + 1
-    c = c0
-    while c < c1:
-        gi = c // cpg
-        ce = min(c1, (gi + 1) * cpg)
-        L = ce - c
-        for j in range(tl):
-            b = pidx[j] + c
-            m = pm[j]
-            d = ((gi * T + j) * K + kidx) * cpg - gi * cpg + c
-            dst = cols[d:d + L]
-            if NC == 4:
-                w0, w1, w2, w3 = pw[0, j], pw[1, j], pw[2, j], pw[3, j]
-                x0 = xp[b + coff[0]:b + coff[0] + L]
-                x1 = xp[b + coff[1]:b + coff[1] + L]
-                x2 = xp[b + coff[2]:b + coff[2] + L]
-                x3 = xp[b + coff[3]:b + coff[3] + L]
-                if m == one:
-                    for i in range(L):
-                        dst[i] = w0 * x0[i] + w1 * x1[i] + w2 * x2[i] + w3 * x3[i]
-                else:
-                    for i in range(L):
-                        dst[i] = (w0 * x0[i] + w1 * x1[i] + w2 * x2[i] + w3 * x3[i]) * m
-            elif NC == 2:
-                w0, w1 = pw[0, j], pw[1, j]
-                x0 = xp[b + coff[0]:b + coff[0] + L]
-                x1 = xp[b + coff[1]:b + coff[1] + L]
-                for i in range(L):
-                    dst[i] = (w0 * x0[i] + w1 * x1[i]) * m
-            else:
-                x0 = xp[b + coff[0]:b + coff[0] + L]
-                w0 = pw[0, j]
-                for i in range(L):
-                    dst[i] = w0 * x0[i]
-                for cr in range(1, NC):
-                    xr = xp[b + coff[cr]:b + coff[cr] + L]
-                    wc = pw[cr, j]
-                    for i in range(L):
-                        dst[i] += wc * xr[i]
-                if m != one:
-                    for i in range(L):
-                        dst[i] *= m
-        c = ce
+    for j in range(tl):
+        for kidx in range(K):
+            for g in range(og):
+                gk = g * K + kidx
+                c, c1 = g * cpo, (g + 1) * cpo
+                bj = pidx[gk, j]
+                m = pm[gk, j]
+                while c < c1:
+                    gi = c // cpg
+                    ce = min(c1, (gi + 1) * cpg)
+                    L = ce - c
+                    b = bj + c
+                    d = ((gi * T + j) * K + kidx) * cpg - gi * cpg + c
+                    dst = cols[d:d + L]
+                    if NC == 4:
+                        w0, w1, w2, w3 = pw[gk, 0, j], pw[gk, 1, j], pw[gk, 2, j], pw[gk, 3, j]
+                        x0 = xp[b + coff[0]:b + coff[0] + L]
+                        x1 = xp[b + coff[1]:b + coff[1] + L]
+                        x2 = xp[b + coff[2]:b + coff[2] + L]
+                        x3 = xp[b + coff[3]:b + coff[3] + L]
+                        if m == one:
+                            for i in range(L):
+                                dst[i] = w0 * x0[i] + w1 * x1[i] + w2 * x2[i] + w3 * x3[i]
+                        else:
+                            for i in range(L):
+                                dst[i] = (w0 * x0[i] + w1 * x1[i] + w2 * x2[i] + w3 * x3[i]) * m
+                    elif NC == 2:
+                        w0, w1 = pw[gk, 0, j], pw[gk, 1, j]
+                        x0 = xp[b + coff[0]:b + coff[0] + L]
+                        x1 = xp[b + coff[1]:b + coff[1] + L]
+                        for i in range(L):
+                            dst[i] = (w0 * x0[i] + w1 * x1[i]) * m
+                    else:
+                        x0 = xp[b + coff[0]:b + coff[0] + L]
+                        w0 = pw[gk, 0, j]
+                        for i in range(L):
+                            dst[i] = w0 * x0[i]
+                        for cr in range(1, NC):
+                            xr = xp[b + coff[cr]:b + coff[cr] + L]
+                            wc = pw[gk, cr, j]
+                            for i in range(L):
+                                dst[i] += wc * xr[i]
+                        if m != one:
+                            for i in range(L):
+                                dst[i] *= m
+                    c = ce
 
 
 @njit(cache=True)
 def _tile(n, nl, p0, p1, xp, off3, m3, has_mask, wr, b, has_b, y3, geo, pstr, coff, dims,
           cols, outb, pidx, pw, pm):
-    """Output positions [p0, p1) of image ``n`` (``nl``: its slot in ``xp``)."""
+    """Output positions [p0, p1) of image ``n`` (``nl``: its slot in ``xp``):
+    plans, column fill, one GEMM per group, bias and rounding into ``y3``."""
     C, K, group, og, T = dims[0], dims[1], dims[2], dims[3], dims[4]
     oC = y3.shape[1]
     cpg, cpo, ocg = C // group, C // og, oC // group
     kc = K * cpg
     tl = p1 - p0
-    xi = xp[nl]
     for g in range(og):
         for kidx in range(K):
-            _plan(off3, m3, has_mask, n, geo, pstr, C, kidx, g, K, p0, p1, pidx, pw, pm, dims[7] != 0, dims[8])
-            _fill(xi, coff, pidx, pw, pm, cols, tl, T, K, kidx, g * cpo, (g + 1) * cpo, cpg)
+            gk = g * K + kidx
+            _plan(off3, m3, has_mask, n, geo, pstr, C, kidx, g, K, p0, p1, pidx[gk], pw[gk], pm[gk],
+                  dims[7] != 0, dims[8])
+    _fill(xp[nl], coff, pidx, pw, pm, cols, tl, T, K, og, cpo, cpg)
     zero = _czero(wr)
     for gi in range(group):
         # out^T = cols @ W^T: BLAS runs this orientation ~15 % faster than W @ cols^T here
@@ -334,13 +356,15 @@ def _tile(n, nl, p0, p1, xp, off3, m3, has_mask, wr, b, has_b, y3, geo, pstr, co
 
 @njit(cache=True)
 def _scratch(like, dims, nd, ocg):
-    """One thread's tile buffers: columns, GEMM tile, plan."""
-    C, K, T = dims[0], dims[1], dims[4]
+    """One thread's tile buffers: columns, GEMM tile, the plans of every
+    (offset group, kernel point)."""
+    C, K, og, T = dims[0], dims[1], dims[3], dims[4]
+    NC = 1 << nd
     cols = _empty_like_compute(like, max(1, T * K * C))
     outb = _empty_like_compute(like, max(1, ocg * T))
-    pw = _empty_like_compute(like, (1 << nd) * T).reshape((1 << nd, T))
-    pm = _empty_like_compute(like, T)
-    pidx = np.empty(T, np.int64)
+    pw = _empty_like_compute(like, og * K * NC * T).reshape((og * K, NC, T))
+    pm = _empty_like_compute(like, og * K * T).reshape((og * K, T))
+    pidx = np.empty((og * K, T), np.int64)
     return cols, outb, pidx, pw, pm
 
 
@@ -383,6 +407,84 @@ def _corner_offsets(pstr, C):
     return coff
 
 
+# --- tiny calls: straight from the definition, no scratch ------------------------------------
+
+@njit(cache=True)
+def _sample(xn, offn, geo, ch0, kidx, q, zero, one, fl, lm):
+    """The n-linear sample of one channel ``xn`` (sites,) for kernel point ``kidx``
+    at output position ``q``: corners outside the input count 0, a position at or
+    beyond -1 or D on any axis gives 0, a non-finite one NaN (API.md).
+    ``fl``/``lm``: scratch of length n for the floors and fractions."""
+    nd = geo.shape[1]
+    ok = True
+    fin = True
+    rq = q
+    rk = kidx
+    for ax in range(nd - 1, -1, -1):
+        oq = rq % geo[5, ax]
+        rq //= geo[5, ax]
+        kk = rk % geo[1, ax]
+        rk //= geo[1, ax]
+        pos = _cast(zero, oq * geo[2, ax] + kk * geo[4, ax] - geo[3, ax]) + load(offn[ch0 + ax], q)
+        f, lam, okk, finn = border_corner(pos, _cast(zero, geo[0, ax]), zero, one)
+        ok = ok and okk
+        fin = fin and finn
+        fl[ax] = np.int64(f)
+        lm[ax] = lam
+    if not fin:
+        return _cast(zero, np.nan)
+    if not ok:
+        return zero
+    acc = zero
+    for cr in range(1 << nd):
+        wt = one
+        site = 0
+        inside = True
+        for ax in range(nd):
+            bit = (cr >> (nd - 1 - ax)) & 1
+            i = fl[ax] + bit
+            if i < 0 or i >= geo[0, ax]:
+                inside = False
+            wt *= lm[ax] if bit else one - lm[ax]
+            site = site * geo[0, ax] + i
+        if inside:
+            acc += wt * load(xn, site)
+    return acc
+
+
+@njit(cache=True)
+def _direct(x, w, off, m, b, y, meta):
+    """Tiny calls: every output straight from the definition; no scratch, no
+    pool, no BLAS (samples are recomputed per output channel, which costs less
+    than setting up the tiled path when the work is this small)."""
+    geo, pstr, dims, has_mask, has_b = _unpack(meta)
+    x3, w3, off3, m3, y3 = _flat3(geo, x, w, off, m, y)
+    N, C = x3.shape[0], x3.shape[1]
+    oC, P = y3.shape[1], y3.shape[2]
+    K, group, og = dims[1], dims[2], dims[3]
+    nd = geo.shape[1]
+    cpg, cpo, ocg = C // group, C // og, oC // group
+    zero = _czero(w3)
+    one = zero + 1
+    bb = _as_c(b)
+    fl = np.empty(nd, np.int64)
+    lm = _empty_like_compute(w3, nd)
+    for n in range(N):
+        for oc in range(oC):
+            gi = oc // ocg
+            for q in range(P):
+                acc = load(bb, oc) if has_b else zero
+                for cl in range(cpg):
+                    c = gi * cpg + cl
+                    g = c // cpo
+                    for kidx in range(K):
+                        s = _sample(x3[n, c], off3[n], geo, (g * K + kidx) * nd, kidx, q, zero, one, fl, lm)
+                        if has_mask:
+                            s *= load(m3[n, g * K + kidx], q)
+                        acc += load(w3[oc, cl], kidx) * s
+                store(y3[n, oc], q, acc)
+
+
 # --- drivers ------------------------------------------------------------------------
 
 def _as_c(a):
@@ -416,15 +518,28 @@ def _flat3(geo, x, w, off, m, y):
 
 
 @njit(cache=True)
-def _serial(x, w, off, m, b, has_mask, has_b, y, geo, pstr, dims):
+def _unpack(meta):
+    """meta = [nd, geo (6 x nd), pstr (nd), dims...]: one argument instead of five,
+    because every argument costs time in numba's dispatcher on tiny calls."""
+    nd = meta[0]
+    geo = meta[1:1 + 6 * nd].reshape((6, nd))
+    pstr = meta[1 + 6 * nd:1 + 7 * nd]
+    dims = meta[1 + 7 * nd:]
+    return geo, pstr, dims, dims[9] != 0, dims[10] != 0
+
+
+@njit(cache=True)
+def _serial(x, w, off, m, b, y, meta):
     """Serial entry: any rank and layout, see ``_run_serial``."""
+    geo, pstr, dims, has_mask, has_b = _unpack(meta)
     x3, w3, off3, m3, y3 = _flat3(geo, x, w, off, m, y)
     _run_serial(x3, w3, off3, m3, _as_c(b), has_mask, has_b, y3, geo, pstr, dims)
 
 
 @njit(cache=True)
-def _parallel(x, w, off, m, b, has_mask, has_b, y, geo, pstr, dims):
+def _parallel(x, w, off, m, b, y, meta):
     """Parallel entry: any rank and layout, see ``_run_parallel``."""
+    geo, pstr, dims, has_mask, has_b = _unpack(meta)
     x3, w3, off3, m3, y3 = _flat3(geo, x, w, off, m, y)
     _run_parallel(x3, w3, off3, m3, _as_c(b), has_mask, has_b, y3, geo, pstr, dims)
 
@@ -553,15 +668,20 @@ _VIEW = {FLOAT16: np.int16, BFLOAT16: np.uint16}
 _EMPTY = {np.dtype(t): np.empty(0, t) for t in (FLOAT16, BFLOAT16, np.float32, np.float64)}
 
 
-def _plan_sizes(N, C, K, oC, P, group, nd, S, item, nth):
-    """(tile length T, images per chunk nb)."""
+def _plan_sizes(N, C, K, oC, P, group, og, nd, S, item, nth):
+    """(tile length T, images per chunk nb).
+
+    Tiles hold about ``_TILE_BYTES`` of columns but at least ``_TILE_MIN``
+    positions (every tile's GEMM re-packs the weights), and a parallel run gets
+    a multiple of ``nth`` tiles in all, so that no thread idles at the end."""
     kc_all = max(1, K * C)
-    T = max(1, min(P, _TILE_BYTES // (kc_all * item)))
-    ntile = -(-P // T)
-    if nth > 1 and N * ntile < 2 * nth and P > 1:  # enough tiles for every thread
-        ntile = min(P, -(-2 * nth // max(N, 1)))
+    T = max(1, min(P, max(_TILE_MIN, _TILE_BYTES // (kc_all * item))))
+    if nth > 1:
+        ntile = -(-P // T)
+        while (N * ntile) % nth and ntile < P:
+            ntile += 1
         T = -(-P // ntile)
-    per_thread = (T * kc_all + (oC // group) * T + ((1 << nd) + 2) * T) * item
+    per_thread = (T * kc_all + (oC // group) * T) * item + og * K * T * (((1 << nd) + 1) * item + 8)
     img = max(1, S * C * item)
     budget = max(img, _SCRATCH_BYTES - nth * per_thread - oC * kc_all * item)
     nb = max(1, min(N, budget // img))
@@ -570,7 +690,7 @@ def _plan_sizes(N, C, K, oC, P, group, nd, S, item, nth):
 
 class _State:
     """Everything ``launch`` derives from a call's geometry, kept per geometry."""
-    __slots__ = ("p", "xshape", "oC", "yshape", "view", "empty", "work", "args")
+    __slots__ = ("p", "xshape", "dtype", "oC", "yshape", "view", "empty", "small", "nob", "meta")
 
     def __init__(self, x, w, p):
         N, C = x.shape[0], x.shape[1]
@@ -582,59 +702,65 @@ class _State:
         S = 1
         for d in x.shape[2:]:
             S *= d + 2
-        self.p, self.xshape, self.oC = p, x.shape, oC
+        self.p, self.xshape, self.dtype, self.oC = p, x.shape, x.dtype, oC
         self.yshape = (N, oC) + tuple(p.out_spatial)
         self.view = _VIEW.get(x.dtype)
         self.empty = N == 0 or oC == 0
+        self.nob = _EMPTY[x.dtype]
+        work = N * P * K * (C + oC * (C // group) // 4 + 4)
+        dwork = N * P * K * C * max(1, oC // group) << nd  # samples x corners of the direct path
+        # small work runs on the caller's thread: the direct loops when tiny, else the tiled path
+        self.small = None
+        if work < _runtime.PARALLEL_MIN_WORK:
+            self.small = _direct if dwork <= _DIRECT_MAX else _serial
         item = 8 if x.dtype == np.float64 else 4
-        self.work = N * P * K * (C + oC * (C // group) // 4 + 4)
         geo, pstr = _geometry(x.shape[2:], p)
         fast2d = (nd == 2 and S < _I32 and max(x.shape[2:]) < _I32
                   and max(p.out_spatial) * max(p.strides) + max(p.kernel_shape) * max(p.dilations) < _I32)
-        self.args = {}
+        self.meta = {}
         for nth in {1, max(1, numba.get_num_threads())}:
-            T, nb = _plan_sizes(N, C, K, oC, P, group, nd, S + 1 + int(pstr.sum()), item, nth)
-            dims = np.array([C, K, group, p.offset_group, T, nb, nth, fast2d, S], dtype=np.int64)
-            self.args[nth] = (geo, pstr, dims)
+            T, nb = _plan_sizes(N, C, K, oC, P, p.group, p.offset_group, nd, S + 1 + int(pstr.sum()), item, nth)
+            dims = [C, K, p.group, p.offset_group, T, nb, nth, fast2d, S]
+            # index has_mask * 2 + has_b: dims[9] has_mask, dims[10] has_b
+            self.meta[nth] = [np.array([nd] + geo.ravel().tolist() + pstr.tolist() + dims + [hm, hb], dtype=np.int64)
+                              for hm in (0, 1) for hb in (0, 1)]
 
 
 _STATES = {}
 _STATES_MAX = 256
 
 
-def _state(x, w, p):
-    key = (id(p), x.shape, x.dtype, w.shape[0])
-    st = _STATES.get(key)
-    if st is None or st.p is not p:  # the state holds p, so its id is not reused while it lives
-        st = _State(x, w, p)
-        if len(_STATES) >= _STATES_MAX:
-            _STATES.clear()
-        _STATES[key] = st
-    return st
-
-
 def launch(x, w, offset, b, mask, p):
     """Compute DeformConv for validated inputs (see numba_ops.deform_conv)."""
-    st = _state(x, w, p)
-    y = np.empty(st.yshape, dtype=x.dtype)
+    st = _STATES.get(id(p))
+    if st is None or st.p is not p or st.xshape != x.shape or st.dtype is not x.dtype or st.oC != w.shape[0]:
+        st = _State(x, w, p)  # the state holds p, so its id is not reused while it lives
+        if len(_STATES) >= _STATES_MAX:
+            _STATES.clear()
+        _STATES[id(p)] = st
+    y = np.empty(st.yshape, x.dtype)
     if st.empty:
         return y
-    has_mask, has_b = mask is not None, b is not None
-    if not has_mask:
+    i = 0
+    if mask is None:
         mask = offset  # never read
-    if not has_b:
-        b = _EMPTY[x.dtype]
-    view = st.view
+    else:
+        i = 2
+    if b is None:
+        b = st.nob
+    else:
+        i += 1
     yk = y
-    if view is not None:
-        x, w, offset, mask, b, yk = (a.view(view) for a in (x, w, offset, mask, b, y))
-    if st.work < _runtime.PARALLEL_MIN_WORK:
-        _serial(x, w, offset, mask, b, has_mask, has_b, yk, *st.args[1])
+    if st.view is not None:
+        v = st.view
+        x, w, offset, mask, b, yk = x.view(v), w.view(v), offset.view(v), mask.view(v), b.view(v), y.view(v)
+    if st.small is not None:
+        st.small(x, w, offset, mask, b, yk, st.meta[1][i])
         return y
     nth = numba.get_num_threads()
-    args = st.args.get(nth)
-    if args is None:  # the caller changed numba's thread count
-        args = st.args[nth] = _State(x, w, p).args[nth]
+    meta = st.meta.get(nth)
+    if meta is None:  # the caller changed numba's thread count
+        meta = st.meta[nth] = _State(x, w, p).meta[nth]
     with _runtime._POOL_LOCK, _BLAS:
-        (_serial if nth == 1 else _parallel)(x, w, offset, mask, b, has_mask, has_b, yk, *args)
+        (_serial if nth == 1 else _parallel)(x, w, offset, mask, b, yk, meta[i])
     return y
