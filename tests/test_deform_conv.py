@@ -253,11 +253,17 @@ def test_parallel_path_vs_reference(dtype, monkeypatch):
     assert_api_close(call(cast(ins, dtype), att), want, dtype)
 
 
-def test_2d_generic_plan_matches_fast_plan(monkeypatch):
-    """The 32-bit 2-D plan and the generic N-D plan agree."""
-    ins, att = make_case(np.random.default_rng(12), N=2, C=4, D=(6, 7), oC=3, k=(3, 2), pads=[1, 0, 1, 1],
-                         strides=[2, 1], group=1, og=2, spread=3.0)
+@pytest.mark.parametrize("case", [
+    dict(N=2, C=4, D=(6, 7), oC=3, k=(3, 2), pads=[1, 0, 1, 1], strides=[2, 1], group=1, og=2, spread=3.0),
+    dict(N=1, C=4, D=(4, 5, 3), oC=2, k=(2, 3, 2), pads=[1, 0, 1, 0, 1, 1], strides=[1, 2, 1], group=2, og=2,
+         spread=2.0)])
+def test_fast_plans_match_generic_plan(case, monkeypatch):
+    """The 32-bit 2-D/3-D plans and the generic N-D plan agree, on the tiled path."""
+    monkeypatch.setattr(cpu_dc, "_DIRECT_MAX", -1)
+    monkeypatch.setattr(cpu_dc, "_STATES", {})
+    ins, att = make_case(np.random.default_rng(12), **case)
     fast = call(ins, att)
+    assert_api_close(fast, ref(ins, att), np.float64)
     monkeypatch.setattr(cpu_dc, "_I32", 0)
     monkeypatch.setattr(cpu_dc, "_STATES", {})
     slow = call(ins, att)

@@ -189,7 +189,44 @@ def _plan_row2d(oy, ox, mm, has_mask, fy, fx, sx, hw, ys, zsite, C, q0, q1, j0, 
 
 
 @njit(cache=True)
-def _plan(off3, m3, has_mask, n, geo, pstr, C, kidx, g, K, p0, p1, pidx, pw, pm, fast2d, zsite):
+def _plan_row3d(oz, oy, ox, mm, has_mask, fz, fy, fx, sx, dhw, zs, ys, zsite, C, q0, q1, j0, pidx, pw, pm):
+    """3-D plan of output positions q0..q1 of one output row (see ``_plan_row2d``)."""
+    zero = _czero(pw)
+    one = zero + 1
+    nan = _cast(zero, np.nan)
+    Df, Hf, Wf = dhw
+    n = q1 - q0
+    oz, oy, ox, mm = oz[q0:q1], oy[q0:q1], ox[q0:q1], mm[q0:q1] if has_mask else mm[:0]
+    pidx, pm = pidx[j0:j0 + n], pm[j0:j0 + n]
+    w = pw[:, j0:j0 + n]
+    for i in range(n):
+        pz = fz + load(oz, i)
+        py = fy + load(oy, i)
+        px = fx + _cast(zero, np.int32(i)) * sx + load(ox, i)
+        az, lz, okz, finz = border_corner(pz, Df, zero, one)
+        ay, ly, oky, finy = border_corner(py, Hf, zero, one)
+        ax, lx, okx, finx = border_corner(px, Wf, zero, one)
+        ok = okz & oky & okx
+        s = one if ok else zero
+        s = s if (finz & finy & finx) else nan
+        m = load(mm, i) if has_mask else one
+        mfin = (m - m) == zero
+        s = s * m if mfin else s
+        site = (np.int32(az) + 1) * zs + (np.int32(ay) + 1) * ys + np.int32(ax) + 1
+        pidx[i] = np.int64(site if ok else zsite) * C
+        hz = (one - lz) * s
+        lz = lz * s
+        a00, a01, a10, a11 = hz * (one - ly), hz * ly, lz * (one - ly), lz * ly
+        hx = one - lx
+        w[0, i], w[1, i] = a00 * hx, a00 * lx
+        w[2, i], w[3, i] = a01 * hx, a01 * lx
+        w[4, i], w[5, i] = a10 * hx, a10 * lx
+        w[6, i], w[7, i] = a11 * hx, a11 * lx
+        pm[i] = one if mfin else m
+
+
+@njit(cache=True)
+def _plan(off3, m3, has_mask, n, geo, pstr, C, kidx, g, K, p0, p1, pidx, pw, pm, fast, zsite):
     """Sampling plan of offset group ``g``, kernel point ``kidx`` for output
     positions [p0, p1): ``pidx`` the flat index of the lowest corner in ``xp``,
     ``pw[corner]`` the n-linear weights (NaN for a non-finite position, 0 outside)
@@ -203,6 +240,7 @@ def _plan(off3, m3, has_mask, n, geo, pstr, C, kidx, g, K, p0, p1, pidx, pw, pm,
     nan = _cast(zero, np.nan)
     ch0 = (g * K + kidx) * nd
     mm = m3[n, g * K + kidx]
+    fast2d, fast3d = fast == 2, fast == 3
     if fast2d:
         hw = (_cast(zero, geo[0, 0]), _cast(zero, geo[0, 1]))
         sx = _cast(zero, geo[2, 1])
@@ -218,6 +256,25 @@ def _plan(off3, m3, has_mask, n, geo, pstr, C, kidx, g, K, p0, p1, pidx, pw, pm,
             fx = _cast(zero, ol * geo[2, 1] + kx)
             _plan_row2d(off3[n, ch0], off3[n, ch0 + 1], mm, has_mask, fy, fx, sx, hw, ys, np.int32(zsite), C,
                         p, end, p - p0, pidx, pw, pm)
+            p = end
+        return
+    if fast3d:
+        dhw = (_cast(zero, geo[0, 0]), _cast(zero, geo[0, 1]), _cast(zero, geo[0, 2]))
+        sx = _cast(zero, geo[2, 2])
+        zs, ys = np.int32(pstr[0]), np.int32(pstr[1])
+        kz = (kidx // (geo[1, 1] * geo[1, 2])) * geo[4, 0] - geo[3, 0]
+        ky = ((kidx // geo[1, 2]) % geo[1, 1]) * geo[4, 1] - geo[3, 1]
+        kx = (kidx % geo[1, 2]) * geo[4, 2] - geo[3, 2]
+        p = p0
+        while p < p1:
+            ol = p % oL
+            end = min(p1, p - ol + oL)
+            row = p // oL
+            fz = _cast(zero, (row // geo[5, 1]) * geo[2, 0] + kz)
+            fy = _cast(zero, (row % geo[5, 1]) * geo[2, 1] + ky)
+            fx = _cast(zero, ol * geo[2, 2] + kx)
+            _plan_row3d(off3[n, ch0], off3[n, ch0 + 1], off3[n, ch0 + 2], mm, has_mask, fz, fy, fx, sx, dhw,
+                        zs, ys, np.int32(zsite), C, p, end, p - p0, pidx, pw, pm)
             p = end
         return
     rem = kidx
@@ -267,6 +324,11 @@ def _fill(xp, coff, pidx, pw, pm, cols, tl, T, K, og, cpo, cpg):
     1); a non-finite one multiplies the sample, as the definition orders it."""
     NC = coff.shape[0]
     one = _czero(pm) + 1
+    u1 = np.uint64(coff[1 % NC])
+    u2 = np.uint64(coff[2 % NC])
+    u3 = np.uint64(coff[3 % NC])
+    u4, u5 = np.uint64(coff[4 % NC]), np.uint64(coff[5 % NC])
+    u6, u7 = np.uint64(coff[6 % NC]), np.uint64(coff[7 % NC])
     for j in range(tl):
         for kidx in range(K):
             for g in range(og):
@@ -282,17 +344,29 @@ def _fill(xp, coff, pidx, pw, pm, cols, tl, T, K, og, cpo, cpg):
                     d = ((gi * T + j) * K + kidx) * cpg - gi * cpg + c
                     dst = cols[d:d + L]
                     if NC == 4:
+                        # unsigned indices: no negative-index fix-ups, so the short
+                        # channel runs vectorise with little set-up per run
                         w0, w1, w2, w3 = pw[gk, 0, j], pw[gk, 1, j], pw[gk, 2, j], pw[gk, 3, j]
-                        x0 = xp[b + coff[0]:b + coff[0] + L]
-                        x1 = xp[b + coff[1]:b + coff[1] + L]
-                        x2 = xp[b + coff[2]:b + coff[2] + L]
-                        x3 = xp[b + coff[3]:b + coff[3] + L]
+                        ub, ud = np.uint64(b), np.uint64(d)
                         if m == one:
-                            for i in range(L):
-                                dst[i] = w0 * x0[i] + w1 * x1[i] + w2 * x2[i] + w3 * x3[i]
+                            for i in range(np.uint64(L)):
+                                bi = ub + i
+                                cols[ud + i] = (w0 * xp[bi] + w1 * xp[bi + u1]
+                                                + w2 * xp[bi + u2] + w3 * xp[bi + u3])
                         else:
-                            for i in range(L):
-                                dst[i] = (w0 * x0[i] + w1 * x1[i] + w2 * x2[i] + w3 * x3[i]) * m
+                            for i in range(np.uint64(L)):
+                                bi = ub + i
+                                cols[ud + i] = (w0 * xp[bi] + w1 * xp[bi + u1]
+                                                + w2 * xp[bi + u2] + w3 * xp[bi + u3]) * m
+                    elif NC == 8:
+                        ub, ud = np.uint64(b), np.uint64(d)
+                        w0, w1, w2, w3 = pw[gk, 0, j], pw[gk, 1, j], pw[gk, 2, j], pw[gk, 3, j]
+                        w4, w5, w6, w7 = pw[gk, 4, j], pw[gk, 5, j], pw[gk, 6, j], pw[gk, 7, j]
+                        for i in range(np.uint64(L)):
+                            bi = ub + i
+                            cols[ud + i] = ((w0 * xp[bi] + w1 * xp[bi + u1] + w2 * xp[bi + u2] + w3 * xp[bi + u3]
+                                             + w4 * xp[bi + u4] + w5 * xp[bi + u5] + w6 * xp[bi + u6]
+                                             + w7 * xp[bi + u7]) * m)
                     elif NC == 2:
                         w0, w1 = pw[gk, 0, j], pw[gk, 1, j]
                         x0 = xp[b + coff[0]:b + coff[0] + L]
@@ -329,7 +403,7 @@ def _tile(n, nl, p0, p1, xp, off3, m3, has_mask, wr, b, has_b, y3, geo, pstr, co
         for kidx in range(K):
             gk = g * K + kidx
             _plan(off3, m3, has_mask, n, geo, pstr, C, kidx, g, K, p0, p1, pidx[gk], pw[gk], pm[gk],
-                  dims[7] != 0, dims[8])
+                  dims[7], dims[8])
     _fill(xp[nl], coff, pidx, pw, pm, cols, tl, T, K, og, cpo, cpg)
     zero = _czero(wr)
     for gi in range(group):
@@ -715,12 +789,14 @@ class _State:
             self.small = _direct if dwork <= _DIRECT_MAX else _serial
         item = 8 if x.dtype == np.float64 else 4
         geo, pstr = _geometry(x.shape[2:], p)
-        fast2d = (nd == 2 and S < _I32 and max(x.shape[2:]) < _I32
-                  and max(p.out_spatial) * max(p.strides) + max(p.kernel_shape) * max(p.dilations) < _I32)
+        # 2-D and 3-D plans compute sites and positions in 32 bits: only when they fit
+        fits = (S < _I32 and max(x.shape[2:], default=0) < _I32
+                and max(p.out_spatial) * max(p.strides) + max(p.kernel_shape) * max(p.dilations) < _I32)
+        fast = nd if (fits and nd in (2, 3)) else 0
         self.meta = {}
         for nth in {1, max(1, numba.get_num_threads())}:
             T, nb = _plan_sizes(N, C, K, oC, P, p.group, p.offset_group, nd, S + 1 + int(pstr.sum()), item, nth)
-            dims = [C, K, p.group, p.offset_group, T, nb, nth, fast2d, S]
+            dims = [C, K, p.group, p.offset_group, T, nb, nth, fast, S]
             # index has_mask * 2 + has_b: dims[9] has_mask, dims[10] has_b
             self.meta[nth] = [np.array([nd] + geo.ravel().tolist() + pstr.tolist() + dims + [hm, hb], dtype=np.int64)
                               for hm in (0, 1) for hb in (0, 1)]
