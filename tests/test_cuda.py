@@ -66,7 +66,8 @@ def compile_kernels(which, cc):
     assert jobs, which
     sizes = {}
     for label, kern, sig in jobs:
-        ptx, _ = cuda.compile_ptx(kern.py_func, sig, cc=cc)
+        ptx, _ = cuda.compile_ptx(kern.py_func, sig, cc=cc,
+                                  launch_bounds=getattr(kern, "targetoptions", {}).get("launch_bounds"))
         assert f".target sm_{cc[0]}{cc[1]}" in ptx, label
         sizes[label] = len(ptx)
     return sizes

@@ -106,7 +106,14 @@ def kernel(ct, tiles, nd_max):
     NC = 1 << nd_max
     ND = nd_max
 
-    @cuda.jit
+    # Two blocks per SM (128 registers): without the bound ptxas takes 172 (float32),
+    # so one 256-thread block per SM, and its sampling phases (latency-bound
+    # gathers) would stall the SM instead of overlapping the other block's GEMM
+    # phase. Costs ~250 bytes of spills outside the inner product loop. (The
+    # simulator takes no launch bounds.)
+    opts = {} if _device.SIMULATOR else {"launch_bounds": (NT, 2)}
+
+    @cuda.jit(**opts)
     def deform_conv_kernel(x, w, off, mask, bias, y, geo, dims):
         N, C, oC, group, og, K, P, S, nd = (dims[0], dims[1], dims[2], dims[3], dims[4], dims[5],
                                             dims[6], dims[7], dims[8])
