@@ -22,7 +22,7 @@ import pytest
 
 import numba_ops
 from numba_ops import _dispatch
-from reference import affine_grid_ref, deform_conv_ref
+from reference import deform_conv_ref
 
 SIMULATOR = _dispatch.cuda_simulator()
 CUDA = "cuda" in numba_ops.devices()
@@ -357,6 +357,40 @@ def test_torch_interface_in_simulator(tdtype):
     assert _is_numba_device_array(y) and y.dtype == npdt
     host = [a.astype(npdt) for a in args]
     want = numba_ops.deform_conv(*host, **kw, device="cpu")
+    tol = 1e-5 if tdtype == "float32" else 2e-2
+    np.testing.assert_allclose(y.copy_to_host().astype(np.float64), want.astype(np.float64),
+                               rtol=tol, atol=tol * np.abs(want.astype(np.float64)).max())
+
+
+def _torch_cuda():
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch if (not SIMULATOR and CUDA and torch.cuda.is_available()) else None
+
+
+@pytest.mark.skipif(_torch_cuda() is None, reason="needs PyTorch with CUDA on a real GPU")
+@pytest.mark.parametrize("tdtype", ["bfloat16", "float16", "float32"])
+def test_torch_cuda_tensors(tdtype):
+    """Real PyTorch CUDA tensors (bfloat16 exported as "<V2"; a transposed one too)
+    go in without a copy and a numba device array comes out."""
+    torch = _torch_cuda()
+    tdt = getattr(torch, tdtype)
+    npdt = BF16 if tdtype == "bfloat16" else np.dtype(tdtype)
+    rng = np.random.default_rng(4)
+    theta = rng.standard_normal((2, 2, 3)).astype(npdt)
+    t = torch.from_numpy(theta.astype(np.float32)).to("cuda").to(tdt)
+    g = numba_ops.affine_grid(t, [2, 1, 3, 4])
+    assert _is_numba_device_array(g) and g.dtype == npdt
+    np.testing.assert_array_equal(g.copy_to_host(), numba_ops.affine_grid(theta, [2, 1, 3, 4], device="cpu"))
+    args, kw = _dc_case(rng, np.float32, nd=1)
+    xt = torch.from_numpy(np.ascontiguousarray(args[0].transpose(0, 2, 1))).to("cuda").to(tdt).transpose(1, 2)
+    assert not xt.is_contiguous()
+    others = [torch.from_numpy(a).to("cuda").to(tdt) for a in args[1:]]
+    y = numba_ops.deform_conv(xt, *others, **kw)
+    assert _is_numba_device_array(y) and y.dtype == npdt
+    want = numba_ops.deform_conv(*[a.astype(npdt) for a in args], **kw, device="cpu")
     tol = 1e-5 if tdtype == "float32" else 2e-2
     np.testing.assert_allclose(y.copy_to_host().astype(np.float64), want.astype(np.float64),
                                rtol=tol, atol=tol * np.abs(want.astype(np.float64)).max())
