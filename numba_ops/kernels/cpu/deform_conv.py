@@ -1,33 +1,39 @@
 """DeformConv on the CPU: zero-bordered channel-last input, per-tile sampling
-plan, im2col fill and single-threaded BLAS per tile, all on numba's one pool.
+plans, im2col fill and single-threaded BLAS per tile, all on numba's one pool.
 
-Algorithm, per image ``n`` (images are processed in chunks so that scratch
-stays bounded, see ``_SCRATCH_BYTES``):
+Algorithm, per image (images go in chunks so that scratch stays within
+``_SCRATCH_BYTES`` whatever N is):
 
 1. ``xp``: the image in the compute type, channel-last (sites x C), with a
-   1-site zero border on every spatial side. Every position ``p`` in
-   ``(-1, D)`` on each axis then has all 2**n interpolation corners at valid
-   indices ``base + coff[corner]``; corners outside the input read the border's
-   exact zeros, so API.md's rule "corners outside count 0" holds without a
-   branch, and an Inf/NaN in ``x`` reaches only the samples whose support holds
-   it. Positions outside ``(-1, D)`` get weight 0 at index 0 (a border zero),
-   non-finite positions weight NaN (the sample is NaN); ``floor`` only ever
-   sees positions inside ``(-1, D)``, so huge offsets never overflow an index.
-2. The output positions are cut into tiles. For each tile, offset group and
-   kernel point a sampling plan (base index, 2**n weights, mask) is built once
-   (vectorised along the last output axis) and applied to every channel of the
-   offset group, a contiguous run of channels in ``xp``: the channel loop is a
-   SIMD loop of 2**n loads and fused multiply-adds.
-3. The tile's column buffer ``(group, T, K, C/group)`` is contracted with the
-   weights, reordered once to ``(group, oC/group, K, C/group)``, by one
-   single-threaded BLAS GEMM per group (numba's ``np.dot`` calls SciPy's
-   BLAS, which ``launch`` holds at one thread while numba's workers run, so
-   the two pools never fight). Bias and the one rounding to the output dtype
-   happen when the GEMM tile is written out.
+   1-site zero border on every spatial side and a zero tail after the last
+   site. A position in ``(-1, D)`` on every axis has all 2**n interpolation
+   corners at ``base + coff[corner]``: corners outside the input read the
+   border's exact zeros, so "corners outside count 0" (API.md) holds without a
+   branch, and an Inf/NaN in ``x`` reaches only the samples whose support
+   holds it. A position at or beyond -1 or D gets weight 0 and a base in the
+   zero tail (every corner it reads is a zero, never an input value); a
+   non-finite position gets weight NaN there (the sample is NaN). ``floor``
+   only sees positions inside ``(-1, D)``, so huge offsets never overflow an
+   index; indices are 64-bit (the 2-D/3-D plans use 32 bits per axis only
+   when the sizes fit, see ``_State``).
+2. Output positions are cut into tiles of ``T``. For each tile and each
+   (offset group, kernel point) a plan (base index, 2**n weights with a finite
+   mask folded in) is built, vectorised along the last output axis. The fill
+   then walks the tile position by position, writing each column row front to
+   back; every (kernel point, offset group) is a contiguous run of channels in
+   ``xp``, so the innermost loop is a SIMD loop of 2**n loads and FMAs.
+3. The tile's columns ``(group, T, K, C/group)`` times the weights, reordered
+   once to ``(group, oC/group, K, C/group)``, is one single-threaded BLAS GEMM
+   per group (numba's ``np.dot`` calls SciPy's BLAS, which ``launch`` holds at
+   one thread while numba's workers run, so two pools never fight over the
+   cores). Bias and the one rounding to the output dtype happen when the GEMM
+   tile is written out.
 
-Work below ``_runtime.PARALLEL_MIN_WORK`` runs the serial driver and wakes no
-pool; tiny GEMMs skip BLAS. Accumulation is float32 for float16/bfloat16/
-float32 (16-bit data is widened on load) and float64 for float64.
+Calls too small for the pool run on the caller's thread (``_serial``), and
+tiny ones (the seed example) skip the scratch and BLAS altogether
+(``_direct``: each output straight from the definition). Accumulation is
+float32 for float16/bfloat16/float32 (16-bit data is widened on load) and
+float64 for float64.
 """
 import ctypes
 import glob
@@ -657,8 +663,6 @@ def _run_parallel(x3, w3, off3, m3, b, has_mask, has_b, y3, geo, pstr, dims):
     nd = geo.shape[1]
     ocg = oC // group
     wr = _empty_like_compute(x3, max(1, oC * K * (C // group)))
-    for o in prange(oC):
-        _reorder_w(w3, wr, K, o)
     sites = 1
     rows = 1
     for ax in range(nd):
@@ -670,8 +674,13 @@ def _run_parallel(x3, w3, off3, m3, b, has_mask, has_b, y3, geo, pstr, dims):
     ntile = (P + T - 1) // T
     for n0 in range(0, N, nb):
         nc = min(nb, N - n0)
-        for i in prange(nc * rows):
-            _pad_row(x3, n0 + i // rows, xp[i // rows], geo, i % rows)
+        # padded rows of this chunk, and (first chunk only) the weights' rows: one pool round
+        nw = oC if n0 == 0 else 0
+        for i in prange(nc * rows + nw):
+            if i < nc * rows:
+                _pad_row(x3, n0 + i // rows, xp[i // rows], geo, i % rows)
+            else:
+                _reorder_w(w3, wr, K, i - nc * rows)
         items = nc * ntile
         for th in prange(nth):
             cols, outb, pidx, pw, pm = _scratch(x3, dims, nd, ocg)
