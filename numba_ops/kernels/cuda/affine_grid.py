@@ -108,13 +108,22 @@ def launch(theta, size, align):
         return _launch(theta, size, align)
 
 
-def _launch(theta, size, align):
+def launch_into(theta, size, align, out):
+    """``launch`` writing into ``out``, a preallocated flat device array of the
+    storage dtype: what bench/gpu_bench.py times as the kernels alone (the
+    allocation of a large result is a cudaMalloc that numba does not pool)."""
+    with _device.launch_guard():
+        return _launch(theta, size, align, out)
+
+
+def _launch(theta, size, align, out=None):
     dtype = np.dtype(theta.dtype)
     nd = len(size) - 2
     shape = (size[0],) + tuple(size[2:]) + (nd,)
     total = int(np.prod(shape, dtype=np.int64))
     to_host = isinstance(theta, np.ndarray)
-    out = cuda.device_array(total, dtype=storage(dtype))
+    if out is None:
+        out = cuda.device_array(total, dtype=storage(dtype))
     if total:
         ct = compute(dtype).type
         D = size[2] if nd == 3 else 1

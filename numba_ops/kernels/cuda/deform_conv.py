@@ -320,7 +320,7 @@ def _launch(x, w, offset, b, mask, p):
     total = N * oC * P
     y = cuda.device_array(total, dtype=st)
     if total:
-        dummy = cuda.device_array(1, dtype=st)
+        dummy = _device.dummy(st)
         xf, wf0, of = _device.flat(x), _device.flat(w), _device.flat(offset)
         wf = cuda.device_array(wf0.shape[0], dtype=st)
         if wf.shape[0]:
