@@ -10,10 +10,10 @@ the reduction in chunks of ``RK`` rows:
 
 1. the *sampling plan* for the tile's positions at one kernel point ``kidx`` and
    offset group: for each position, the flat indices of its in-range corners and
-   their n-linear weights with the mask folded in (per axis, ``border_corner``
-   from ``kernels/_scalar.py``, the CPU kernel's function). A plan serves every channel of
-   the offset group, so it is rebuilt only when ``kidx`` or the offset group
-   changes (the reduction runs kidx-major, channel-minor);
+   their n-linear weights with the mask folded in (per axis ``border_corner``
+   from ``kernels/_scalar.py``, the CPU kernel's function). A plan serves every
+   channel of the offset group, so it is rebuilt only when ``kidx`` or the offset
+   group changes (the reduction runs kidx-major, channel-minor);
 2. the ``RK × TP`` sample tile is filled from the plan into shared memory
    (a few gathers and FMAs per sample, from L2-resident ``x``; the plan is
    stored corner-major so a warp reads it without bank conflicts) and the
@@ -26,14 +26,16 @@ the reduction in chunks of ``RK`` rows:
 Why this suits an H100/H200: the op's arithmetic intensity is that of the GEMM
 (2·oC FLOPs per sample) only if the samples are not written to and re-read from
 HBM; keeping them in shared memory removes the C·K·P·4-byte round trip that
-dominates torchvision's time for the common oC ≤ 256 shapes, each sample is
-gathered once per 64 output channels instead of being re-sampled per channel,
-and the plan amortises the offset/mask reads and the weight arithmetic over the
-channels. Shared memory per block is ~14 KB (float32), so several blocks share
-an SM (228 KB on Hopper) and hide the gather latency; tiles are distributed by a
-grid-stride loop, so any grid size is correct. numba-cuda exposes no tensor-core
-MMA, so the GEMM runs on the FP32 FFMA pipes (~60 TFLOP/s on an H100/H200),
-ample for this op's 2·oC·C·K FLOPs per output position.
+torchvision pays (write, then read by cuBLAS) for every image, each sample is
+gathered once per 64 output channels instead of once per channel, and the plan
+amortises the offset/mask reads and the weight arithmetic over the channels.
+A block uses ~15 KB of shared memory (float32) and at most 128 registers per
+thread (launch bounds), so two blocks share an SM and one block's latency-bound
+sampling overlaps the other's GEMM; tiles are distributed by a grid-stride
+loop, so any grid size is correct. numba-cuda exposes no tensor-core MMA, so
+the GEMM runs on the FP32 FFMA pipes (~60 TFLOP/s on an H100/H200). The
+performance is unmeasured so far (written without a GPU);
+``bench/gpu_bench.py`` measures it against torchvision.
 
 16-bit data is read and written through ``load``/``store`` (bit patterns, one
 rounding on the way out); all index arithmetic is 64-bit. Every output element is
