@@ -394,6 +394,16 @@ def test_zero_length_spatial_axis(device):
     np.testing.assert_array_equal(y, np.broadcast_to(ins["b"][None, :, None, None], y.shape))
 
 
+def test_scratch_stays_bounded():
+    """Whatever N is, the chunk of padded images and the tiles fit the budget."""
+    for N in (1, 64, 10 ** 6):
+        T, nb = cpu_dc._plan_sizes(N, 64, 9, 64, 56 * 56, 1, 1, 2, 58 * 58, 4, 2)
+        scratch = nb * 58 * 58 * 64 * 4 + 2 * T * (9 * 64 + 64) * 4
+        assert scratch <= 256 << 20 and T >= 1 and nb >= 1
+    T, nb = cpu_dc._plan_sizes(1, 4096, 27, 64, 10 ** 5, 1, 4096, 3, 10 ** 5, 4, 2)
+    assert 2 * T * (27 * 4096 * 4 + 4096 * 27 * 44) <= 256 << 20
+
+
 def test_no_input_channels():
     ins, att = make_case(np.random.default_rng(1), N=1, C=0, D=(3, 3), oC=2, k=(2, 2))
     y = call(ins, att)
@@ -418,6 +428,10 @@ def test_inputs_not_modified_and_any_layout(device):
         np.testing.assert_array_equal(y, want)
         for k in variant:
             np.testing.assert_array_equal(variant[k], before[k])
+    for dt in (np.float16, BF16):  # 16-bit data reaches the kernels as bit patterns: views of views
+        lo = cast(ins, dt)
+        strided = {k: np.repeat(v, 2, axis=-1)[..., ::-2][..., ::-1] for k, v in lo.items()}
+        np.testing.assert_array_equal(call(strided, att, device), call(lo, att, device))
     ro = {k: v.copy() for k, v in ins.items()}
     for v in ro.values():
         v.flags.writeable = False

@@ -752,21 +752,24 @@ _EMPTY = {np.dtype(t): np.empty(0, t) for t in (FLOAT16, BFLOAT16, np.float32, n
 
 
 def _plan_sizes(N, C, K, oC, P, group, og, nd, S, item, nth):
-    """(tile length T, images per chunk nb).
+    """(tile length T, images per chunk nb) for ``S`` sites per padded image.
 
     Tiles hold about ``_TILE_BYTES`` of columns but at least ``_TILE_MIN``
-    positions (every tile's GEMM re-packs the weights), and a parallel run gets
-    a multiple of ``nth`` tiles in all, so that no thread idles at the end."""
+    positions (every tile's GEMM re-packs the weights), never more than a
+    quarter of ``_SCRATCH_BYTES`` over all threads, and a parallel run gets a
+    multiple of ``nth`` tiles in all, so that no thread idles at the end. The
+    padded images of a chunk take the rest of the budget (at least one image)."""
     kc_all = max(1, K * C)
-    T = max(1, min(P, max(_TILE_MIN, _TILE_BYTES // (kc_all * item))))
+    per_pos = (kc_all + oC // group) * item + og * K * (((1 << nd) + 1) * item + 8)
+    T = max(_TILE_MIN, _TILE_BYTES // (kc_all * item))
+    T = max(1, min(P, T, (_SCRATCH_BYTES // 4 // nth) // per_pos))
     if nth > 1:
         ntile = -(-P // T)
         while (N * ntile) % nth and ntile < P:
             ntile += 1
         T = -(-P // ntile)
-    per_thread = (T * kc_all + (oC // group) * T) * item + og * K * T * (((1 << nd) + 1) * item + 8)
     img = max(1, S * C * item)
-    budget = max(img, _SCRATCH_BYTES - nth * per_thread - oC * kc_all * item)
+    budget = _SCRATCH_BYTES - nth * T * per_pos - oC * kc_all * item // max(1, group)
     nb = max(1, min(N, budget // img))
     return T, nb
 
