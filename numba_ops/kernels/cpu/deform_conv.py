@@ -754,14 +754,18 @@ _EMPTY = {np.dtype(t): np.empty(0, t) for t in (FLOAT16, BFLOAT16, np.float32, n
 def _plan_sizes(N, C, K, oC, P, group, og, nd, S, item, nth):
     """(tile length T, images per chunk nb) for ``S`` sites per padded image.
 
-    Tiles hold about ``_TILE_BYTES`` of columns but at least ``_TILE_MIN``
-    positions (every tile's GEMM re-packs the weights), never more than a
-    quarter of ``_SCRATCH_BYTES`` over all threads, and a parallel run gets a
+    Tiles hold about ``_TILE_BYTES`` of columns (an L2 cache) but at least
+    ``_TILE_MIN`` positions, as every tile's GEMM re-packs the weights; when the
+    L2 target is under half that, the columns live in L3 anyway and tiles get
+    ``2 * _TILE_MIN``. Tiles never take more than a quarter of
+    ``_SCRATCH_BYTES`` over all threads, and a parallel run gets a
     multiple of ``nth`` tiles in all, so that no thread idles at the end. The
     padded images of a chunk take the rest of the budget (at least one image)."""
     kc_all = max(1, K * C)
     per_pos = (kc_all + oC // group) * item + og * K * (((1 << nd) + 1) * item + 8)
-    T = max(_TILE_MIN, _TILE_BYTES // (kc_all * item))
+    T = _TILE_BYTES // (kc_all * item)
+    # columns far too wide for a cache-sized tile live in L3 anyway: fewer, bigger GEMMs win
+    T = 2 * _TILE_MIN if 2 * T < _TILE_MIN else max(T, _TILE_MIN)
     T = max(1, min(P, T, (_SCRATCH_BYTES // 4 // nth) // per_pos))
     if nth > 1:
         ntile = -(-P // T)
