@@ -55,12 +55,15 @@ def on_device(a):
 def resolve_device(device, inputs):
     """API.md, Devices: None follows ``__cuda_array_interface__``; else "cpu"/"cuda"."""
     if device is None:
-        return "cuda" if any(on_device(a) for a in inputs) else "cpu"
-    if not isinstance(device, str) or device not in DEVICES:
+        device = "cuda" if any(on_device(a) for a in inputs) else "cpu"
+        what = "an input is a CUDA array (device=None follows it)"
+    elif not isinstance(device, str) or device not in DEVICES:
         raise ValueError(f"device must be None, 'cpu' or 'cuda'; got {device!r}")
+    else:
+        what = "device='cuda' was asked for"
     if device == "cuda" and not cuda_usable():
         raise RuntimeError(
-            "device='cuda' was asked for but no CUDA GPU is usable here "
+            f"{what} but no CUDA GPU is usable here "
             "(install numba-cuda and a driver, or set NUMBA_ENABLE_CUDASIM=1 for the simulator)")
     return device
 
@@ -71,6 +74,8 @@ def as_array(a, name, device):
     if a is None:
         return None
     if on_device(a):
+        if device == "cpu" and not cuda_usable():
+            raise RuntimeError(f"{name} is a CUDA array but no CUDA GPU is usable here to copy it from")
         from .kernels.cuda._device import as_device_array
         d = as_device_array(a, name)
         return d.copy_to_host() if device == "cpu" else d

@@ -128,6 +128,26 @@ def test_no_gpu_is_a_runtime_error(monkeypatch):
     assert isinstance(numba_ops.affine_grid(theta, [2, 1, 3, 4]), np.ndarray)
 
 
+class _ForeignDeviceArray:
+    """Something exporting __cuda_array_interface__ (as CuPy or torch would)."""
+    dtype = np.dtype(np.float32)
+    shape = (1, 2, 3)
+    __cuda_array_interface__ = {"typestr": "<f4", "shape": (1, 2, 3), "data": (0, False), "version": 3}
+
+
+def test_device_input_without_a_gpu_is_a_runtime_error(monkeypatch):
+    """device=None follows a __cuda_array_interface__ input to "cuda"; with no
+    GPU that is the same RuntimeError, as is copying it to the CPU."""
+    from numba import cuda
+    monkeypatch.setattr(cuda, "is_available", lambda: False)
+    for device in (None, "cuda", "cpu"):
+        with pytest.raises(RuntimeError, match="no CUDA GPU"):
+            numba_ops.affine_grid(_ForeignDeviceArray(), [1, 1, 2, 3], device=device)
+    x = np.zeros((1, 1, 3, 3), np.float32)
+    with pytest.raises(RuntimeError, match="no CUDA GPU"):
+        numba_ops.deform_conv(x, np.ones((1, 1, 2, 2), np.float32), _ForeignDeviceArray())
+
+
 def test_broken_driver_is_not_usable(monkeypatch):
     from numba import cuda
 
