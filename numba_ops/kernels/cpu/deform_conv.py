@@ -426,12 +426,15 @@ def _tile(n, nl, p0, p1, xp, off3, m3, has_mask, wr, b, has_b, y3, geo, pstr, co
                     for k in range(kc):
                         acc += a[o, k] * bt[j, k]
                     out[j, o] = acc
-        for o in range(ocg):
-            oc = gi * ocg + o
-            bias = load(b, oc) if has_b else zero
-            yrow = y3[n, oc]
-            for j in range(tl):
-                store(yrow, p0 + j, out[j, o] + bias)
+        # transpose out^T into y's rows 16 positions at a time, so that reads stay in cache
+        for j0 in range(0, tl, 16):
+            j1 = min(tl, j0 + 16)
+            for o in range(ocg):
+                oc = gi * ocg + o
+                bias = load(b, oc) if has_b else zero
+                yrow = y3[n, oc]
+                for j in range(j0, j1):
+                    store(yrow, p0 + j, out[j, o] + bias)
 
 
 @njit(cache=True)
