@@ -7,7 +7,9 @@
 ``bench`` times every case of ``numba_ops._cases`` (the case names of the shared
 peer benchmark) with numba_ops and with each installed peer (onnxruntime,
 PyTorch/torchvision), each implementation in a process of its own so that the
-runtimes' thread pools do not fight over the cores. A case is timed warm (median
+runtimes' thread pools do not fight over the cores; the processes take turns case
+by case, so load from elsewhere on a shared machine falls on all implementations
+of a case alike. A case is timed warm (median
 of back-to-back calls) and cold (median of calls made after 200 ms idle, as a
 program calls an op between other work). The machine's limits are measured in
 the same run, in a process of their own: write bandwidth (a numba ``prange``
@@ -363,26 +365,42 @@ def _limits(cfg):
     return out
 
 
+def _time_case(impl, name, cfg):
+    warm, warmup, budget, cold = _timing(cfg["quick"], cfg["repeat"])
+    try:
+        if impl == "numba_ops":
+            fn = _ours_fn(name, cfg["dtype"], cfg["device"])
+        else:
+            fn = _peer_fn(impl, name, cfg["device"])
+        if isinstance(fn, str):
+            return {"case": name, "skip": fn}
+        ts = time_runs(fn, warm, warmup, budget)
+        cold_ms = 1e3 * time_cold(fn, cold)
+        return {"case": name, "ms": 1e3 * statistics.median(ts), "best_ms": 1e3 * min(ts), "cold_ms": cold_ms}
+    except Exception as exc:  # one failing case must not hide the others
+        return {"case": name, "error": f"{type(exc).__name__}: {exc}"[:300]}
+
+
+_PRELOAD = {"numba_ops": ("numba_ops",), "onnxruntime": ("onnx", "onnxruntime"), "torch": ("torch", "torchvision")}
+
+
 def _worker(cfg):
+    """A worker process. ``limits``: measure them, report, exit. Otherwise import the
+    implementation, report ready, then time each case named on stdin, one per line."""
     impl = cfg["impl"]
     if impl == "limits":
         _emit({"limits": _limits(cfg)})
         return 0
-    warm, warmup, budget, cold = _timing(cfg["quick"], cfg["repeat"])
-    for name in cfg["cases"]:
-        try:
-            if impl == "numba_ops":
-                fn = _ours_fn(name, cfg["dtype"], cfg["device"])
-            else:
-                fn = _peer_fn(impl, name, cfg["device"])
-            if isinstance(fn, str):
-                _emit({"case": name, "skip": fn})
-                continue
-            ts = time_runs(fn, warm, warmup, budget)
-            cold_ms = 1e3 * time_cold(fn, cold)
-            _emit({"case": name, "ms": 1e3 * statistics.median(ts), "best_ms": 1e3 * min(ts), "cold_ms": cold_ms})
-        except Exception as exc:  # one failing case must not hide the others
-            _emit({"case": name, "error": f"{type(exc).__name__}: {exc}"[:300]})
+    try:  # imports now, so that they never overlap another implementation's timing
+        for mod in _PRELOAD.get(impl, ()):
+            importlib.import_module(mod)
+    except ImportError as exc:
+        _emit({"ready": impl, "error": f"{type(exc).__name__}: {exc}"})
+        return 0
+    _emit({"ready": impl})
+    for line in sys.stdin:
+        if line.strip():
+            _emit(_time_case(impl, line.strip(), cfg))
     return 0
 
 
@@ -404,33 +422,81 @@ def _worker_argv():
     return [sys.executable, "-m", "numba_ops.cli"]
 
 
-def _run_worker(cfg, log):
-    """Run one implementation in its own process; print a progress line per case."""
-    cmd = _worker_argv() + ["_worker", json.dumps(cfg)]
-    # stderr joins stdout: a chatty worker cannot fill an unread pipe and stall
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    got, other = {}, []
-    for line in p.stdout:
-        if not line.startswith(_MARK):
-            other = (other + [line])[-40:]
-            continue
-        ev = json.loads(line[len(_MARK):])
-        if "limits" in ev:
-            got["limits"] = ev["limits"]
-            lim = ev["limits"]
-            gem = f", GEMM {lim['gemm_GFLOPs']:.1f} GFLOP/s ({lim['gemm_by']}, {lim['gemm_dtype']})" \
-                if "gemm_GFLOPs" in lim else ""
-            log(f"  [limits] write {lim['write_GBps']:.2f} GB/s{gem}")
-            continue
-        name = ev["case"]
-        got[name] = ev
-        if "ms" in ev:
-            log(f"  [{cfg['impl']}] {name}: {ev['ms']:.3f} ms warm, {ev['cold_ms']:.3f} ms cold")
-        else:
-            log(f"  [{cfg['impl']}] {name}: {'skipped: ' + ev['skip'] if 'skip' in ev else 'ERROR ' + ev['error']}")
-    if p.wait() != 0:
-        log(f"  [{cfg['impl']}] failed (exit {p.returncode}): {''.join(other).strip()[-1500:]}")
-    return got
+class _Worker:
+    """One implementation in a process of its own, timing the cases it is sent."""
+
+    def __init__(self, cfg):
+        self.impl, self.tail = cfg["impl"], []
+        # stderr joins stdout: a chatty worker cannot fill an unread pipe and stall
+        self.p = subprocess.Popen(_worker_argv() + ["_worker", json.dumps(cfg)], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+
+    def next_event(self):
+        for line in self.p.stdout:
+            if line.startswith(_MARK):
+                return json.loads(line[len(_MARK):])
+            self.tail = (self.tail + [line])[-40:]
+        return None
+
+    def died(self):
+        return f"the {self.impl} process exited: {''.join(self.tail).strip()[-1500:]}"
+
+    def ask(self, name):
+        try:
+            self.p.stdin.write(name + "\n")
+            self.p.stdin.flush()
+        except OSError:
+            return {"case": name, "error": self.died()}
+        return self.next_event() or {"case": name, "error": self.died()}
+
+    def close(self):
+        try:
+            self.p.stdin.close()
+        except OSError:
+            pass
+        try:
+            self.p.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.p.kill()
+            self.p.wait()
+
+
+def _measure(impls, cases, base_cfg, log):
+    """{impl: {case: event}} and the limits. The limits are measured first, alone;
+    then every implementation's process starts and imports; then the cases are
+    timed case by case, the implementations taking turns, so that a burst of load
+    on a shared machine falls on all implementations of a case alike."""
+    lw = _Worker(dict(base_cfg, impl="limits"))
+    ev = lw.next_event()
+    lw.close()
+    limits = ev["limits"] if ev else {}
+    if not ev:
+        log(f"  [limits] {lw.died()}")
+    else:
+        gem = f", GEMM {limits['gemm_GFLOPs']:.1f} GFLOP/s ({limits['gemm_by']}, {limits['gemm_dtype']})" \
+            if "gemm_GFLOPs" in limits else ""
+        log(f"  [limits] write {limits['write_GBps']:.2f} GB/s{gem}")
+    workers = {impl: _Worker(dict(base_cfg, impl=impl)) for impl in impls}
+    results = {impl: {} for impl in impls}
+    try:
+        for impl, w in list(workers.items()):
+            ev = w.next_event()
+            if ev is None or "error" in ev:
+                log(f"  [{impl}] not timed: {ev['error'] if ev else w.died()}")
+                w.close()
+                del workers[impl]
+        for name in cases:
+            for impl, w in workers.items():
+                ev = w.ask(name)
+                results[impl][name] = ev
+                if "ms" in ev:
+                    log(f"  [{impl}] {name}: {ev['ms']:.3f} ms warm, {ev['cold_ms']:.3f} ms cold")
+                else:
+                    log(f"  [{impl}] {name}: " + ("skipped: " + ev["skip"] if "skip" in ev else "ERROR " + ev["error"]))
+    finally:
+        for w in workers.values():
+            w.close()
+    return results, limits
 
 
 def figures(row):
@@ -575,17 +641,14 @@ def cmd_bench(args):
             if unknown:
                 print(f"numba-ops bench: unknown peer(s) {sorted(unknown)}; known: {', '.join(PEERS)}", file=sys.stderr)
                 return 2
-        impls = ["limits", "numba_ops"] + peers
-        print(f"numba-ops bench: {len(cases)} cases x {len(impls) - 1} implementations "
-              f"({', '.join(impls[1:])}), each in its own process; device {device}, dtype {args.dtype}"
+        impls = ["numba_ops"] + peers
+        print(f"numba-ops bench: {len(cases)} cases x {len(impls)} implementations "
+              f"({', '.join(impls)}), each in its own process; device {device}, dtype {args.dtype}"
               f"{', quick' if args.quick else ''}", flush=True)
-        results = {}
         t0 = time.perf_counter()
-        for impl in impls:
-            cfg = {"impl": impl, "cases": cases, "dtype": args.dtype, "device": device,
-                   "quick": args.quick, "repeat": args.repeat, "peers": peers}
-            results[impl] = _run_worker(cfg, lambda s: print(s, flush=True))
-        limits = results.pop("limits").get("limits", {})
+        cfg = {"cases": cases, "dtype": args.dtype, "device": device, "quick": args.quick,
+               "repeat": args.repeat, "peers": peers}
+        results, limits = _measure(impls, cases, cfg, lambda line: print(line, flush=True))
         report = {"tool": "numba-ops bench", "version": numba_ops.__version__, "device": device,
                   "dtype": args.dtype, "quick": bool(args.quick), "threads": numba.config.NUMBA_NUM_THREADS,
                   "cpus": os.cpu_count(), "peers": peers, "seconds": round(time.perf_counter() - t0, 1),
@@ -635,7 +698,7 @@ def _parser():
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["_worker"]:  # internal: one implementation's timings, see _run_worker
+    if argv[:1] == ["_worker"]:  # internal: one implementation's process, see _Worker
         return _worker(json.loads(argv[1]))
     args = _parser().parse_args(argv)
     return {"info": cmd_info, "check": cmd_check, "bench": cmd_bench}[args.command](args)

@@ -19,10 +19,10 @@ BASELINE = ROOT / "bench" / "baseline.json"
 N_CHECK_CASES = 16  # 8 ONNX backend cases + 8 operator-page examples
 
 
-def run(*args, script=None, timeout=300):
+def run(*args, script=None, timeout=300, stdin=None):
     """``python -m numba_ops ARGS``, or ``python SCRIPT ARGS`` for a wrapper script."""
     cmd = [sys.executable] + ([str(script)] if script else ["-m", "numba_ops"]) + list(args)
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, input=stdin)
     return p.returncode, p.stdout, p.stderr
 
 
@@ -201,10 +201,11 @@ def test_bench_worker_times_the_cuda_kernels():
     this runs on the simulator, where `bench --device cuda` itself refuses to time."""
     cfg = {"impl": "numba_ops", "cases": ["ag2d_small", "dc_seed"], "dtype": "float32", "device": "cuda",
            "quick": True, "repeat": 1, "peers": []}
-    rc, out, err = run("_worker", json.dumps(cfg), timeout=600)
+    rc, out, err = run("_worker", json.dumps(cfg), timeout=600, stdin="ag2d_small\ndc_seed\n")
     assert rc == 0, out + err
     events = [json.loads(ln.split(" ", 1)[1]) for ln in out.splitlines() if ln.startswith("@@numba-ops ")]
-    assert [e["case"] for e in events] == ["ag2d_small", "dc_seed"] and all(e["ms"] > 0 for e in events), out
+    assert events[0] == {"ready": "numba_ops"}, out
+    assert [e["case"] for e in events[1:]] == ["ag2d_small", "dc_seed"] and all(e["ms"] > 0 for e in events[1:]), out
     from numba_ops._dispatch import cuda_simulator
     if cuda_simulator():
         rc, out, err = run("bench", "--device", "cuda")
