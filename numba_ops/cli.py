@@ -299,70 +299,91 @@ def _fill_serial(a, v):
         a[i] = v
 
 
-def _limits(cfg):
-    """This machine's limits, measured now: write bandwidth, the alloc+fill floor of
-    each AffineGrid case's output, and the GEMM rate in the accumulation dtype."""
-    from numba import njit
+class _Limits:
+    """This machine's limits, measured in the limits worker: write bandwidth and the
+    GEMM rate (in the accumulation dtype) once at the start, then, case by case
+    beside the implementations' timings, the limit time of each case: the
+    alloc+fill floor of an AffineGrid output, or a DeformConv's dense-conv FLOPs
+    at the GEMM rate measured again then. All from fastest runs."""
 
-    quick, repeat = cfg["quick"], cfg["repeat"]
-    reps = 1 if repeat == 1 else 3 if quick else 5
-    acc = np.float64 if cfg["dtype"] == "float64" else np.float32
-    out = {}
-    if cfg["device"] == "cuda":
-        from numba import cuda
+    def __init__(self, cfg):
+        from numba import njit
 
-        @cuda.jit
-        def fill(a, v):
-            for i in range(cuda.grid(1), a.size, cuda.gridsize(1)):
-                a[i] = v
+        self.cfg = cfg
+        self.reps = 1 if cfg["repeat"] == 1 else 3 if cfg["quick"] else 5
+        self.acc = np.float64 if cfg["dtype"] == "float64" else np.float32
+        if cfg["device"] == "cuda":
+            from numba import cuda
 
-        def pfill(a, v):
-            fill[256, 256](a, v)
-            cuda.synchronize()
-        empty = cuda.device_array
-        sfill = pfill
-    else:
-        from .kernels.cpu import _runtime  # noqa: F401  (numba_ops' threading layer, set before the pool starts)
-        pfill = njit(parallel=True, cache=True)(_fill_parallel)
-        sfill = njit(cache=True)(_fill_serial)
-        empty = np.empty
-    a = empty(64 * 2 ** 20, dtype=np.float32)  # 256 MiB
-    pfill(a, 0.0)
-    out["write_GBps"] = a.nbytes / time_best(lambda: pfill(a, 1.0), reps, 1, 10.0) / 1e9
-    if cfg["device"] != "cuda":
-        out["write_GBps_numpy_fill"] = a.nbytes / time_best(lambda: a.fill(1.0), reps, 1, 10.0) / 1e9
-    del a
-    # The floor for AffineGrid: allocate the output and write every element once,
-    # serially or in parallel, whichever is faster for that size.
-    store = {2: np.uint16, 4: np.float32, 8: np.float64}[_cases.np_dtype(cfg["dtype"]).itemsize]
-    zero = store(0)
-    for name in cfg["cases"]:
+            @cuda.jit
+            def fill(a, v):
+                for i in range(cuda.grid(1), a.size, cuda.gridsize(1)):
+                    a[i] = v
+
+            def pfill(a, v):
+                fill[256, 256](a, v)
+                cuda.synchronize()
+            self.empty, self.fills = cuda.device_array, (pfill,)
+        else:
+            from .kernels.cpu import _runtime  # noqa: F401  (numba_ops' threading layer, before the pool starts)
+            self.empty = np.empty
+            self.fills = (njit(cache=True)(_fill_serial), njit(parallel=True, cache=True)(_fill_parallel))
+        self.m = np.random.default_rng(0).standard_normal((2048, 2048)).astype(self.acc)
+        self.tm = None
+        if "torch" in cfg["peers"]:
+            try:
+                import torch
+                if cfg["device"] != "cuda" or torch.cuda.is_available():
+                    self.tm = torch.from_numpy(self.m).to(cfg["device"])
+                    self.sync = torch.cuda.synchronize if cfg["device"] == "cuda" else (lambda: None)
+            except ImportError:
+                pass
+
+    def gemm(self):
+        """{by: GFLOP/s} of a 2048² GEMM, NumPy's (CPU) and PyTorch's (if a peer)."""
+        out = {}
+        flops = 2 * 2048 ** 3
+        if self.cfg["device"] != "cuda":
+            out["numpy"] = flops / time_best(lambda: self.m @ self.m, self.reps, 1, 20.0) / 1e9
+        if self.tm is not None:
+            out["torch"] = flops / time_best(lambda: (self.tm @ self.tm, self.sync()), self.reps, 1, 20.0) / 1e9
+        return out
+
+    def overall(self):
+        pfill = self.fills[-1]
+        a = self.empty(64 * 2 ** 20, dtype=np.float32)  # 256 MiB
+        pfill(a, 0.0)
+        out = {"write_GBps": a.nbytes / time_best(lambda: pfill(a, 1.0), self.reps, 1, 10.0) / 1e9}
+        if self.cfg["device"] != "cuda":
+            out["write_GBps_numpy_fill"] = a.nbytes / time_best(lambda: a.fill(1.0), self.reps, 1, 10.0) / 1e9
+        del a
+        gemm = self.gemm()
+        for k, v in gemm.items():
+            out[f"gemm_GFLOPs_{k}"] = v
+        if gemm:
+            best = max(gemm, key=gemm.get)
+            out["gemm_GFLOPs"], out["gemm_by"] = gemm[best], best
+        out["gemm_dtype"] = np.dtype(self.acc).name
+        return out
+
+    def case(self, name):
+        """{"case", "bound_ms", "limit"} for one case, measured now."""
         if _cases.op_of(name) == "affine_grid":
-            n = _cases.inputs(name, cfg["dtype"])[3] // np.dtype(store).itemsize
-            r = 1 if repeat == 1 else max(reps, 5)
-            out["alloc_fill_ms_" + name] = 1e3 * min(
-                time_best(lambda f=f: f(empty(n, store), zero), r, 1, 5.0) for f in (sfill, pfill))
-    gemm = {}
-    m = np.random.default_rng(0).standard_normal((2048, 2048)).astype(acc)
-    if cfg["device"] != "cuda":
-        gemm["numpy"] = 2 * 2048 ** 3 / time_best(lambda: m @ m, reps, 1, 20.0) / 1e9
-    if "torch" in cfg["peers"]:
-        try:
-            import torch
-            dev = cfg["device"]
-            if dev != "cuda" or torch.cuda.is_available():
-                tm = torch.from_numpy(m).to(dev)
-                sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
-                gemm["torch"] = 2 * 2048 ** 3 / time_best(lambda: (tm @ tm, sync()), reps, 1, 20.0) / 1e9
-        except ImportError:
-            pass
-    for k, v in gemm.items():
-        out[f"gemm_GFLOPs_{k}"] = v
-    if gemm:
-        best = max(gemm, key=gemm.get)
-        out["gemm_GFLOPs"], out["gemm_by"] = gemm[best], best
-    out["gemm_dtype"] = np.dtype(acc).name
-    return out
+            # allocate the output and write every element once, serially or in
+            # parallel, whichever is faster for that size
+            store = {2: np.uint16, 4: np.float32, 8: np.float64}[_cases.np_dtype(self.cfg["dtype"]).itemsize]
+            n = _cases.inputs(name, self.cfg["dtype"])[3] // np.dtype(store).itemsize
+            r = 1 if self.cfg["repeat"] == 1 else max(self.reps, 5)
+            zero = store(0)
+            ms = 1e3 * min(time_best(lambda f=f: f(self.empty(n, store), zero), r, 1, 5.0) for f in self.fills)
+            return {"case": name, "bound_ms": ms, "limit": "alloc+fill floor"}
+        gemm = self.gemm()
+        if not gemm:
+            return {"case": name, "skip": "no GEMM to measure on this device"}
+        rate = max(gemm.values())
+        flops = _cases.inputs(name, self.cfg["dtype"])[3]
+        return {"case": name, "bound_ms": flops / (rate * 1e9) * 1e3, "limit": "GEMM-bound time",
+                "gemm_GFLOPs": rate}
 
 
 def _time_case(impl, name, cfg):
@@ -385,22 +406,27 @@ _PRELOAD = {"numba_ops": ("numba_ops",), "onnxruntime": ("onnx", "onnxruntime"),
 
 
 def _worker(cfg):
-    """A worker process. ``limits``: measure them, report, exit. Otherwise import the
-    implementation, report ready, then time each case named on stdin, one per line."""
+    """A worker process: import the implementation (the limits worker measures the
+    overall limits), report ready, then time (or bound) each case named on stdin,
+    one per line."""
     impl = cfg["impl"]
-    if impl == "limits":
-        _emit({"limits": _limits(cfg)})
-        return 0
+    limits = None
     try:  # imports now, so that they never overlap another implementation's timing
         for mod in _PRELOAD.get(impl, ()):
             importlib.import_module(mod)
+        if impl == "limits":
+            limits = _Limits(cfg)
+            ready = {"ready": impl, "limits": limits.overall()}
+        else:
+            ready = {"ready": impl}
     except ImportError as exc:
         _emit({"ready": impl, "error": f"{type(exc).__name__}: {exc}"})
         return 0
-    _emit({"ready": impl})
+    _emit(ready)
     for line in sys.stdin:
-        if line.strip():
-            _emit(_time_case(impl, line.strip(), cfg))
+        name = line.strip()
+        if name:
+            _emit(limits.case(name) if limits else _time_case(impl, name, cfg))
     return 0
 
 
@@ -462,34 +488,32 @@ class _Worker:
 
 
 def _measure(impls, cases, base_cfg, log):
-    """{impl: {case: event}} and the limits. The limits are measured first, alone;
-    then every implementation's process starts and imports; then the cases are
-    timed case by case, the implementations taking turns, so that a burst of load
-    on a shared machine falls on all implementations of a case alike."""
-    lw = _Worker(dict(base_cfg, impl="limits"))
-    ev = lw.next_event()
-    lw.close()
-    limits = ev["limits"] if ev else {}
-    if not ev:
-        log(f"  [limits] {lw.died()}")
-    else:
-        gem = f", GEMM {limits['gemm_GFLOPs']:.1f} GFLOP/s ({limits['gemm_by']}, {limits['gemm_dtype']})" \
-            if "gemm_GFLOPs" in limits else ""
-        log(f"  [limits] write {limits['write_GBps']:.2f} GB/s{gem}")
-    workers = {impl: _Worker(dict(base_cfg, impl=impl)) for impl in impls}
-    results = {impl: {} for impl in impls}
+    """{impl: {case: event}} and the overall limits. Every implementation's process,
+    and the limits', starts and imports first; then the cases are timed case by
+    case, the limit first and the implementations taking turns, so that a burst of
+    load on a shared machine falls on all of a case's figures alike."""
+    workers, results, limits = {}, {}, {}
     try:
-        for impl, w in list(workers.items()):
+        for impl in ["limits"] + impls:  # one at a time: no import overlaps the limits' measurement
+            w = _Worker(dict(base_cfg, impl=impl))
             ev = w.next_event()
             if ev is None or "error" in ev:
                 log(f"  [{impl}] not timed: {ev['error'] if ev else w.died()}")
                 w.close()
-                del workers[impl]
+                continue
+            workers[impl], results[impl] = w, {}
+            if impl == "limits":
+                limits = ev["limits"]
+                gem = f", GEMM {limits['gemm_GFLOPs']:.1f} GFLOP/s ({limits['gemm_by']}, {limits['gemm_dtype']})" \
+                    if "gemm_GFLOPs" in limits else ""
+                log(f"  [limits] write {limits['write_GBps']:.2f} GB/s{gem}")
         for name in cases:
             for impl, w in workers.items():
                 ev = w.ask(name)
                 results[impl][name] = ev
-                if "ms" in ev:
+                if "bound_ms" in ev:
+                    log(f"  [limits] {name}: {ev['limit']} {ev['bound_ms']:.3f} ms")
+                elif "ms" in ev:
                     log(f"  [{impl}] {name}: {ev['ms']:.3f} ms warm, {ev['cold_ms']:.3f} ms cold")
                 else:
                     log(f"  [{impl}] {name}: " + ("skipped: " + ev["skip"] if "skip" in ev else "ERROR " + ev["error"]))
@@ -520,20 +544,16 @@ def figures(row):
     return out
 
 
-def _table(results, lim, cases):
+def _table(results, cases):
     table = {}
+    lim = results.pop("limits", {})
     for name in cases:
         op = _cases.op_of(name)
-        ms = {impl: results[impl][name]["ms"] for impl in results
-              if impl != "limits" and "ms" in results[impl].get(name, {})}
+        ms = {impl: results[impl][name]["ms"] for impl in results if "ms" in results[impl].get(name, {})}
         cold = {impl: results[impl][name]["cold_ms"] for impl in ms}
         best = {impl: results[impl][name]["best_ms"] for impl in ms}
-        if op == "affine_grid":
-            bound, what = lim.get("alloc_fill_ms_" + name), "alloc+fill floor"
-        else:
-            flops = _cases.inputs(name, "float32")[3]
-            rate = lim.get("gemm_GFLOPs")
-            bound, what = (flops / (rate * 1e9) * 1e3 if rate else None), "GEMM-bound time"
+        bound = lim.get(name, {}).get("bound_ms")
+        what = "alloc+fill floor" if op == "affine_grid" else "GEMM-bound time"
         row = {"op": op, "ms": ms, "best_ms": best, "cold_ms": cold, "bound_ms": bound, "limit": what}
         row["figures"] = figures(row)
         table[name] = row
@@ -652,7 +672,7 @@ def cmd_bench(args):
         report = {"tool": "numba-ops bench", "version": numba_ops.__version__, "device": device,
                   "dtype": args.dtype, "quick": bool(args.quick), "threads": numba.config.NUMBA_NUM_THREADS,
                   "cpus": os.cpu_count(), "peers": peers, "seconds": round(time.perf_counter() - t0, 1),
-                  "limits": limits, "cases": _table(results, limits, cases)}
+                  "limits": limits, "cases": _table(results, cases)}
     print_table(report)
     if args.json:
         with open(args.json, "w") as fh:
