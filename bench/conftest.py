@@ -8,7 +8,6 @@ Every benchmark runs in two modes:
   benchmark runs once, on a shrunken case of the same structure, so CI proves
   every op × dtype × case path works without paying for the big shapes.
 """
-import numpy as np  # noqa: F401  (imported early: numba needs it anyway)
 import pytest
 
 import numba_ops
