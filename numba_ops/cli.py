@@ -7,14 +7,14 @@
 ``bench`` times every case of ``numba_ops._cases`` (the case names of the shared
 peer benchmark) with numba_ops and with each installed peer (onnxruntime,
 PyTorch/torchvision), each implementation in a process of its own so that the
-runtimes' thread pools do not fight over the cores; the processes take turns case
-by case, so load from elsewhere on a shared machine falls on all implementations
-of a case alike. A case is timed warm (median
+runtimes' thread pools do not fight over the cores. A case is timed warm (median
 of back-to-back calls) and cold (median of calls made after 200 ms idle, as a
 program calls an op between other work). The machine's limits are measured in
 the same run, in a process of their own: write bandwidth (a numba ``prange``
-fill) and the alloc+fill floor of each AffineGrid output, and the GEMM rate
-(NumPy's, or PyTorch's where faster) that bounds DeformConv.
+fill), then per case the alloc+fill floor of an AffineGrid output or the GEMM
+rate (NumPy's, or PyTorch's where faster) that bounds a DeformConv. The
+processes take turns case by case (the limit, then each implementation), so load
+from elsewhere on a shared machine falls on all of a case's figures alike.
 
 Two machine-independent figures per case feed the regression gate
 (``--compare``): the fraction of the limit reached (limit time / our time) and
