@@ -4,25 +4,7 @@ import math
 
 import numpy as np
 
-
-def affine_grid_ref(theta, size, align_corners):
-    """float64 AffineGrid by the definition: grid = theta @ [x, (y, (z,)) 1]."""
-    theta = np.asarray(theta, dtype=np.float64)
-    nd = len(size) - 2
-    axes = []
-    for L in size[2:]:
-        i = np.arange(L, dtype=np.float64)
-        if L <= 1:
-            axes.append(np.zeros(L))
-        elif align_corners:
-            axes.append(-1 + 2 * i / (L - 1))
-        else:
-            axes.append((2 * i + 1) / L - 1)
-    mesh = np.meshgrid(*axes, indexing="ij")  # (D,) H, W
-    # base point order is (x, y, z, 1): x is the last spatial axis
-    base = np.stack([m for m in reversed(mesh)] + [np.ones_like(mesh[0])], axis=-1)
-    out = np.einsum("...k,njk->n...j", base, theta)
-    return out.reshape((size[0],) + tuple(size[2:]) + (nd,))
+from numba_ops._cases import affine_grid_f64 as affine_grid_ref  # noqa: F401  (one definition, shared with `numba-ops check`)
 
 
 def _sample(xc, pos):

@@ -30,13 +30,13 @@ def test_seed_examples(name, device):
 
 
 def test_onnx_backend_cases(device):
-    from onnx_cases import attrs, backend_cases
-    cases = backend_cases("affinegrid")
+    from numba_ops._cases import onnx_backend_cases
+    cases = [c for c in onnx_backend_cases() if c.op == "AffineGrid"]
     assert len(cases) >= 4
-    for name, node, inputs, outputs in cases:
-        got = numba_ops.affine_grid(*inputs, align_corners=attrs(node).get("align_corners", 0), device=device)
-        want = outputs[0]
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max(), err_msg=name)
+    for case in cases:
+        got = numba_ops.affine_grid(*case.inputs, device=device, **case.attrs)
+        want = case.expected
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max(), err_msg=case.name)
 
 
 @pytest.mark.parametrize("size", SHAPES)

@@ -8,10 +8,8 @@ import numpy as np
 import pytest
 
 import numba_ops
+from numba_ops import _cases
 from numba_ops.kernels.cpu import deform_conv as cpu_dc
-
-from onnx_cases import attrs as node_attrs
-from onnx_cases import backend_cases
 from reference import deform_conv_ref
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -74,60 +72,20 @@ def ref(ins, att):
 
 # --- the ONNX page's worked examples and ONNX's backend cases ------------------------------
 
-X33 = np.arange(9, dtype=np.float32).reshape(1, 1, 3, 3)
-W1 = np.ones((1, 1, 2, 2), np.float32)
+SEEDS = [c for c in _cases.seed_cases() if c.op == "DeformConv"]
+BACKEND = [c for c in _cases.onnx_backend_cases() if c.op == "DeformConv"]
 
 
-def _seed_examples():
-    off_p = np.zeros((1, 8, 4, 4), np.float32)
-    off_p[0, 0, 0, 0] = 0.5
-    off_p[0, 5, 1, 2] = -0.1
-    off = np.zeros((1, 8, 2, 2), np.float32)
-    off[0, 0, 0, 0] = 0.5
-    off[0, 5, 0, 1] = -0.1
-    mask = np.ones((1, 4, 2, 2), np.float32)
-    mask[0, 2, 1, 1] = 0.2
-    x2 = np.concatenate([X33, X33[:, :, ::-1, ::-1]], axis=1)
-    off2 = np.zeros((1, 16, 2, 2), np.float32)
-    off2[0, 0, 0, 0] = 0.5
-    off2[0, 13, 0, 1] = -0.1
-    return {
-        "with_padding": ((X33, W1, off_p, None, None), dict(kernel_shape=[2, 2], pads=[1, 1, 1, 1]),
-                         [[0, 1, 3, 2], [3, 8, 11.9, 7], [9, 20, 24, 13], [6, 13, 15, 8]]),
-        "without_padding": ((X33, W1, off, None, None), dict(kernel_shape=[2, 2], pads=[0, 0, 0, 0]),
-                            [[9.5, 11.9], [20, 24]]),
-        "with_mask_bias": ((X33, W1, off, np.ones(1, np.float32), mask), dict(kernel_shape=[2, 2], pads=[0, 0, 0, 0]),
-                           [[10.5, 12.9], [21, 19.4]]),
-        "multiple_offset_groups": ((x2, np.ones((1, 2, 2, 2), np.float32), off2, None, None),
-                                   dict(kernel_shape=[2, 2], pads=[0, 0, 0, 0], offset_group=2),
-                                   [[33.5, 32.1], [32, 32]]),
-    }
+def test_conformance_cases_found():
+    assert len(SEEDS) == 4 and len(BACKEND) >= 4
 
 
-@pytest.mark.parametrize("name", list(_seed_examples()))
-def test_seed_page_examples(name, device):
-    inputs, att, want = _seed_examples()[name]
-    y = numba_ops.deform_conv(*inputs, device=device, **att)
-    want = np.array(want, np.float32)[None, None]
-    assert y.dtype == np.float32 and y.shape == want.shape
-    np.testing.assert_allclose(y, want, rtol=1e-6, atol=1e-6)
-
-
-BACKEND = backend_cases("deformconv")
-
-
-def test_backend_cases_found():
-    assert len(BACKEND) >= 4
-
-
-@pytest.mark.parametrize("case", BACKEND, ids=[c[0] for c in BACKEND])
-def test_onnx_backend_cases(case, device):
-    name, node, inputs, outputs = case
-    att = node_attrs(node)
-    ins = list(inputs) + [None] * (5 - len(inputs))
-    y = numba_ops.deform_conv(*ins, device=device, **att)
-    assert y.dtype == outputs[0].dtype and y.shape == outputs[0].shape
-    np.testing.assert_allclose(y, outputs[0], rtol=1e-6, atol=1e-6)
+@pytest.mark.parametrize("case", SEEDS + BACKEND, ids=[f"{c.source}-{c.name}" for c in SEEDS + BACKEND])
+def test_conformance(case, device):
+    """The ONNX page's worked examples and ONNX's backend cases."""
+    y = numba_ops.deform_conv(*case.inputs, device=device, **case.attrs)
+    assert y.dtype == np.float32 and y.shape == case.expected.shape
+    np.testing.assert_allclose(y, case.expected, rtol=1e-6, atol=1e-6)
 
 
 # --- 2-D against onnxruntime and torchvision ------------------------------------------------
