@@ -74,9 +74,14 @@ def compile_kernels(which, cc):
 
 
 def _pretend_device(setattr_, cc):
+    """Compile for ``cc`` with no GPU: numba-cuda asks the current device for the cc
+    of nested device functions, and NVRTC (not in every toolkit; only NVVM is
+    needed to compile) for the closest supported arch unless the cc is forced."""
     import numba.cuda.dispatcher
+    from numba.cuda import config
     setattr_(numba.cuda.dispatcher, "get_current_device",
              lambda: types.SimpleNamespace(compute_capability=cc))
+    setattr_(config, "FORCE_CUDA_CC", cc)
 
 
 @pytest.mark.parametrize("cc", CCS, ids=lambda cc: f"sm_{cc[0]}{cc[1]}")
