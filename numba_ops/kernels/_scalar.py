@@ -16,7 +16,6 @@ through LLVM's ``half`` type (F16C ``vcvtps2ph``/``vcvtph2ps`` on x86, PTX
 ``cvt.rn.f16.f32`` on GPUs: 2.4x faster than the integer route on the CPU); the
 integer routes below are the simulator's path and the tests' second opinion.
 """
-import math
 
 import numpy as np
 from llvmlite import ir
@@ -154,31 +153,6 @@ def base_coord(i, length, align_corners, one):
 
 
 # --- DeformConv -----------------------------------------------------------------
-
-@njit(cache=True)
-def corner_weights(p, size, one):
-    """Linear-interpolation support of position ``p`` on an axis of ``size``.
-
-    Returns ``(i0, w0, w1, ok)``: the lower corner index, the weights of corners
-    ``i0`` and ``i0 + 1`` with corners outside ``[0, size - 1]`` weighted 0, and
-    whether any corner is inside. A non-finite ``p`` gives NaN weights (the sample
-    is NaN); a position at or beyond -1 or ``size`` gives ``ok = False`` (the sample
-    is 0). ``floor`` runs only on positions in (-1, size), so a huge offset never
-    overflows an index.
-    """
-    zero = one - one
-    if not math.isfinite(p):
-        nan = zero * p
-        return np.int64(0), nan, nan, True
-    if p <= -one or p >= size:
-        return np.int64(0), zero, zero, False
-    f = math.floor(p)
-    i0 = np.int64(f)
-    lam = p - f
-    w0 = one - lam if i0 >= 0 else zero
-    w1 = lam if i0 + 1 <= size - 1 else zero
-    return i0, w0, w1, True
-
 
 @njit(cache=True)
 def border_corner(p, size, zero, one):
