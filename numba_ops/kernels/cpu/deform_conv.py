@@ -628,6 +628,21 @@ def _parallel(x, w, off, m, b, y, meta):
 
 
 @njit(cache=True)
+def _padded_setup(x3, geo, pstr, nb):
+    """Rows of a padded image (its bordered axes but the last), the padded buffer
+    for ``nb`` images, and the corners' offsets in it."""
+    sites = 1
+    rows = 1
+    nd = geo.shape[1]
+    for ax in range(nd):
+        sites *= geo[0, ax] + 2
+        if ax < nd - 1:
+            rows *= geo[0, ax] + 2
+    C = x3.shape[1]
+    return rows, _padded_buffer(x3, nb, sites, pstr, C), _corner_offsets(pstr, C)
+
+
+@njit(cache=True)
 def _run_serial(x3, w3, off3, m3, b, has_mask, has_b, y3, geo, pstr, dims):
     N, C = x3.shape[0], x3.shape[1]
     oC, P = y3.shape[1], y3.shape[2]
@@ -637,14 +652,7 @@ def _run_serial(x3, w3, off3, m3, b, has_mask, has_b, y3, geo, pstr, dims):
     wr = _empty_like_compute(x3, max(1, oC * K * (C // group)))
     for o in range(oC):
         _reorder_w(w3, wr, K, o)
-    sites = 1
-    rows = 1
-    for ax in range(nd):
-        sites *= geo[0, ax] + 2
-        if ax < nd - 1:
-            rows *= geo[0, ax] + 2
-    xp = _padded_buffer(x3, nb, sites, pstr, C)
-    coff = _corner_offsets(pstr, C)
+    rows, xp, coff = _padded_setup(x3, geo, pstr, nb)
     cols, outb, pidx, pw, pm = _scratch(x3, dims, nd, ocg)
     ntile = (P + T - 1) // T
     for n0 in range(0, N, nb):
@@ -666,14 +674,7 @@ def _run_parallel(x3, w3, off3, m3, b, has_mask, has_b, y3, geo, pstr, dims):
     nd = geo.shape[1]
     ocg = oC // group
     wr = _empty_like_compute(x3, max(1, oC * K * (C // group)))
-    sites = 1
-    rows = 1
-    for ax in range(nd):
-        sites *= geo[0, ax] + 2
-        if ax < nd - 1:
-            rows *= geo[0, ax] + 2
-    xp = _padded_buffer(x3, nb, sites, pstr, C)
-    coff = _corner_offsets(pstr, C)
+    rows, xp, coff = _padded_setup(x3, geo, pstr, nb)
     ntile = (P + T - 1) // T
     for n0 in range(0, N, nb):
         nc = min(nb, N - n0)
