@@ -184,7 +184,7 @@ def _timing(quick, repeat):
     """(warm repeats, warmup calls, seconds budget per case, cold repeats)."""
     if repeat is not None:
         return repeat, 1, 60.0, repeat
-    return (5, 1, 2.0, 2) if quick else (9, 2, 15.0, 5)
+    return (7, 2, 2.0, 2) if quick else (9, 2, 15.0, 5)
 
 
 def time_runs(fn, repeat, warmup, budget_s):
