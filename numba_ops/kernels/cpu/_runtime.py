@@ -18,7 +18,8 @@ if "NUMBA_THREADING_LAYER" not in os.environ:
 #: waking the pool costs more than the work.
 PARALLEL_MIN_WORK = 1 << 16
 
-_POOL_LOCK = threading.Lock()
+#: held by every parallel launch (affine_grid via ``run``, deform_conv directly)
+POOL_LOCK = threading.Lock()
 
 
 def run(serial, parallel, work, *args):
@@ -26,6 +27,6 @@ def run(serial, parallel, work, *args):
     lock, ``nchunks`` being a few pieces per thread for balance."""
     if work < PARALLEL_MIN_WORK:
         return serial(*args)
-    with _POOL_LOCK:
+    with POOL_LOCK:
         return parallel(*args, 4 * numba.get_num_threads())
 

@@ -857,6 +857,6 @@ def launch(x, w, offset, b, mask, p):
     meta = st.meta.get(nth)
     if meta is None:  # the caller changed numba's thread count
         meta = st.meta[nth] = _State(x, w, p).meta[nth]
-    with _runtime._POOL_LOCK, _BLAS:
+    with _runtime.POOL_LOCK, _BLAS:
         (_serial if nth == 1 else _parallel)(x, w, offset, mask, b, yk, meta[i])
     return y
