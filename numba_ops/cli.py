@@ -92,7 +92,8 @@ def cmd_info(args):
     rows.append(("threads", f"{numba.get_num_threads()} numba threads on {os.cpu_count()} CPUs "
                             f"(NUMBA_NUM_THREADS={numba.config.NUMBA_NUM_THREADS})"))
     # The pool starts on the first parallel launch: make one (a cached kernel) to name the layer.
-    configured = numba.config.THREADING_LAYER
+    configured = (f"{numba.config.THREADING_LAYER}, priority {' '.join(numba.config.THREADING_LAYER_PRIORITY)}, "
+                  f"GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT')}")
     try:
         numba_ops.affine_grid(np.zeros((1, 2, 3), np.float32), (1, 1, 256, 256))
         layer = numba.threading_layer()

@@ -1,18 +1,32 @@
-"""How CPU kernels go parallel: the threshold below which a kernel runs serially,
-and the lock that keeps concurrent callers off the thread pool at the same time.
+"""How CPU kernels go parallel: the threading layer and its spin policy, the
+threshold below which a kernel runs serially, and the lock that keeps concurrent
+callers off the thread pool at the same time.
 
-The threading layer is numba's workqueue unless the user set
-NUMBA_THREADING_LAYER: it wakes in ~0.2 ms where the OpenMP layer can take ~8 ms
-on small VMs. The workqueue must not be entered by two threads at once, so parallel launches from different Python
-threads are serialised here; serial kernels run without the lock.
+Measured on 2-core VMs (see README, "Threading"):
+
+- numba's OpenMP layer fills a buffer 2-4x faster than its workqueue layer (the
+  workqueue is slower than one thread there), so OpenMP is preferred.
+- libgomp's default spin (GOMP_SPINCOUNT=300000, ~8 ms) makes the second and
+  later launches of a call that follows idle time take ~4 ms each; a longer spin
+  (3,000,000, ~0.1 s of one core after a call, like Intel OpenMP's default
+  200 ms block time) keeps back-to-back launches at ~10 us and a launch after
+  idle at ~0.2 ms. The variable is read when libgomp loads, so it is set here,
+  before the first parallel launch, unless the user set it.
+
+A user's NUMBA_THREADING_LAYER / NUMBA_THREADING_LAYER_PRIORITY / GOMP_SPINCOUNT
+win. Parallel launches from several Python threads are serialised here (the
+workqueue layer must not be entered twice); serial kernels run without the lock.
 """
 import os
 import threading
 
 import numba
 
-if "NUMBA_THREADING_LAYER" not in os.environ:
-    numba.config.THREADING_LAYER = "workqueue"  # takes effect unless a pool already started
+if "NUMBA_THREADING_LAYER" not in os.environ and "NUMBA_THREADING_LAYER_PRIORITY" not in os.environ:
+    # in the environment too: numba re-reads its config from it when it changes
+    os.environ["NUMBA_THREADING_LAYER_PRIORITY"] = "omp workqueue tbb"
+    numba.config.THREADING_LAYER_PRIORITY = ["omp", "workqueue", "tbb"]
+os.environ.setdefault("GOMP_SPINCOUNT", "3000000")
 
 #: below this many output elements (times work per element) a kernel runs serially:
 #: waking the pool costs more than the work.

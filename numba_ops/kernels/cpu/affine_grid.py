@@ -1,7 +1,7 @@
 """AffineGrid on the CPU: ``@njit(parallel=True)`` over rows of the output grid.
 
 Each output row (fixed n and leading spatial indices) is ``grid = a * x + b``
-with per-row constants, so the inner loop is a fused multiply-add over the
+with per-row constants, so the inner loop is a multiply-add over the
 precomputed base coordinates that LLVM vectorises, and every output element is
 written once, rounded straight into its storage type.
 """
@@ -26,7 +26,11 @@ def _coords(length, align, one):
 @njit(cache=True)
 def _rows(theta, out, shape, align, one, r0, r1):
     """Rows ``r0:r1`` of ``out`` viewed as (N * D * H, W * nd); ``shape`` is (N, [D,] H, W);
-    ``one`` is 1 in the compute type."""
+    ``one`` is 1 in the compute type.
+
+    The row's (n, d, h) advance as counters: in 3-D a row is only 192 elements,
+    and the three integer divisions that would recover them cost as much as its stores.
+    """
     nd = theta.shape[1]
     W = shape[-1]
     H = shape[-2]
@@ -34,28 +38,36 @@ def _rows(theta, out, shape, align, one, r0, r1):
     xs = _coords(W, align, one)
     ys = _coords(H, align, one)
     zs = _coords(D, align, one)
-    b = np.empty(nd, dtype=type(one))
+    h = r0 % H
+    d = (r0 // H) % D
+    n = r0 // (H * D)
     for r in range(r0, r1):
-        h = r % H
-        d = (r // H) % D
-        n = r // (H * D)
-        for k in range(nd):
-            if nd == 3:
-                b[k] = theta[n, k, 1] * ys[h] + theta[n, k, 2] * zs[d] + theta[n, k, 3]
-            else:
-                b[k] = theta[n, k, 1] * ys[h] + theta[n, k, 2]
         row = out[r]
+        y = ys[h]
         if nd == 2:
-            a0, a1, b0, b1 = theta[n, 0, 0], theta[n, 1, 0], b[0], b[1]
+            a0, a1 = theta[n, 0, 0], theta[n, 1, 0]
+            b0 = theta[n, 0, 1] * y + theta[n, 0, 2]
+            b1 = theta[n, 1, 1] * y + theta[n, 1, 2]
             for w in range(W):
                 store(row, 2 * w, a0 * xs[w] + b0)
                 store(row, 2 * w + 1, a1 * xs[w] + b1)
         else:
-            a0, a1, a2, b0, b1, b2 = theta[n, 0, 0], theta[n, 1, 0], theta[n, 2, 0], b[0], b[1], b[2]
+            z = zs[d]
+            a0, a1, a2 = theta[n, 0, 0], theta[n, 1, 0], theta[n, 2, 0]
+            b0 = theta[n, 0, 1] * y + theta[n, 0, 2] * z + theta[n, 0, 3]
+            b1 = theta[n, 1, 1] * y + theta[n, 1, 2] * z + theta[n, 1, 3]
+            b2 = theta[n, 2, 1] * y + theta[n, 2, 2] * z + theta[n, 2, 3]
             for w in range(W):
                 store(row, 3 * w, a0 * xs[w] + b0)
                 store(row, 3 * w + 1, a1 * xs[w] + b1)
                 store(row, 3 * w + 2, a2 * xs[w] + b2)
+        h += 1
+        if h == H:
+            h = 0
+            d += 1
+            if d == D:
+                d = 0
+                n += 1
 
 
 @njit(cache=True)
