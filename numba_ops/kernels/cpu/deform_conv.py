@@ -438,16 +438,34 @@ def _tile(n, nl, p0, p1, xp, off3, m3, has_mask, wr, b, has_b, y3, geo, pstr, co
 
 
 @njit(cache=True)
-def _scratch(like, dims, nd, ocg):
-    """One thread's tile buffers: columns, GEMM tile, the plans of every
-    (offset group, kernel point)."""
+def _ws_sizes(C, oC, geo, pstr, dims):
+    """Workspace elements: (reordered weights, padded images, one thread's tile
+    buffers) in the compute type, and one thread's plan indices in int64."""
+    nd = geo.shape[1]
+    K, group, og, T, nb = dims[1], dims[2], dims[3], dims[4], dims[5]
+    sites = 1
+    tail = 1
+    for ax in range(nd):
+        sites *= geo[0, ax] + 2
+        tail += pstr[ax]
+    tile = max(1, T * K * C) + max(1, (oC // group) * T) + og * K * ((1 << nd) + 1) * T
+    return max(1, oC * K * (C // group)), nb * max(1, (sites + tail) * C), tile, og * K * T
+
+
+@njit(cache=True)
+def _scratch(fws, iws, dims, nd, ocg):
+    """One thread's tile buffers, carved from its workspace slices: columns,
+    GEMM tile, the plans of every (offset group, kernel point)."""
     C, K, og, T = dims[0], dims[1], dims[3], dims[4]
     NC = 1 << nd
-    cols = _empty_like_compute(like, max(1, T * K * C))
-    outb = _empty_like_compute(like, max(1, ocg * T))
-    pw = _empty_like_compute(like, og * K * NC * T).reshape((og * K, NC, T))
-    pm = _empty_like_compute(like, og * K * T).reshape((og * K, T))
-    pidx = np.empty((og * K, T), np.int64)
+    n0 = max(1, T * K * C)
+    n1 = n0 + max(1, ocg * T)
+    n2 = n1 + og * K * NC * T
+    cols = fws[:n0]
+    outb = fws[n0:n1]
+    pw = fws[n1:n2].reshape((og * K, NC, T))
+    pm = fws[n2:n2 + og * K * T].reshape((og * K, T))
+    pidx = iws[:og * K * T].reshape((og * K, T))
     return cols, outb, pidx, pw, pm
 
 
@@ -463,16 +481,16 @@ def _geometry(x3shape, p):
 
 
 @njit(cache=True)
-def _padded_buffer(like, nb, sites, pstr, C):
-    """nb padded images, each followed by a zero tail at least as long as the corner
-    offsets: samples that are 0 (or NaN) point their base there, so that every
-    corner they read is an exact zero, never an input value."""
+def _padded_buffer(buf, nb, sites, pstr, C):
+    """nb padded images in ``buf``, each followed by a zero tail at least as long as
+    the corner offsets: samples that are 0 (or NaN) point their base there, so that
+    every corner they read is an exact zero, never an input value."""
     tail = 1
     for ax in range(pstr.shape[0]):
         tail += pstr[ax]
-    per = (sites + tail) * C
-    xp = _empty_like_compute(like, max(1, nb * per)).reshape((nb, max(1, per)))
-    zero = _czero(like)
+    per = max(1, (sites + tail) * C)
+    xp = buf[:nb * per].reshape((nb, per))
+    zero = _czero(buf)
     for i in range(nb):
         for j in range(sites * C, per):
             xp[i, j] = zero
@@ -620,17 +638,17 @@ def _serial(x, w, off, m, b, y, meta):
 
 
 @njit(cache=True)
-def _parallel(x, w, off, m, b, y, meta):
+def _parallel(x, w, off, m, b, y, meta, fws, iws):
     """Parallel entry: any rank and layout, see ``_run_parallel``."""
     geo, pstr, dims, has_mask, has_b = _unpack(meta)
     x3, w3, off3, m3, y3 = _flat3(geo, x, w, off, m, y)
-    _run_parallel(x3, w3, off3, m3, _as_c(b), has_mask, has_b, y3, geo, pstr, dims)
+    _run_parallel(x3, w3, off3, m3, _as_c(b), has_mask, has_b, y3, geo, pstr, dims, fws, iws)
 
 
 @njit(cache=True)
-def _padded_setup(x3, geo, pstr, nb):
+def _padded_setup(buf, x3, geo, pstr, nb):
     """Rows of a padded image (its bordered axes but the last), the padded buffer
-    for ``nb`` images, and the corners' offsets in it."""
+    for ``nb`` images in ``buf``, and the corners' offsets in it."""
     sites = 1
     rows = 1
     nd = geo.shape[1]
@@ -639,7 +657,7 @@ def _padded_setup(x3, geo, pstr, nb):
         if ax < nd - 1:
             rows *= geo[0, ax] + 2
     C = x3.shape[1]
-    return rows, _padded_buffer(x3, nb, sites, pstr, C), _corner_offsets(pstr, C)
+    return rows, _padded_buffer(buf, nb, sites, pstr, C), _corner_offsets(pstr, C)
 
 
 @njit(cache=True)
@@ -649,11 +667,13 @@ def _run_serial(x3, w3, off3, m3, b, has_mask, has_b, y3, geo, pstr, dims):
     K, group, T, nb = dims[1], dims[2], dims[4], dims[5]
     nd = geo.shape[1]
     ocg = oC // group
-    wr = _empty_like_compute(x3, max(1, oC * K * (C // group)))
+    nw, nxp, ntile_ws, nint = _ws_sizes(C, oC, geo, pstr, dims)
+    fws = _empty_like_compute(x3, nw + nxp + ntile_ws)
+    wr = fws[:nw]
     for o in range(oC):
         _reorder_w(w3, wr, K, o)
-    rows, xp, coff = _padded_setup(x3, geo, pstr, nb)
-    cols, outb, pidx, pw, pm = _scratch(x3, dims, nd, ocg)
+    rows, xp, coff = _padded_setup(fws[nw:nw + nxp], x3, geo, pstr, nb)
+    cols, outb, pidx, pw, pm = _scratch(fws[nw + nxp:], np.empty(max(1, nint), np.int64), dims, nd, ocg)
     ntile = (P + T - 1) // T
     for n0 in range(0, N, nb):
         nc = min(nb, N - n0)
@@ -667,14 +687,17 @@ def _run_serial(x3, w3, off3, m3, b, has_mask, has_b, y3, geo, pstr, dims):
 
 
 @njit(cache=True, parallel=True)
-def _run_parallel(x3, w3, off3, m3, b, has_mask, has_b, y3, geo, pstr, dims):
+def _run_parallel(x3, w3, off3, m3, b, has_mask, has_b, y3, geo, pstr, dims, fws, iws):
+    """``fws``/``iws``: the caller's workspaces (see ``_ws_sizes``), reused across
+    calls: fresh scratch pages cost a page fault each, up to a fifth of a call."""
     N, C = x3.shape[0], x3.shape[1]
     oC, P = y3.shape[1], y3.shape[2]
     K, group, T, nb, nth = dims[1], dims[2], dims[4], dims[5], dims[6]
     nd = geo.shape[1]
     ocg = oC // group
-    wr = _empty_like_compute(x3, max(1, oC * K * (C // group)))
-    rows, xp, coff = _padded_setup(x3, geo, pstr, nb)
+    nw, nxp, ntile_ws, nint = _ws_sizes(C, oC, geo, pstr, dims)
+    wr = fws[:nw]
+    rows, xp, coff = _padded_setup(fws[nw:nw + nxp], x3, geo, pstr, nb)
     ntile = (P + T - 1) // T
     for n0 in range(0, N, nb):
         nc = min(nb, N - n0)
@@ -687,7 +710,9 @@ def _run_parallel(x3, w3, off3, m3, b, has_mask, has_b, y3, geo, pstr, dims):
                 _reorder_w(w3, wr, K, i - nc * rows)
         items = nc * ntile
         for th in prange(nth):
-            cols, outb, pidx, pw, pm = _scratch(x3, dims, nd, ocg)
+            f0 = nw + nxp + th * ntile_ws
+            cols, outb, pidx, pw, pm = _scratch(fws[f0:f0 + ntile_ws], iws[th * nint:(th + 1) * nint],
+                                                dims, nd, ocg)
             # contiguous runs keep a thread on one image's rows (cache locality)
             lo = th * items // nth
             hi = (th + 1) * items // nth
@@ -784,7 +809,7 @@ def _plan_sizes(N, C, K, oC, P, group, og, nd, S, item, nth):
 
 class _State:
     """Everything ``launch`` derives from a call's geometry, kept per geometry."""
-    __slots__ = ("p", "xshape", "dtype", "oC", "yshape", "view", "empty", "small", "nob", "meta")
+    __slots__ = ("p", "xshape", "dtype", "oC", "yshape", "view", "empty", "small", "nob", "meta", "ctype")
 
     def __init__(self, x, w, p):
         N, C = x.shape[0], x.shape[1]
@@ -808,6 +833,7 @@ class _State:
         if work < _runtime.PARALLEL_MIN_WORK:
             self.small = _direct if dwork <= _DIRECT_MAX else _serial
         item = 8 if x.dtype == np.float64 else 4
+        self.ctype = np.float64 if item == 8 else np.float32
         geo, pstr = _geometry(x.shape[2:], p)
         # 2-D and 3-D plans compute sites and positions in 32 bits: only when they fit
         fits = (S < _I32 and max(x.shape[2:], default=0) < _I32
@@ -818,8 +844,24 @@ class _State:
             T, nb = _plan_sizes(N, C, K, oC, P, p.group, p.offset_group, nd, S + 1 + int(pstr.sum()), item, nth)
             dims = [C, K, p.group, p.offset_group, T, nb, nth, fast, S]
             # index has_mask * 2 + has_b: dims[9] has_mask, dims[10] has_b
-            self.meta[nth] = [np.array([nd] + geo.ravel().tolist() + pstr.tolist() + dims + [hm, hb], dtype=np.int64)
-                              for hm in (0, 1) for hb in (0, 1)]
+            metas = [np.array([nd] + geo.ravel().tolist() + pstr.tolist() + dims + [hm, hb], dtype=np.int64)
+                     for hm in (0, 1) for hb in (0, 1)]
+            nw, nxp, ntile_ws, nint = _ws_sizes(C, oC, geo, pstr, metas[0][1 + 7 * nd:])
+            # metas, then the parallel run's workspace elements (compute type, int64)
+            self.meta[nth] = (metas, nw + nxp + nth * ntile_ws, nth * nint)
+
+
+_WORKSPACE = {}
+
+
+def _workspace(dtype, n):
+    """A buffer of at least ``n`` elements kept between parallel calls (used under the
+    pool lock only): fresh scratch pages fault once each, up to a fifth of a call."""
+    a = _WORKSPACE.get(dtype)
+    if a is None or a.size < n:
+        _WORKSPACE[dtype] = None  # free the old one first
+        a = _WORKSPACE[dtype] = np.empty(max(1, n), dtype)
+    return a
 
 
 _STATES = {}
@@ -851,12 +893,16 @@ def launch(x, w, offset, b, mask, p):
         v = st.view
         x, w, offset, mask, b, yk = x.view(v), w.view(v), offset.view(v), mask.view(v), b.view(v), y.view(v)
     if st.small is not None:
-        st.small(x, w, offset, mask, b, yk, st.meta[1][i])
+        st.small(x, w, offset, mask, b, yk, st.meta[1][0][i])
         return y
     nth = numba.get_num_threads()
-    meta = st.meta.get(nth)
-    if meta is None:  # the caller changed numba's thread count
-        meta = st.meta[nth] = _State(x, w, p).meta[nth]
+    plan = st.meta.get(nth)
+    if plan is None:  # the caller changed numba's thread count
+        plan = st.meta[nth] = _State(x, w, p).meta[nth]
+    metas, nf, ni = plan
     with _runtime.POOL_LOCK, _BLAS:
-        (_serial if nth == 1 else _parallel)(x, w, offset, mask, b, yk, meta[i])
+        if nth == 1:
+            _serial(x, w, offset, mask, b, yk, metas[i])
+        else:
+            _parallel(x, w, offset, mask, b, yk, metas[i], _workspace(st.ctype, nf), _workspace(np.int64, ni))
     return y
