@@ -42,6 +42,8 @@ def int_tuple(value, name, length=None, minimum=None):
         raise ValueError(f"{name} must be 1-D (a sequence of integers); got shape {arr.shape}")
     if arr.size and arr.dtype.kind not in "iu":
         raise IntegerError(f"{name} must hold integers; got {arr.dtype} values {arr.tolist()}")
+    if arr is not value and any(isinstance(v, (bool, np.bool_)) for v in value):
+        raise IntegerError(f"{name} must hold integers, not bools; got {list(value)!r}")
     out = tuple(arr.tolist())
     allowed = (length,) if isinstance(length, int) else length
     if allowed is not None and len(out) not in allowed:

@@ -488,6 +488,10 @@ class _Worker:
             self.p.wait()
 
 
+#: idle time before each turn of the bench (longer than any peer's spin-wait after a call)
+_SETTLE_S = 0.3
+
+
 def _measure(impls, cases, base_cfg, log):
     """{impl: {case: event}} and the overall limits. Every implementation's process,
     and the limits', starts and imports first; then the cases are timed case by
@@ -510,6 +514,10 @@ def _measure(impls, cases, base_cfg, log):
                 log(f"  [limits] write {limits['write_GBps']:.2f} GB/s{gem}")
         for name in cases:
             for impl, w in workers.items():
+                # the previous turn's thread pool may still spin (numba_ops' libgomp ~0.1 s after a
+                # call, onnxruntime's and PyTorch's a while too): on a few cores it would steal this
+                # turn's, so each turn starts once the last one's spinning is over
+                time.sleep(_SETTLE_S)
                 ev = w.ask(name)
                 results[impl][name] = ev
                 if "bound_ms" in ev:

@@ -168,6 +168,20 @@ def test_bad_shapes(theta_shape, size, match):
         numba_ops.affine_grid(np.zeros(theta_shape, np.float32), size)
 
 
+@pytest.mark.parametrize("size,align,match", [
+    ([1, 1, 2.0, 3], 0, "size"), ((1, 1, 2, np.float64(3)), 0, "size"), ([1, 1, 2, True], 0, "size"),
+    ([1, 1, 2, [3]], 0, "size"), ([1, 1, 2, 3], 1.0, "align_corners"), ([1, 1, 2, 3], 2, "align_corners"),
+])
+def test_bad_call_after_valid_call(size, align, match):
+    """A call cached as valid (same shapes, equal values) does not make a float, bool or
+    nested size, or a float align_corners, valid."""
+    theta = np.zeros((1, 2, 3), np.float32)
+    numba_ops.affine_grid(theta, [1, 1, 2, 3], 0)
+    numba_ops.affine_grid(theta, (1, 1, 2, 3), 1)
+    with pytest.raises(ValueError, match=match):
+        numba_ops.affine_grid(theta, size, align)
+
+
 @pytest.mark.parametrize("dtype", [np.int32, np.int64, np.complex64, np.bool_, np.float128 if hasattr(np, "float128") else np.int8])
 def test_bad_dtype(dtype):
     with pytest.raises(TypeError, match="theta"):

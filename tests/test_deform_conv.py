@@ -489,6 +489,8 @@ def test_bad_attribute_after_valid_call():
     call(ins, att)
     with pytest.raises((ValueError, TypeError), match="strides"):
         call(ins, dict(att, strides=[1.0, 1.0]))
+    with pytest.raises((ValueError, TypeError), match="strides"):
+        call(ins, dict(att, strides=[True, 1]))
     with pytest.raises((ValueError, TypeError), match="group"):
         call(ins, dict(att, group=True))
 
