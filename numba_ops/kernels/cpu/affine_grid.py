@@ -24,17 +24,15 @@ def _coords(length, align, one):
 
 
 @njit(cache=True)
-def _rows(theta, out, shape, align, one, r0, r1):
-    """Rows ``r0:r1`` of ``out`` viewed as (N * D * H, W * nd); ``shape`` is (N, [D,] H, W);
-    ``one`` is 1 in the compute type.
+def _rows(theta, out, D, H, W, align, one, r0, r1):
+    """Rows ``r0:r1`` of ``out`` viewed as (N * D * H, W * nd), D being 1 in 2-D;
+    ``one`` is 1 in the compute type. (Sizes come as ints, not a tuple: numba's
+    dispatcher types a tuple argument in Python, a microsecond on small calls.)
 
     The row's (n, d, h) advance as counters: in 3-D a row is only 192 elements,
     and the three integer divisions that would recover them cost as much as its stores.
     """
     nd = theta.shape[1]
-    W = shape[-1]
-    H = shape[-2]
-    D = shape[1] if nd == 3 else 1
     xs = _coords(W, align, one)
     ys = _coords(H, align, one)
     zs = _coords(D, align, one)
@@ -71,16 +69,16 @@ def _rows(theta, out, shape, align, one, r0, r1):
 
 
 @njit(cache=True)
-def _serial(theta, out, shape, align, one):
-    _rows(theta, out, shape, align, one, 0, out.shape[0])
+def _serial(theta, out, D, H, W, align, one):
+    _rows(theta, out, D, H, W, align, one, 0, out.shape[0])
 
 
 @njit(cache=True, parallel=True)
-def _parallel(theta, out, shape, align, one, nchunks):
+def _parallel(theta, out, D, H, W, align, one, nchunks):
     rows = out.shape[0]
     nchunks = min(rows, nchunks)
     for c in prange(nchunks):
-        _rows(theta, out, shape, align, one, c * rows // nchunks, (c + 1) * rows // nchunks)
+        _rows(theta, out, D, H, W, align, one, c * rows // nchunks, (c + 1) * rows // nchunks)
 
 
 def launch(theta, size, align):
@@ -93,5 +91,6 @@ def launch(theta, size, align):
         return out.view(dtype)
     th = np.ascontiguousarray(theta, dtype=compute(dtype))
     rows = out.reshape(-1, shape[-1] * nd)
-    _runtime.run(_serial, _parallel, out.size, th, rows, shape, align, th.dtype.type(1))
+    D = shape[1] if nd == 3 else 1
+    _runtime.run(_serial, _parallel, out.size, th, rows, D, shape[-2], shape[-1], align, th.dtype.type(1))
     return out.view(dtype)
