@@ -128,23 +128,23 @@ def _pad_row(x3, n, xp, geo, r):
         xp[dst + (Lp - 1) * C + c] = zero
     src = src_row * L
     xn = x3[n]
-    for c0 in range(0, C, 8):
-        if c0 + 8 <= C:
-            # 8 channels at a time: 8 contiguous read streams, 8 contiguous writes per site
-            r0, r1 = xn[c0, src:src + L], xn[c0 + 1, src:src + L]
-            r2, r3 = xn[c0 + 2, src:src + L], xn[c0 + 3, src:src + L]
-            r4, r5 = xn[c0 + 4, src:src + L], xn[c0 + 5, src:src + L]
-            r6, r7 = xn[c0 + 6, src:src + L], xn[c0 + 7, src:src + L]
-            for j in range(L):
-                o = dst + (j + 1) * C + c0
-                xp[o], xp[o + 1] = load(r0, j), load(r1, j)
-                xp[o + 2], xp[o + 3] = load(r2, j), load(r3, j)
-                xp[o + 4], xp[o + 5] = load(r4, j), load(r5, j)
-                xp[o + 6], xp[o + 7] = load(r6, j), load(r7, j)
-        else:
-            for c in range(c0, C):
-                for j in range(L):
-                    xp[dst + (j + 1) * C + c] = load(xn, (c, src + j))
+    uC = np.uint64(C)
+    c0 = 0
+    # 4 channels at a time: 4 contiguous read streams, 4 contiguous writes per site (8
+    # streams a power-of-two apart fill one L1 set; unsigned indices skip the
+    # negative-index fix-ups)
+    while c0 + 4 <= C:
+        r0, r1 = xn[c0, src:src + L], xn[c0 + 1, src:src + L]
+        r2, r3 = xn[c0 + 2, src:src + L], xn[c0 + 3, src:src + L]
+        o = np.uint64(dst + C + c0)
+        for j in range(np.uint64(L)):
+            xp[o], xp[o + np.uint64(1)] = load(r0, j), load(r1, j)
+            xp[o + np.uint64(2)], xp[o + np.uint64(3)] = load(r2, j), load(r3, j)
+            o += uC
+        c0 += 4
+    for c in range(c0, C):
+        for j in range(L):
+            xp[dst + (j + 1) * C + c] = load(xn, (c, src + j))
 
 
 @njit(cache=True)
@@ -701,13 +701,16 @@ def _run_parallel(x3, w3, off3, m3, b, has_mask, has_b, y3, geo, pstr, dims, fws
     ntile = (P + T - 1) // T
     for n0 in range(0, N, nb):
         nc = min(nb, N - n0)
-        # padded rows of this chunk, and (first chunk only) the weights' rows: one pool round
-        nw = oC if n0 == 0 else 0
-        for i in prange(nc * rows + nw):
-            if i < nc * rows:
-                _pad_row(x3, n0 + i // rows, xp[i // rows], geo, i % rows)
-            else:
-                _reorder_w(w3, wr, K, i - nc * rows)
+        # padded rows of this chunk, and (first chunk only) the weights' rows: one pool round,
+        # the items dealt out in turn (a padded row and a weight row differ several-fold in
+        # work: contiguous halves would leave one thread waiting for the other)
+        wrows = oC if n0 == 0 else 0
+        for th in prange(nth):
+            for i in range(th, nc * rows + wrows, nth):
+                if i < nc * rows:
+                    _pad_row(x3, n0 + i // rows, xp[i // rows], geo, i % rows)
+                else:
+                    _reorder_w(w3, wr, K, i - nc * rows)
         items = nc * ntile
         for th in prange(nth):
             f0 = nw + nxp + th * ntile_ws
