@@ -13,7 +13,8 @@ from numba_ops.kernels.cpu import deform_conv as cpu_dc
 from reference import deform_conv_ref
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
-TOL = {np.dtype(np.float32): 1e-5, np.dtype(np.float64): 1e-12}
+TOL = {np.dtype(np.float32): 1e-5, np.dtype(np.float64): 1e-12,
+       np.dtype(np.float16): 2e-3, BF16: 1.6e-2}  # 16-bit: about 2 ulp of the output's scale
 
 
 def assert_api_close(got, want, dtype):
@@ -193,7 +194,7 @@ def test_4d_spatial():
 
 # --- the parallel path, tiling and chunking ---------------------------------------------------
 
-@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16, BF16])
 def test_parallel_path_vs_reference(dtype, monkeypatch):
     """The parallel path (forced on this small case), with tiny tiles and a tiny scratch
     budget (several tiles per image, one image per chunk: the workspace is re-carved
@@ -202,6 +203,7 @@ def test_parallel_path_vs_reference(dtype, monkeypatch):
     rng = np.random.default_rng(11)
     ins, att = make_case(rng, N=3, C=8, D=(9, 11), oC=6, k=(3, 3), pads=[1, 1, 1, 1], group=2, og=2,
                          spread=4.0)
+    ins = cast(cast(ins, dtype), np.float64)  # the inputs as the dtype holds them
     want = ref(ins, att)
     monkeypatch.setattr(numba_ops.kernels.cpu._runtime, "PARALLEL_MIN_WORK", 0)
     monkeypatch.setattr(cpu_dc, "_TILE_BYTES", 4096)
