@@ -2,7 +2,7 @@
 threshold below which a kernel runs serially, and the lock that keeps concurrent
 callers off the thread pool at the same time.
 
-Measured on 2-core VMs (see README, "Threading"):
+Measured on 2-core VMs (README, "Devices"):
 
 - numba's OpenMP layer fills a buffer 2-4x faster than its workqueue layer (the
   workqueue is slower than one thread there), so OpenMP is preferred.
