@@ -47,3 +47,44 @@ def test_a_users_layer_wins(layer):
     assert got["layer"] == layer
     assert got["spin"] == "1000"
     assert got["priority"] is None
+
+
+FORK = """
+import json, multiprocessing as mp, warnings, numpy as np, numba, numba_ops
+rng = np.random.default_rng(0)
+theta = rng.standard_normal((8, 2, 3)).astype(np.float32)
+x = rng.standard_normal((1, 16, 24, 24)).astype(np.float32)
+w = rng.standard_normal((16, 16, 3, 3)).astype(np.float32)
+off = rng.standard_normal((1, 18, 24, 24)).astype(np.float32)
+kw = dict(pads=[1, 1, 1, 1])
+def both():
+    return numba_ops.affine_grid(theta, (8, 1, 96, 96)), numba_ops.deform_conv(x, w, off, **kw)
+g0, y0 = both()  # large enough for the parallel paths: the pool starts here
+def child(q):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        g, y = both()
+        g, y = both()
+    q.put([bool(np.array_equal(g, g0)), bool(np.allclose(y, y0, rtol=1e-5, atol=1e-4)),
+           sum("forked" in str(c.message) for c in caught)])
+ctx = mp.get_context("fork")
+q = ctx.Queue()
+p = ctx.Process(target=child, args=(q,))
+p.start()
+p.join(240)
+print(json.dumps({"layer": numba.threading_layer(), "exitcode": p.exitcode,
+                  "child": q.get(timeout=5) if p.exitcode == 0 else None}))
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork on this platform")
+def test_a_child_forked_after_the_pool_started_still_computes():
+    """GNU OpenMP cannot run in a forked child: numba_ops runs serially there (one warning)."""
+    e = {k: v for k, v in os.environ.items() if k not in KEYS}
+    p = subprocess.run([sys.executable, "-c", FORK], capture_output=True, text=True, env=e, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = json.loads(p.stdout.strip().splitlines()[-1])
+    assert got["exitcode"] == 0, (got, p.stderr[-3000:])
+    same_grid, same_y, warned = got["child"]
+    assert same_grid and same_y
+    assert warned == (1 if got["layer"] == "omp" else 0)

@@ -16,9 +16,14 @@ Measured on 2-core VMs (README, "Devices"):
 A user's NUMBA_THREADING_LAYER / NUMBA_THREADING_LAYER_PRIORITY / GOMP_SPINCOUNT
 win. Parallel launches from several Python threads are serialised here (the
 workqueue layer must not be entered twice); serial kernels run without the lock.
+
+GNU OpenMP cannot run in a process forked after it started (numba terminates
+such a child at its first parallel launch), so in a child forked after the pool
+started every CPU kernel runs serially on the calling thread, with one warning.
 """
 import os
 import threading
+import warnings
 
 import numba
 
@@ -35,11 +40,39 @@ PARALLEL_MIN_WORK = 1 << 16
 #: held by every parallel launch (affine_grid via ``run``, deform_conv directly)
 POOL_LOCK = threading.Lock()
 
+_forked_after_omp = False
+_warned = False
+
+
+def _after_fork_in_child():
+    global _forked_after_omp
+    from numba.np.ufunc import parallel
+    if parallel._is_initialized and numba.threading_layer() == "omp":
+        _forked_after_omp = True
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def pool_usable():
+    """False in a process forked after numba's OpenMP pool started (see above)."""
+    global _warned
+    if not _forked_after_omp:
+        return True
+    if not _warned:
+        _warned = True
+        warnings.warn("numba_ops runs its CPU kernels serially in this process: it was forked after "
+                      "numba's GNU OpenMP thread pool started, and that pool cannot run in a forked "
+                      "child (the 'spawn' or 'forkserver' start method, or "
+                      "NUMBA_THREADING_LAYER=workqueue, keeps them parallel)", RuntimeWarning, stacklevel=4)
+    return False
+
 
 def run(serial, parallel, work, *args):
-    """``serial(*args)`` for small work, else ``parallel(*args, nchunks)`` under the pool
-    lock, ``nchunks`` being a few pieces per thread for balance."""
-    if work < PARALLEL_MIN_WORK:
+    """``serial(*args)`` for small work (or where the pool cannot run), else
+    ``parallel(*args, nchunks)`` under the pool lock, ``nchunks`` being a few pieces
+    per thread for balance."""
+    if work < PARALLEL_MIN_WORK or not pool_usable():
         return serial(*args)
     with POOL_LOCK:
         return parallel(*args, 4 * numba.get_num_threads())

@@ -898,7 +898,7 @@ def launch(x, w, offset, b, mask, p):
     if st.small is not None:
         st.small(x, w, offset, mask, b, yk, st.meta[1][0][i])
         return y
-    nth = numba.get_num_threads()
+    nth = numba.get_num_threads() if _runtime.pool_usable() else 1
     plan = st.meta.get(nth)
     if plan is None:  # the caller changed numba's thread count
         plan = st.meta[nth] = _State(x, w, p).meta[nth]
