@@ -5,10 +5,10 @@ from ._dispatch import as_array, launcher, resolve_device
 from ._dtypes import common_float_dtype
 from ._validate import as_bool, int_tuple
 
-#: validated plain NumPy CPU calls: (theta shape, dtype, size values, size types,
-#: align_corners and its type) -> (size, align) as the kernels take them. The types are
-#: part of the key, so a hit stands for a call that passed every check below (a float
-#: size can never hit the entry of an integer one).
+#: validated plain NumPy CPU calls: (theta shape, dtype, size values with their types
+#: (or a size array's dtype), align_corners and its type) -> (size, align) as the kernels
+#: take them. The types are part of the key, so a hit stands for a call that passed
+#: every check below (a float size can never hit the entry of an integer one).
 _SEEN = {}
 _SEEN_MAX = 512
 
@@ -31,16 +31,19 @@ def affine_grid(theta, size, align_corners=False, *, device=None):
     grid : array (N, H, W, 2) or (N, D, H, W, 3), theta's dtype. NumPy for NumPy
         input, a numba device array for device input.
     """
-    if (device is None or device == "cpu") and type(theta) is np.ndarray and type(size) in (list, tuple):
-        key = (theta.shape, theta.dtype, *size, *map(type, size), align_corners, type(align_corners))
-        try:
-            hit = _SEEN.get(key)
-        except TypeError:  # an unhashable entry: the full path says what is wrong
-            hit = key = None
-        if hit is not None:
-            return launcher("affine_grid", "cpu")(theta, *hit)
-    else:
-        key = None
+    key = None
+    if (device is None or device == "cpu") and type(theta) is np.ndarray:
+        if type(size) in (list, tuple):
+            key = (theta.shape, theta.dtype, *size, *map(type, size), align_corners, type(align_corners))
+        elif type(size) is np.ndarray and size.ndim == 1:
+            key = (theta.shape, theta.dtype, size.dtype, *size.tolist(), align_corners, type(align_corners))
+        if key is not None:
+            try:
+                hit = _SEEN.get(key)
+            except TypeError:  # an unhashable entry: the full path says what is wrong
+                hit = key = None
+            if hit is not None:
+                return launcher("affine_grid", "cpu")(theta, *hit)
     device = resolve_device(device, [theta])
     theta = as_array(theta, "theta", device)
     common_float_dtype({"theta": theta})

@@ -171,6 +171,8 @@ def test_bad_shapes(theta_shape, size, match):
 @pytest.mark.parametrize("size,align,match", [
     ([1, 1, 2.0, 3], 0, "size"), ((1, 1, 2, np.float64(3)), 0, "size"), ([1, 1, 2, True], 0, "size"),
     ([1, 1, 2, [3]], 0, "size"), ([1, 1, 2, 3], 1.0, "align_corners"), ([1, 1, 2, 3], 2, "align_corners"),
+    (np.array([1, 1, 2, 3.0]), 0, "size"), (np.array([1, 1, 2, 3], np.float32), 1, "size"),
+    (np.array([[1, 1, 2, 3]]), 0, "size"), (np.array([1, 1, 2, 3]), 1.0, "align_corners"),
 ])
 def test_bad_call_after_valid_call(size, align, match):
     """A call cached as valid (same shapes, equal values) does not make a float, bool or
@@ -178,6 +180,7 @@ def test_bad_call_after_valid_call(size, align, match):
     theta = np.zeros((1, 2, 3), np.float32)
     numba_ops.affine_grid(theta, [1, 1, 2, 3], 0)
     numba_ops.affine_grid(theta, (1, 1, 2, 3), 1)
+    numba_ops.affine_grid(theta, np.array([1, 1, 2, 3]), 0)
     with pytest.raises(ValueError, match=match):
         numba_ops.affine_grid(theta, size, align)
 
