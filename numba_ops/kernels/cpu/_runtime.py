@@ -51,7 +51,8 @@ def _after_fork_in_child():
         _forked_after_omp = True
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
+if hasattr(os, "register_at_fork"):  # POSIX only; Windows has no fork
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def pool_usable():
