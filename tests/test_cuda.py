@@ -481,3 +481,40 @@ def test_concurrent_calls_match_serial():
         t.join()
     for want, got in zip(serial, out):
         np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="a guard for numba-cuda's simulator (CI's second pass)")
+def test_simulated_shared_arrays_are_shared():
+    """numba-cuda's simulated cuda.shared.array is check-then-create without a lock, so two
+    threads of a block could each get their own array (2 launches in 300 of this kernel
+    before numba_ops' guard in kernels/cuda/_device.py; CI saw garbage DeformConv outputs)."""
+    import sys
+
+    from numba import cuda
+
+    import numba_ops.kernels.cuda._device  # noqa: F401  (installs the guard)
+
+    # the kernel's `cuda` must be a module global: the simulator swaps globals, not locals
+    ns = {"cuda": cuda, "np": np}
+    exec("def k(out):\n"
+         "    s = cuda.shared.array(64, np.float64)\n"
+         "    t = cuda.threadIdx.x\n"
+         "    s[t] = t + 1.0\n"
+         "    cuda.syncthreads()\n"
+         "    acc = 0.0\n"
+         "    for i in range(cuda.blockDim.x):\n"
+         "        acc += s[i]\n"
+         "    out[t] = acc\n", ns)
+    k = cuda.jit(ns["k"])
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)  # thread switches as often as the launch guard makes them
+    try:
+        bad = 0
+        for _ in range(300):
+            out = np.zeros(16)
+            k[1, 16](out)
+            bad += not np.all(out == 136.0)
+    finally:
+        sys.setswitchinterval(old)
+    assert bad == 0

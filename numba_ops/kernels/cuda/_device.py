@@ -70,6 +70,41 @@ MAX_BLOCKS = 3 if SIMULATOR else 1 << 16
 _SIM_LOCK = threading.RLock()
 
 
+def _lock_simulated_shared_arrays():
+    """numba-cuda's simulated ``cuda.shared.array`` looks up the block's array for the
+    calling line and creates it when missing, without a lock: two threads of a block
+    can each create their own, and then never see each other's writes (garbage reads,
+    a few launches in a thousand; CI saw it). Replace it with the same lookup under a
+    lock. (Static arrays only; the dynamic case keeps the original.)"""
+    from numba.cuda.simulator import kernelapi
+
+    shared = kernelapi.FakeCUDAShared
+    if getattr(shared.array, "_numba_ops_locked", False):
+        return
+    original = shared.array
+    lock = threading.Lock()
+
+    def array(self, shape, dtype, alignment=None):
+        if alignment is not None or shape == 0:
+            return original(self, shape, dtype, alignment)
+        if isinstance(dtype, kernelapi.types.Type):
+            dtype = kernelapi.numpy_support.as_dtype(dtype)
+        frame = sys._getframe(1)
+        caller = (frame.f_code.co_filename, frame.f_lineno)  # the original's key
+        with lock:
+            res = self._allocations.get(caller)
+            if res is None:
+                res = self._allocations[caller] = np.empty(shape, dtype)
+        return res
+
+    array._numba_ops_locked = True
+    shared.array = array
+
+
+if SIMULATOR:
+    _lock_simulated_shared_arrays()
+
+
 @contextlib.contextmanager
 def launch_guard():
     """Wraps every launcher. On a GPU it does nothing. In the simulator it
