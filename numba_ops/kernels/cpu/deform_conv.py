@@ -438,34 +438,54 @@ def _tile(n, nl, p0, p1, xp, off3, m3, has_mask, wr, b, has_b, y3, geo, pstr, co
 
 
 @njit(cache=True)
-def _ws_sizes(C, oC, geo, pstr, dims):
-    """Workspace elements: (reordered weights, padded images, one thread's tile
-    buffers) in the compute type, and one thread's plan indices in int64."""
+def _padded_extent(geo, pstr):
+    """(rows, sites, tail) of a padded image: its rows (bordered axes but the last),
+    its sites, and the zero tail after them (at least as long as the corner offsets)."""
     nd = geo.shape[1]
-    K, group, og, T, nb = dims[1], dims[2], dims[3], dims[4], dims[5]
+    rows = 1
     sites = 1
     tail = 1
     for ax in range(nd):
         sites *= geo[0, ax] + 2
         tail += pstr[ax]
-    tile = max(1, T * K * C) + max(1, (oC // group) * T) + og * K * ((1 << nd) + 1) * T
-    return max(1, oC * K * (C // group)), nb * max(1, (sites + tail) * C), tile, og * K * T
+        if ax < nd - 1:
+            rows *= geo[0, ax] + 2
+    return rows, sites, tail
+
+
+@njit(cache=True)
+def _tile_parts(dims, nd, ocg):
+    """Elements of one thread's tile buffers: columns, GEMM tile, plan weights, plan
+    masks (compute type) and plan indices (int64)."""
+    C, K, og, T = dims[0], dims[1], dims[3], dims[4]
+    plans = og * K * T
+    return max(1, T * K * C), max(1, ocg * T), plans << nd, plans, plans
+
+
+@njit(cache=True)
+def _ws_sizes(C, oC, geo, pstr, dims):
+    """Workspace elements: (reordered weights, padded images, one thread's tile
+    buffers) in the compute type, and one thread's plan indices in int64."""
+    ocg = oC // dims[2]
+    _, sites, tail = _padded_extent(geo, pstr)
+    ncols, nout, npw, npm, nidx = _tile_parts(dims, geo.shape[1], ocg)
+    return max(1, oC * dims[1] * (C // dims[2])), dims[5] * max(1, (sites + tail) * C), \
+        ncols + nout + npw + npm, nidx
 
 
 @njit(cache=True)
 def _scratch(fws, iws, dims, nd, ocg):
     """One thread's tile buffers, carved from its workspace slices: columns,
     GEMM tile, the plans of every (offset group, kernel point)."""
-    C, K, og, T = dims[0], dims[1], dims[3], dims[4]
-    NC = 1 << nd
-    n0 = max(1, T * K * C)
-    n1 = n0 + max(1, ocg * T)
-    n2 = n1 + og * K * NC * T
-    cols = fws[:n0]
-    outb = fws[n0:n1]
-    pw = fws[n1:n2].reshape((og * K, NC, T))
-    pm = fws[n2:n2 + og * K * T].reshape((og * K, T))
-    pidx = iws[:og * K * T].reshape((og * K, T))
+    K, og, T = dims[1], dims[3], dims[4]
+    ncols, nout, npw, npm, nidx = _tile_parts(dims, nd, ocg)
+    n1 = ncols + nout
+    n2 = n1 + npw
+    cols = fws[:ncols]
+    outb = fws[ncols:n1]
+    pw = fws[n1:n2].reshape((og * K, 1 << nd, T))
+    pm = fws[n2:n2 + npm].reshape((og * K, T))
+    pidx = iws[:nidx].reshape((og * K, T))
     return cols, outb, pidx, pw, pm
 
 
@@ -481,13 +501,10 @@ def _geometry(x3shape, p):
 
 
 @njit(cache=True)
-def _padded_buffer(buf, nb, sites, pstr, C):
+def _padded_buffer(buf, nb, sites, tail, C):
     """nb padded images in ``buf``, each followed by a zero tail at least as long as
     the corner offsets: samples that are 0 (or NaN) point their base there, so that
     every corner they read is an exact zero, never an input value."""
-    tail = 1
-    for ax in range(pstr.shape[0]):
-        tail += pstr[ax]
     per = max(1, (sites + tail) * C)
     xp = buf[:nb * per].reshape((nb, per))
     zero = _czero(buf)
@@ -649,15 +666,9 @@ def _parallel(x, w, off, m, b, y, meta, fws, iws):
 def _padded_setup(buf, x3, geo, pstr, nb):
     """Rows of a padded image (its bordered axes but the last), the padded buffer
     for ``nb`` images in ``buf``, and the corners' offsets in it."""
-    sites = 1
-    rows = 1
-    nd = geo.shape[1]
-    for ax in range(nd):
-        sites *= geo[0, ax] + 2
-        if ax < nd - 1:
-            rows *= geo[0, ax] + 2
+    rows, sites, tail = _padded_extent(geo, pstr)
     C = x3.shape[1]
-    return rows, _padded_buffer(buf, nb, sites, pstr, C), _corner_offsets(pstr, C)
+    return rows, _padded_buffer(buf, nb, sites, tail, C), _corner_offsets(pstr, C)
 
 
 @njit(cache=True)
@@ -821,9 +832,8 @@ class _State:
         P = 1
         for o in p.out_spatial:
             P *= o
-        S = 1
-        for d in x.shape[2:]:
-            S *= d + 2
+        geo, pstr = _geometry(x.shape[2:], p)
+        _, S, tail = _padded_extent(geo, pstr)  # sites of a padded image, its zero tail
         self.p, self.xshape, self.dtype, self.oC = p, x.shape, x.dtype, oC
         self.yshape = (N, oC) + tuple(p.out_spatial)
         self.view = _VIEW.get(x.dtype)
@@ -837,14 +847,13 @@ class _State:
             self.small = _direct if dwork <= _DIRECT_MAX else _serial
         item = 8 if x.dtype == np.float64 else 4
         self.ctype = np.float64 if item == 8 else np.float32
-        geo, pstr = _geometry(x.shape[2:], p)
         # 2-D and 3-D plans compute sites and positions in 32 bits: only when they fit
         fits = (S < _I32 and max(x.shape[2:], default=0) < _I32
                 and max(p.out_spatial) * max(p.strides) + max(p.kernel_shape) * max(p.dilations) < _I32)
         fast = nd if (fits and nd in (2, 3)) else 0
         self.meta = {}
         for nth in {1, max(1, numba.get_num_threads())}:
-            T, nb = _plan_sizes(N, C, K, oC, P, p.group, p.offset_group, nd, S + 1 + int(pstr.sum()), item, nth)
+            T, nb = _plan_sizes(N, C, K, oC, P, p.group, p.offset_group, nd, S + tail, item, nth)
             dims = [C, K, p.group, p.offset_group, T, nb, nth, fast, S]
             # index has_mask * 2 + has_b: dims[9] has_mask, dims[10] has_b
             metas = [np.array([nd] + geo.ravel().tolist() + pstr.tolist() + dims + [hm, hb], dtype=np.int64)
