@@ -152,9 +152,9 @@ def _reorder_w(w3, wr, K, o):
     """wr[o, kidx, c] = w[o, c, kidx] in the compute type (wr flat, one row of oC)."""
     Cg = w3.shape[1]
     base = o * K * Cg
-    for c in range(Cg):
-        for k in range(K):
-            wr[base + k * Cg + c] = load(w3[o, c], k)
+    for k in range(K):
+        for c in range(Cg):
+            wr[base + k * Cg + c] = load(w3, (o, c, k))
 
 
 # --- phase 2: sampling plans, column fill, GEMM, write-out -------------------------------
@@ -319,15 +319,35 @@ def _plan(off3, m3, has_mask, n, geo, pstr, C, kidx, g, K, p0, p1, pidx, pw, pm,
         pm[j] = load(mm, q) if has_mask else one
 
 
+@njit(cache=True)
+def _segments(T, K, og, cpo, cpg):
+    """The channel runs of a column row: one per (offset group, conv group) overlap,
+    as rows (offset group, first channel, length, offset in the row's tile)."""
+    segs = np.empty((og + cpo * og // cpg + 1, 4), np.int64)
+    ns = 0
+    for g in range(og):
+        c, c1 = g * cpo, (g + 1) * cpo
+        while c < c1:
+            gi = c // cpg
+            ce = min(c1, (gi + 1) * cpg)
+            segs[ns, 0], segs[ns, 1], segs[ns, 2] = g, c, ce - c
+            segs[ns, 3] = gi * T * K * cpg + c - gi * cpg
+            ns += 1
+            c = ce
+    return segs[:ns]
+
+
 @njit(cache=True, fastmath={"contract"})
 def _fill(xp, coff, pidx, pw, pm, cols, tl, T, K, og, cpo, cpg):
     """Apply the tile's plans: cols[gi, j, kidx, c - gi*cpg] =
     mask * sum_corner w * xp[pidx + coff + c] for every channel c.
 
     Position by position, so that each column row is written front to back;
-    each (kernel point, offset group) is a contiguous run of channels in ``xp``.
-    A finite mask is folded into the plan's weights by ``_plan`` (``pm`` is then
-    1); a non-finite one multiplies the sample, as the definition orders it."""
+    each (kernel point, offset group) is a contiguous run of channels in ``xp``
+    (split where a conv group ends). The runs are short (often 32-64 channels), so
+    their set-up is kept to a few loads and adds. A finite mask is folded into the
+    plan's weights by ``_plan`` (``pm`` is then 1); a non-finite one multiplies the
+    sample, as the definition orders it."""
     NC = coff.shape[0]
     one = _czero(pm) + 1
     u1 = np.uint64(coff[1 % NC])
@@ -335,64 +355,56 @@ def _fill(xp, coff, pidx, pw, pm, cols, tl, T, K, og, cpo, cpg):
     u3 = np.uint64(coff[3 % NC])
     u4, u5 = np.uint64(coff[4 % NC]), np.uint64(coff[5 % NC])
     u6, u7 = np.uint64(coff[6 % NC]), np.uint64(coff[7 % NC])
+    segs = _segments(T, K, og, cpo, cpg)
+    uKc = np.uint64(K * cpg)
+    ucpg = np.uint64(cpg)
     for j in range(tl):
         for kidx in range(K):
-            for g in range(og):
-                gk = g * K + kidx
-                c, c1 = g * cpo, (g + 1) * cpo
-                bj = pidx[gk, j]
+            dk = np.uint64(j) * uKc + np.uint64(kidx) * ucpg
+            for s in range(segs.shape[0]):
+                gk = segs[s, 0] * K + kidx
+                # unsigned indices: no negative-index fix-ups in the short SIMD loops
+                ub = np.uint64(pidx[gk, j] + segs[s, 1])
+                ud = dk + np.uint64(segs[s, 3])
+                L = np.uint64(segs[s, 2])
                 m = pm[gk, j]
-                while c < c1:
-                    gi = c // cpg
-                    ce = min(c1, (gi + 1) * cpg)
-                    L = ce - c
-                    b = bj + c
-                    d = ((gi * T + j) * K + kidx) * cpg - gi * cpg + c
-                    dst = cols[d:d + L]
-                    if NC == 4:
-                        # unsigned indices: no negative-index fix-ups, so the short
-                        # channel runs vectorise with little set-up per run
-                        w0, w1, w2, w3 = pw[gk, 0, j], pw[gk, 1, j], pw[gk, 2, j], pw[gk, 3, j]
-                        ub, ud = np.uint64(b), np.uint64(d)
-                        if m == one:
-                            for i in range(np.uint64(L)):
-                                bi = ub + i
-                                cols[ud + i] = (w0 * xp[bi] + w1 * xp[bi + u1]
-                                                + w2 * xp[bi + u2] + w3 * xp[bi + u3])
-                        else:
-                            for i in range(np.uint64(L)):
-                                bi = ub + i
-                                cols[ud + i] = (w0 * xp[bi] + w1 * xp[bi + u1]
-                                                + w2 * xp[bi + u2] + w3 * xp[bi + u3]) * m
-                    elif NC == 8:
-                        ub, ud = np.uint64(b), np.uint64(d)
-                        w0, w1, w2, w3 = pw[gk, 0, j], pw[gk, 1, j], pw[gk, 2, j], pw[gk, 3, j]
-                        w4, w5, w6, w7 = pw[gk, 4, j], pw[gk, 5, j], pw[gk, 6, j], pw[gk, 7, j]
-                        for i in range(np.uint64(L)):
+                if NC == 4:
+                    w0, w1, w2, w3 = pw[gk, 0, j], pw[gk, 1, j], pw[gk, 2, j], pw[gk, 3, j]
+                    if m == one:
+                        for i in range(L):
                             bi = ub + i
-                            cols[ud + i] = ((w0 * xp[bi] + w1 * xp[bi + u1] + w2 * xp[bi + u2] + w3 * xp[bi + u3]
-                                             + w4 * xp[bi + u4] + w5 * xp[bi + u5] + w6 * xp[bi + u6]
-                                             + w7 * xp[bi + u7]) * m)
-                    elif NC == 2:
-                        w0, w1 = pw[gk, 0, j], pw[gk, 1, j]
-                        x0 = xp[b + coff[0]:b + coff[0] + L]
-                        x1 = xp[b + coff[1]:b + coff[1] + L]
-                        for i in range(L):
-                            dst[i] = (w0 * x0[i] + w1 * x1[i]) * m
+                            cols[ud + i] = (w0 * xp[bi] + w1 * xp[bi + u1]
+                                            + w2 * xp[bi + u2] + w3 * xp[bi + u3])
                     else:
-                        x0 = xp[b + coff[0]:b + coff[0] + L]
-                        w0 = pw[gk, 0, j]
                         for i in range(L):
-                            dst[i] = w0 * x0[i]
-                        for cr in range(1, NC):
-                            xr = xp[b + coff[cr]:b + coff[cr] + L]
-                            wc = pw[gk, cr, j]
-                            for i in range(L):
-                                dst[i] += wc * xr[i]
-                        if m != one:
-                            for i in range(L):
-                                dst[i] *= m
-                    c = ce
+                            bi = ub + i
+                            cols[ud + i] = (w0 * xp[bi] + w1 * xp[bi + u1]
+                                            + w2 * xp[bi + u2] + w3 * xp[bi + u3]) * m
+                elif NC == 8:
+                    w0, w1, w2, w3 = pw[gk, 0, j], pw[gk, 1, j], pw[gk, 2, j], pw[gk, 3, j]
+                    w4, w5, w6, w7 = pw[gk, 4, j], pw[gk, 5, j], pw[gk, 6, j], pw[gk, 7, j]
+                    for i in range(L):
+                        bi = ub + i
+                        cols[ud + i] = ((w0 * xp[bi] + w1 * xp[bi + u1] + w2 * xp[bi + u2] + w3 * xp[bi + u3]
+                                         + w4 * xp[bi + u4] + w5 * xp[bi + u5] + w6 * xp[bi + u6]
+                                         + w7 * xp[bi + u7]) * m)
+                elif NC == 2:
+                    w0, w1 = pw[gk, 0, j], pw[gk, 1, j]
+                    for i in range(L):
+                        bi = ub + i
+                        cols[ud + i] = (w0 * xp[bi] + w1 * xp[bi + u1]) * m
+                else:
+                    w0, u0 = pw[gk, 0, j], np.uint64(coff[0])
+                    for i in range(L):
+                        cols[ud + i] = w0 * xp[ub + u0 + i]
+                    for cr in range(1, NC):
+                        wc = pw[gk, cr, j]
+                        uc = np.uint64(coff[cr])
+                        for i in range(L):
+                            cols[ud + i] += wc * xp[ub + uc + i]
+                    if m != one:
+                        for i in range(L):
+                            cols[ud + i] *= m
 
 
 @njit(cache=True)
