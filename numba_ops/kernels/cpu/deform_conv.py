@@ -424,6 +424,7 @@ def _tile(n, nl, p0, p1, xp, off3, m3, has_mask, wr, b, has_b, y3, geo, pstr, co
                   dims[7], dims[8])
     _fill(xp[nl], coff, pidx, pw, pm, cols, tl, T, K, og, cpo, cpg)
     zero = _czero(wr)
+    blk = _empty_like_compute(wr, ocg * 16).reshape((ocg, 16))
     for gi in range(group):
         # out^T = cols @ W^T: BLAS runs this orientation ~15 % faster than W @ cols^T here
         out = outb[:tl * ocg].reshape((tl, ocg))
@@ -438,15 +439,18 @@ def _tile(n, nl, p0, p1, xp, off3, m3, has_mask, wr, b, has_b, y3, geo, pstr, co
                     for k in range(kc):
                         acc += a[o, k] * bt[j, k]
                     out[j, o] = acc
-        # transpose out^T into y's rows 16 positions at a time, so that reads stay in cache
+        # out^T into y's rows 16 positions at a time, through a small transposed block
+        # (contiguous reads of out, then contiguous runs of y)
         for j0 in range(0, tl, 16):
-            j1 = min(tl, j0 + 16)
+            jl = min(tl, j0 + 16) - j0
+            for j in range(jl):
+                for o in range(ocg):
+                    blk[o, j] = out[j0 + j, o]
             for o in range(ocg):
                 oc = gi * ocg + o
                 bias = load(b, oc) if has_b else zero
-                yrow = y3[n, oc]
-                for j in range(j0, j1):
-                    store(yrow, p0 + j, out[j, o] + bias)
+                for j in range(jl):
+                    store(y3, (n, oc, p0 + j0 + j), blk[o, j] + bias)
 
 
 @njit(cache=True)
