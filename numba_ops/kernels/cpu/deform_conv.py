@@ -543,9 +543,9 @@ def _corner_offsets(pstr, C):
 
 # --- tiny calls: straight from the definition, no scratch ------------------------------------
 
-@njit(cache=True)
-def _sample(xn, offn, geo, ch0, kidx, q, zero, one, fl, lm):
-    """The n-linear sample of one channel ``xn`` (sites,) for kernel point ``kidx``
+@njit(cache=True, inline="always")
+def _sample(x3, n, c, off3, geo, ch0, kidx, q, zero, one, fl, lm):
+    """The n-linear sample of channel ``c`` of image ``n`` for kernel point ``kidx``
     at output position ``q``: corners outside the input count 0, a position at or
     beyond -1 or D on any axis gives 0, a non-finite one NaN (API.md).
     ``fl``/``lm``: scratch of length n for the floors and fractions."""
@@ -559,7 +559,7 @@ def _sample(xn, offn, geo, ch0, kidx, q, zero, one, fl, lm):
         rq //= geo[5, ax]
         kk = rk % geo[1, ax]
         rk //= geo[1, ax]
-        pos = _cast(zero, oq * geo[2, ax] + kk * geo[4, ax] - geo[3, ax]) + load(offn[ch0 + ax], q)
+        pos = _cast(zero, oq * geo[2, ax] + kk * geo[4, ax] - geo[3, ax]) + load(off3, (n, ch0 + ax, q))
         f, lam, okk, finn = border_corner(pos, _cast(zero, geo[0, ax]), zero, one)
         ok = ok and okk
         fin = fin and finn
@@ -582,7 +582,7 @@ def _sample(xn, offn, geo, ch0, kidx, q, zero, one, fl, lm):
             wt *= lm[ax] if bit else one - lm[ax]
             site = site * geo[0, ax] + i
         if inside:
-            acc += wt * load(xn, site)
+            acc += wt * load(x3, (n, c, site))
     return acc
 
 
@@ -612,11 +612,11 @@ def _direct(x, w, off, m, b, y, meta):
                     c = gi * cpg + cl
                     g = c // cpo
                     for kidx in range(K):
-                        s = _sample(x3[n, c], off3[n], geo, (g * K + kidx) * nd, kidx, q, zero, one, fl, lm)
+                        s = _sample(x3, n, c, off3, geo, (g * K + kidx) * nd, kidx, q, zero, one, fl, lm)
                         if has_mask:
-                            s *= load(m3[n, g * K + kidx], q)
-                        acc += load(w3[oc, cl], kidx) * s
-                store(y3[n, oc], q, acc)
+                            s *= load(m3, (n, g * K + kidx, q))
+                        acc += load(w3, (oc, cl, kidx)) * s
+                store(y3, (n, oc, q), acc)
 
 
 # --- drivers ------------------------------------------------------------------------
