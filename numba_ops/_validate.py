@@ -4,6 +4,18 @@ import numbers
 import numpy as np
 
 
+#: entries a front end's validated-call cache holds before it starts over
+SEEN_MAX = 512
+
+
+def remember(seen, key, value):
+    """``seen[key] = value`` in a front end's validated-call cache, emptied first once
+    it holds ``SEEN_MAX`` entries (calls with ever-new shapes never grow it further)."""
+    if len(seen) >= SEEN_MAX:
+        seen.clear()
+    seen[key] = value
+
+
 class IntegerError(TypeError, ValueError):
     """A value that must be an integer is not (both kinds of error: a wrong type and a wrong value)."""
 

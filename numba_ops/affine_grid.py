@@ -3,14 +3,13 @@ import numpy as np
 
 from ._dispatch import as_array, launcher, resolve_device
 from ._dtypes import common_float_dtype
-from ._validate import as_bool, int_tuple
+from ._validate import as_bool, int_tuple, remember
 
 #: validated plain NumPy CPU calls: (theta shape, dtype, size values with their types
 #: (or a size array's dtype), align_corners and its type) -> (size, align) as the kernels
 #: take them. The types are part of the key, so a hit stands for a call that passed
 #: every check below (a float size can never hit the entry of an integer one).
 _SEEN = {}
-_SEEN_MAX = 512
 
 
 def affine_grid(theta, size, align_corners=False, *, device=None):
@@ -56,7 +55,5 @@ def affine_grid(theta, size, align_corners=False, *, device=None):
             f"theta must have shape (N, {nd}, {nd + 1}) = {want} for a size of length {len(size)} "
             f"(N = size[0] = {size[0]}); got {tuple(theta.shape)}")
     if key is not None and device == "cpu":
-        if len(_SEEN) >= _SEEN_MAX:
-            _SEEN.clear()
-        _SEEN[key] = (size, align)
+        remember(_SEEN, key, (size, align))
     return launcher("affine_grid", device)(theta, size, align)

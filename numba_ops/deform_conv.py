@@ -4,7 +4,7 @@ import numpy as np
 from ._dispatch import as_array, launcher, resolve_device
 from ._dtypes import common_float_dtype
 from ._shapes import DeformParams, out_size
-from ._validate import as_int, int_tuple
+from ._validate import as_int, int_tuple, remember
 
 
 def _params(x, w, kernel_shape, strides, pads, dilations, group, offset_group):
@@ -55,7 +55,6 @@ def _check_shape(a, name, want, what):
 #: with one shared dtype and attributes that are None or lists/tuples of plain ints
 #: are keyed, so a hit stands for a call that passed every check below.
 _SEEN = {}
-_SEEN_MAX = 512
 
 
 _ND = np.ndarray
@@ -136,8 +135,6 @@ def deform_conv(x, w, offset, b=None, mask=None, *, kernel_shape=None, strides=N
     _check_shape(mask, "mask", (N, og * K) + p.out_spatial, f"(N, offset_group*K, o1..o{nd}) with K={K}")
     _check_shape(b, "B", (oC,), "(oC,)")
     if key is not None and device == "cpu":
-        if len(_SEEN) >= _SEEN_MAX:
-            _SEEN.clear()
-        _SEEN[key] = p
+        remember(_SEEN, key, p)
     return launcher("deform_conv", device)(x, w, offset, b, mask, p)
 

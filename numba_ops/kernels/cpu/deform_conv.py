@@ -320,10 +320,12 @@ def _plan(off3, m3, has_mask, n, geo, pstr, C, kidx, g, K, p0, p1, pidx, pw, pm,
 
 
 @njit(cache=True)
-def _segments(T, K, og, cpo, cpg):
+def _segments(dims):
     """The channel runs of a column row: one per (offset group, conv group) overlap,
     as rows (offset group, first channel, length, offset in the row's tile)."""
-    segs = np.empty((og + cpo * og // cpg + 1, 4), np.int64)
+    C, K, group, og, T = dims[0], dims[1], dims[2], dims[3], dims[4]
+    cpo, cpg = C // og, C // group
+    segs = np.empty((og + group, 4), np.int64)
     ns = 0
     for g in range(og):
         c, c1 = g * cpo, (g + 1) * cpo
@@ -338,7 +340,7 @@ def _segments(T, K, og, cpo, cpg):
 
 
 @njit(cache=True, fastmath={"contract"})
-def _fill(xp, coff, pidx, pw, pm, cols, tl, T, K, og, cpo, cpg):
+def _fill(xp, coff, pidx, pw, pm, cols, segs, tl, K, cpg):
     """Apply the tile's plans: cols[gi, j, kidx, c - gi*cpg] =
     mask * sum_corner w * xp[pidx + coff + c] for every channel c.
 
@@ -355,7 +357,6 @@ def _fill(xp, coff, pidx, pw, pm, cols, tl, T, K, og, cpo, cpg):
     u3 = np.uint64(coff[3 % NC])
     u4, u5 = np.uint64(coff[4 % NC]), np.uint64(coff[5 % NC])
     u6, u7 = np.uint64(coff[6 % NC]), np.uint64(coff[7 % NC])
-    segs = _segments(T, K, og, cpo, cpg)
     uKc = np.uint64(K * cpg)
     ucpg = np.uint64(cpg)
     for j in range(tl):
@@ -408,13 +409,13 @@ def _fill(xp, coff, pidx, pw, pm, cols, tl, T, K, og, cpo, cpg):
 
 
 @njit(cache=True)
-def _tile(n, nl, p0, p1, xp, off3, m3, has_mask, wr, b, has_b, y3, geo, pstr, coff, dims,
+def _tile(n, nl, p0, p1, xp, off3, m3, has_mask, wr, b, has_b, y3, geo, pstr, coff, segs, dims,
           cols, outb, pidx, pw, pm):
     """Output positions [p0, p1) of image ``n`` (``nl``: its slot in ``xp``):
     plans, column fill, one GEMM per group, bias and rounding into ``y3``."""
     C, K, group, og, T = dims[0], dims[1], dims[2], dims[3], dims[4]
     oC = y3.shape[1]
-    cpg, cpo, ocg = C // group, C // og, oC // group
+    cpg, ocg = C // group, oC // group
     kc = K * cpg
     tl = p1 - p0
     for g in range(og):
@@ -422,9 +423,9 @@ def _tile(n, nl, p0, p1, xp, off3, m3, has_mask, wr, b, has_b, y3, geo, pstr, co
             gk = g * K + kidx
             _plan(off3, m3, has_mask, n, geo, pstr, C, kidx, g, K, p0, p1, pidx[gk], pw[gk], pm[gk],
                   dims[7], dims[8])
-    _fill(xp[nl], coff, pidx, pw, pm, cols, tl, T, K, og, cpo, cpg)
+    _fill(xp[nl], coff, pidx, pw, pm, cols, segs, tl, K, cpg)
     zero = _czero(wr)
-    blk = _empty_like_compute(wr, ocg * 16).reshape((ocg, 16))
+    blk = outb[ocg * T:ocg * (T + 16)].reshape((ocg, 16))
     for gi in range(group):
         # out^T = cols @ W^T: BLAS runs this orientation ~15 % faster than W @ cols^T here
         out = outb[:tl * ocg].reshape((tl, ocg))
@@ -471,11 +472,12 @@ def _padded_extent(geo, pstr):
 
 @njit(cache=True)
 def _tile_parts(dims, nd, ocg):
-    """Elements of one thread's tile buffers: columns, GEMM tile, plan weights, plan
-    masks (compute type) and plan indices (int64)."""
+    """Elements of one thread's tile buffers: columns, GEMM tile (and the 16-position
+    block its write-out transposes through), plan weights, plan masks (compute type)
+    and plan indices (int64)."""
     C, K, og, T = dims[0], dims[1], dims[3], dims[4]
     plans = og * K * T
-    return max(1, T * K * C), max(1, ocg * T), plans << nd, plans, plans
+    return max(1, T * K * C), ocg * (T + 16), plans << nd, plans, plans
 
 
 @njit(cache=True)
@@ -702,6 +704,7 @@ def _run_serial(x3, w3, off3, m3, b, has_mask, has_b, y3, geo, pstr, dims):
     rows, xp, coff = _padded_setup(fws[nw:nw + nxp], x3, geo, pstr, nb)
     cols, outb, pidx, pw, pm = _scratch(fws[nw + nxp:], np.empty(max(1, nint), np.int64), dims, nd, ocg)
     ntile = (P + T - 1) // T
+    segs = _segments(dims)
     for n0 in range(0, N, nb):
         nc = min(nb, N - n0)
         for nl in range(nc):
@@ -710,7 +713,7 @@ def _run_serial(x3, w3, off3, m3, b, has_mask, has_b, y3, geo, pstr, dims):
         for it in range(nc * ntile):
             nl, t = it // ntile, it % ntile
             _tile(n0 + nl, nl, t * T, min(P, t * T + T), xp, off3, m3, has_mask, wr, b, has_b, y3,
-                  geo, pstr, coff, dims, cols, outb, pidx, pw, pm)
+                  geo, pstr, coff, segs, dims, cols, outb, pidx, pw, pm)
 
 
 @njit(cache=True, parallel=True)
@@ -726,6 +729,7 @@ def _run_parallel(x3, w3, off3, m3, b, has_mask, has_b, y3, geo, pstr, dims, fws
     wr = fws[:nw]
     rows, xp, coff = _padded_setup(fws[nw:nw + nxp], x3, geo, pstr, nb)
     ntile = (P + T - 1) // T
+    segs = _segments(dims)
     for n0 in range(0, N, nb):
         nc = min(nb, N - n0)
         # padded rows of this chunk, and (first chunk only) the weights' rows: one pool round,
@@ -749,7 +753,7 @@ def _run_parallel(x3, w3, off3, m3, b, has_mask, has_b, y3, geo, pstr, dims, fws
             for it in range(lo, hi):
                 nl, t = it // ntile, it % ntile
                 _tile(n0 + nl, nl, t * T, min(P, t * T + T), xp, off3, m3, has_mask, wr, b, has_b,
-                      y3, geo, pstr, coff, dims, cols, outb, pidx, pw, pm)
+                      y3, geo, pstr, coff, segs, dims, cols, outb, pidx, pw, pm)
 
 
 # --- SciPy's BLAS thread count ----------------------------------------------------------
@@ -832,7 +836,7 @@ def _plan_sizes(N, C, K, oC, P, group, og, nd, S, item, nth):
             ntile += 1
         T = -(-P // ntile)
     img = max(1, S * C * item)
-    budget = _SCRATCH_BYTES - nth * T * per_pos - oC * kc_all * item // max(1, group)
+    budget = _SCRATCH_BYTES - nth * (T * per_pos + 16 * (oC // group) * item) - oC * kc_all * item // max(1, group)
     nb = max(1, min(N, budget // img))
     return T, nb
 
