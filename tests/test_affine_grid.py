@@ -100,6 +100,18 @@ def test_16bit_specials(dtype):
     np.testing.assert_array_equal(got, want.astype(np.float32))
 
 
+@pytest.mark.parametrize("nd", [2, 3])
+def test_bf16_every_nan_payload_stays_nan(nd):
+    """Each bfloat16 NaN payload in theta gives NaN (the CPU rounding has no NaN branch)."""
+    allbits = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(BF16)
+    nans = allbits[np.isnan(allbits)]
+    theta = np.zeros((nans.size, nd, nd + 1), BF16)
+    theta[:, 0, 0] = nans
+    size = [nans.size, 1] + [2] * nd
+    got = numba_ops.affine_grid(theta, size, True).astype(np.float32)
+    assert np.isnan(got[..., 0]).all() and (got[..., 1:] == 0).all()
+
+
 def test_large_16bit_matches_upcast(rng):
     """A parallel-sized grid: exercises the prange path for 16-bit stores."""
     theta = _theta(rng, 4, 2, np.float32).astype(np.float16)

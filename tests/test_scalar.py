@@ -53,3 +53,26 @@ def test_round_once_to_nearest_even(dtype, bits):
     got_py = np.array([py.py_func(v) for v in sample], dtype=bits)
     np.testing.assert_array_equal(got_py, want[::41])  # the simulator's path
     np.testing.assert_array_equal(np.array([py(v) for v in sample[:50]], dtype=bits), want[::41][:50])
+
+
+@njit(cache=True)
+def _round_rne(x, out):
+    for i in range(x.size):
+        out[i] = s.f32_to_bf16_bits_rne(x[i])
+
+
+def test_bf16_rounding_without_nan_branch():
+    """The CPU kernels' branch-free bfloat16 rounding: equal to ml_dtypes for every
+    non-NaN, and NaN for every NaN a CPU computes from bfloat16 data (its low 16 bits zero)."""
+    x = _specials_and_random()
+    x = x[~np.isnan(x)]
+    got = np.empty(x.size, np.uint16)
+    _round_rne(x, got)
+    with np.errstate(over="ignore"):
+        np.testing.assert_array_equal(got, x.astype(ml_dtypes.bfloat16).view(np.uint16))
+    nans = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(ml_dtypes.bfloat16)
+    nans = nans[np.isnan(nans)].astype(np.float32)  # every bfloat16 NaN payload, widened
+    nans = np.concatenate([nans, nans * np.float32(2), np.array([np.inf - np.inf], np.float32)])
+    got = np.empty(nans.size, np.uint16)
+    _round_rne(nans, got)
+    assert np.isnan(got.view(ml_dtypes.bfloat16).astype(np.float32)).all()

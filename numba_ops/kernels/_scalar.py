@@ -41,6 +41,19 @@ def f32_to_bf16_bits(x):
     return np.uint16((b >> 16) & 0xFFFF)
 
 
+@njit(cache=True, inline="always")
+def f32_to_bf16_bits_rne(x):
+    """``f32_to_bf16_bits`` without its NaN branch, for CPU kernels whose NaNs all
+    come from bfloat16 data: exact for every non-NaN, and for every NaN whose low
+    16 bits are zero, which is every NaN a CPU computes from bfloat16 inputs (an
+    input's NaN, quieted, or the default NaN 0x7FC00000 / 0xFFC00000). A NaN with
+    low bits set could round to an infinity or a zero; GPUs' default NaN
+    (0x7FFFFFFF) is one, so CUDA kernels keep ``store``. The branch keeps a
+    vectorised loop from unrolling: 1.7x slower on a write-bound kernel."""
+    b = np.float32(x).view(np.uint32)
+    return np.uint16((b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+
+
 @njit(cache=True)
 def f16_bits_to_f32(h):
     """IEEE half bit pattern (int16) -> float32, exact (subnormals, inf, NaN)."""

@@ -1,15 +1,28 @@
 """AffineGrid on the CPU: ``@njit(parallel=True)`` over rows of the output grid.
 
-Each output row (fixed n and leading spatial indices) is ``grid = a * x + b``
-with per-row constants, so the inner loop is a multiply-add over the
-precomputed base coordinates that LLVM vectorises, and every output element is
+The output, viewed flat, is rows ``(n, [d,] h)`` of ``W * nd`` elements, each
 written once, rounded straight into its storage type.
+
+- 2-D: ``row[2w + k] = theta[n,k,0] * x_w + b_k`` with two per-row constants
+  ``b_k``; LLVM vectorises the stride-2 store pair (interleaving shuffles).
+- 3-D: LLVM leaves the stride-3 version scalar, so every row of one ``(n, d)``
+  slab is written as the same linear function of its ``y``::
+
+      row[3w + k] = P[3w + k] + y * Q[3w + k]
+      P = theta[n,k,0] * x_w + (theta[n,k,2] * z_d + theta[n,k,3]),  Q = theta[n,k,1]
+
+  ``P`` and ``Q`` are built once per slab (in L1), and the row loop is
+  contiguous loads, a multiply-add and a contiguous store: 1.5-2x faster.
+
+bfloat16 is rounded by ``f32_to_bf16_bits_rne`` (no NaN branch: theta is
+bfloat16, so every NaN here has zero low bits), which keeps the loop unrolled.
 """
 import numpy as np
-from numba import njit, prange
+from numba import njit, prange, types
+from numba.extending import overload
 
 from ..._dtypes import compute, storage
-from .._scalar import base_coord, store
+from .._scalar import base_coord, f32_to_bf16_bits_rne, store
 from . import _runtime
 
 DTYPES = ("float16", "bfloat16", "float32", "float64")
@@ -23,46 +36,68 @@ def _coords(length, align, one):
     return c
 
 
+def _put(out, i, v):
+    """``store``, with bfloat16 rounded by ``f32_to_bf16_bits_rne`` (see above)."""
+
+
+@overload(_put, jit_options={"inline": "always"})
+def _put_impl(out, i, v):
+    if out.dtype == types.uint16:
+        def impl(out, i, v):
+            out[i] = f32_to_bf16_bits_rne(v)
+    else:
+        def impl(out, i, v):
+            store(out, i, v)
+    return impl
+
+
 @njit(cache=True)
 def _rows(theta, out, D, H, W, align, one, r0, r1):
-    """Rows ``r0:r1`` of ``out`` viewed as (N * D * H, W * nd), D being 1 in 2-D;
-    ``one`` is 1 in the compute type. (Sizes come as ints, not a tuple: numba's
-    dispatcher types a tuple argument in Python, a microsecond on small calls.)
+    """Rows ``r0:r1`` of the flat ``out`` (N * D * H rows of W * nd elements, D being
+    1 in 2-D); ``one`` is 1 in the compute type. (Sizes come as ints, not a tuple:
+    numba's dispatcher types a tuple argument in Python, a microsecond on small calls.)
 
-    The row's (n, d, h) advance as counters: in 3-D a row is only 192 elements,
-    and the three integer divisions that would recover them cost as much as its stores.
+    The row's (n, d, h) advance as counters: a 3-D row is only 192 elements, and
+    the three integer divisions that would recover them cost as much as its stores.
     """
     nd = theta.shape[1]
+    L = W * nd
     xs = _coords(W, align, one)
     ys = _coords(H, align, one)
     zs = _coords(D, align, one)
+    P = np.empty(L, dtype=type(one))
+    Q = np.empty(L, dtype=type(one))
     h = r0 % H
     d = (r0 // H) % D
     n = r0 // (H * D)
-    for r in range(r0, r1):
-        row = out[r]
+    o = r0 * L
+    fresh = True
+    for _ in range(r0, r1):
         y = ys[h]
         if nd == 2:
             a0, a1 = theta[n, 0, 0], theta[n, 1, 0]
             b0 = theta[n, 0, 1] * y + theta[n, 0, 2]
             b1 = theta[n, 1, 1] * y + theta[n, 1, 2]
             for w in range(W):
-                store(row, 2 * w, a0 * xs[w] + b0)
-                store(row, 2 * w + 1, a1 * xs[w] + b1)
+                _put(out, np.uint64(o + 2 * w), a0 * xs[w] + b0)  # unsigned: no negative-index fix-up
+                _put(out, np.uint64(o + 2 * w + 1), a1 * xs[w] + b1)
         else:
-            z = zs[d]
-            a0, a1, a2 = theta[n, 0, 0], theta[n, 1, 0], theta[n, 2, 0]
-            b0 = theta[n, 0, 1] * y + theta[n, 0, 2] * z + theta[n, 0, 3]
-            b1 = theta[n, 1, 1] * y + theta[n, 1, 2] * z + theta[n, 1, 3]
-            b2 = theta[n, 2, 1] * y + theta[n, 2, 2] * z + theta[n, 2, 3]
-            for w in range(W):
-                store(row, 3 * w, a0 * xs[w] + b0)
-                store(row, 3 * w + 1, a1 * xs[w] + b1)
-                store(row, 3 * w + 2, a2 * xs[w] + b2)
+            if fresh:
+                for k in range(3):
+                    a, q = theta[n, k, 0], theta[n, k, 1]
+                    b = theta[n, k, 2] * zs[d] + theta[n, k, 3]
+                    for w in range(W):
+                        P[3 * w + k] = a * xs[w] + b
+                        Q[3 * w + k] = q
+                fresh = False
+            for j in range(L):
+                _put(out, np.uint64(o + j), P[j] + y * Q[j])
+        o += L
         h += 1
         if h == H:
             h = 0
             d += 1
+            fresh = True
             if d == D:
                 d = 0
                 n += 1
@@ -70,12 +105,12 @@ def _rows(theta, out, D, H, W, align, one, r0, r1):
 
 @njit(cache=True)
 def _serial(theta, out, D, H, W, align, one):
-    _rows(theta, out, D, H, W, align, one, 0, out.shape[0])
+    _rows(theta, out, D, H, W, align, one, 0, out.size // (W * theta.shape[1]))
 
 
 @njit(cache=True, parallel=True)
 def _parallel(theta, out, D, H, W, align, one, nchunks):
-    rows = out.shape[0]
+    rows = out.size // (W * theta.shape[1])
     nchunks = min(rows, nchunks)
     for c in prange(nchunks):
         _rows(theta, out, D, H, W, align, one, c * rows // nchunks, (c + 1) * rows // nchunks)
@@ -90,7 +125,6 @@ def launch(theta, size, align):
     if out.size == 0:
         return out.view(dtype)
     th = np.ascontiguousarray(theta, dtype=compute(dtype))
-    rows = out.reshape(-1, shape[-1] * nd)
     D = shape[1] if nd == 3 else 1
-    _runtime.run(_serial, _parallel, out.size, th, rows, D, shape[-2], shape[-1], align, th.dtype.type(1))
+    _runtime.run(_serial, _parallel, out.size, th, out.reshape(-1), D, shape[-2], shape[-1], align, th.dtype.type(1))
     return out.view(dtype)

@@ -10,8 +10,8 @@ it compute-bound. So the work is organised as the CPU kernel's rows:
   (``base_coord``, the CPU kernel's function; W + H + D values);
 - ``grid`` gives each block whole rows ``(n, d, h)`` (grid-stride over rows, so
   any grid is correct); a row is ``out[w, k] = theta[n,k,0]·xs[w] + b[k]`` with
-  ``b[k] = theta[n,k,1]·ys[h] (+ theta[n,k,2]·zs[d]) + theta[n,k,nd]`` — the CPU's
-  order of operations. The block has a multiple of nd threads, so thread ``t``
+  ``b[k] = theta[n,k,1]·ys[h] (+ theta[n,k,2]·zs[d]) + theta[n,k,nd]`` (the CPU's
+  2-D order; its 3-D rows regroup the same sum, see kernels/cpu/affine_grid.py). The block has a multiple of nd threads, so thread ``t``
   always writes component ``k = t % nd``: its two row constants cost a few loads
   per row, and each element is one table load, one FMA and one store, consecutive
   threads storing consecutive elements (fully coalesced). The row decomposition
