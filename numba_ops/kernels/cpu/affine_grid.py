@@ -65,8 +65,8 @@ def _rows(theta, out, D, H, W, align, one, r0, r1):
     xs = _coords(W, align, one)
     ys = _coords(H, align, one)
     zs = _coords(D, align, one)
-    P = np.empty(L, dtype=type(one))
-    Q = np.empty(L, dtype=type(one))
+    P = np.empty(L if nd == 3 else 0, dtype=type(one))  # the 3-D slab tables
+    Q = np.empty_like(P)
     h = r0 % H
     d = (r0 // H) % D
     n = r0 // (H * D)
