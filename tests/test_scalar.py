@@ -70,9 +70,10 @@ def test_bf16_rounding_without_nan_branch():
     _round_rne(x, got)
     with np.errstate(over="ignore"):
         np.testing.assert_array_equal(got, x.astype(ml_dtypes.bfloat16).view(np.uint16))
-    nans = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(ml_dtypes.bfloat16)
-    nans = nans[np.isnan(nans)].astype(np.float32)  # every bfloat16 NaN payload, widened
-    nans = np.concatenate([nans, nans * np.float32(2), np.array([np.inf - np.inf], np.float32)])
+    bits = np.arange(65536, dtype=np.uint32)
+    nans = (bits[(bits & 0x7FFF) > 0x7F80] << 16).view(np.float32)  # every bfloat16 NaN, widened
+    with np.errstate(invalid="ignore"):  # quieted by arithmetic, as in a kernel
+        nans = np.concatenate([nans, nans * np.float32(2), np.array([np.inf - np.inf], np.float32)])
     got = np.empty(nans.size, np.uint16)
     _round_rne(nans, got)
-    assert np.isnan(got.view(ml_dtypes.bfloat16).astype(np.float32)).all()
+    assert ((got & 0x7FFF) > 0x7F80).all()
