@@ -10,11 +10,13 @@ it compute-bound. So the work is organised as the CPU kernel's rows:
   (``base_coord``, the CPU kernel's function; W + H + D values);
 - ``grid`` gives each block whole rows ``(n, d, h)`` (grid-stride over rows, so
   any grid is correct); a row is ``out[w, k] = theta[n,k,0]·xs[w] + b[k]`` with
-  ``b[k] = theta[n,k,1]·ys[h] (+ theta[n,k,2]·zs[d]) + theta[n,k,nd]`` (the CPU's
-  2-D order; its 3-D rows regroup the same sum, see kernels/cpu/affine_grid.py). The block has a multiple of nd threads, so thread ``t``
-  always writes component ``k = t % nd``: its two row constants cost a few loads
-  per row, and each element is one table load, one FMA and one store, consecutive
-  threads storing consecutive elements (fully coalesced). The row decomposition
+  ``b[k] = theta[n,k,1]·ys[h] + theta[n,k,2]`` in 2-D, and in 3-D
+  ``(theta[n,k,0]·xs[w] + (theta[n,k,2]·zs[d] + theta[n,k,3])) + ys[h]·theta[n,k,1]``:
+  the CPU kernels' order of operations in both. The block has a multiple of nd
+  threads, so thread ``t`` always writes component ``k = t % nd``: its row
+  constants cost a few loads per row, and each element is one table load, a
+  multiply-add (and an add in 3-D) and one store, consecutive threads storing
+  consecutive elements (fully coalesced). The row decomposition
   (64-bit, for outputs beyond 2^31 elements) is paid once per row, not per element.
 
 16-bit outputs are rounded once by the shared ``store``.
@@ -73,14 +75,17 @@ def kernels(ct, nd):
             d = q % D
             n = q // D
             th = (n * ND + k) * (ND + 1)
-            if ND == 3:
-                b = load(theta, th + 1) * c[W + h] + load(theta, th + 2) * c[W + H + d] + load(theta, th + 3)
-            else:
-                b = load(theta, th + 1) * c[W + h] + load(theta, th + 2)
             a = load(theta, th)
             base = np.uint64(r * L)
-            for j in range(t, UL, bd):
-                store(out, base + j, a * c[j // UND] + b)
+            if ND == 3:  # the CPU's 3-D grouping: (a * x + (t2 * z + t3)) + t1 * y
+                bz = load(theta, th + 2) * c[W + H + d] + load(theta, th + 3)
+                yq = c[W + h] * load(theta, th + 1)
+                for j in range(t, UL, bd):
+                    store(out, base + j, a * c[j // UND] + bz + yq)
+            else:
+                b = load(theta, th + 1) * c[W + h] + load(theta, th + 2)
+                for j in range(t, UL, bd):
+                    store(out, base + j, a * c[j // UND] + b)
 
     return coords, grid
 
