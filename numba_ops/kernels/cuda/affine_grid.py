@@ -78,14 +78,15 @@ def kernels(ct, nd):
             a = load(theta, th)
             base = np.uint64(r * L)
             if ND == 3:  # the CPU's 3-D grouping: (a * x + (t2 * z + t3)) + t1 * y
-                bz = load(theta, th + 2) * c[W + H + d] + load(theta, th + 3)
+                b = load(theta, th + 2) * c[W + H + d] + load(theta, th + 3)
                 yq = c[W + h] * load(theta, th + 1)
-                for j in range(t, UL, bd):
-                    store(out, base + j, a * c[j // UND] + bz + yq)
             else:
                 b = load(theta, th + 1) * c[W + h] + load(theta, th + 2)
-                for j in range(t, UL, bd):
-                    store(out, base + j, a * c[j // UND] + b)
+            for j in range(t, UL, bd):
+                v = a * c[j // UND] + b
+                if ND == 3:
+                    v += yq
+                store(out, base + j, v)
 
     return coords, grid
 
