@@ -7,6 +7,9 @@ from ._shapes import DeformParams, out_size
 from ._validate import as_int, int_tuple, remember
 
 
+_PADDED_MAX = 1 << 60
+
+
 def _params(x, w, kernel_shape, strides, pads, dilations, group, offset_group):
     if x.ndim < 3:
         raise ValueError(f"X must have shape (N, C, D1, ..., Dn) with n >= 1 spatial dims; got {tuple(x.shape)}")
@@ -37,6 +40,10 @@ def _params(x, w, kernel_shape, strides, pads, dilations, group, offset_group):
     pads = int_tuple((0,) * (2 * nd) if pads is None else pads, "pads", length=2 * nd, minimum=0)
     begin, end = pads[:nd], pads[nd:]
     spatial = tuple(int(s) for s in x.shape[2:])
+    if any(s + b + e >= _PADDED_MAX for s, b, e in zip(spatial, begin, end)):
+        # positions are integers plus offsets in 64 bits (kernels/_scalar.py, border_corner)
+        raise ValueError(f"pads must keep every padded axis D + begin + end under 2**60; got pads {list(pads)} "
+                         f"for spatial size {list(spatial)}")
     outs = tuple(out_size(*a) for a in zip(spatial, begin, end, kernel_shape, dilations, strides))
     if any(o < 1 for o in outs):
         raise ValueError(

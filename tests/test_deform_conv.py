@@ -343,6 +343,51 @@ def test_non_finite_offset_is_nan_even_if_far_on_other_axis():
     assert np.isfinite(np.delete(y.ravel(), [0, 4])).all()
 
 
+# --- positions far along an axis: never rounded -------------------------------------------
+
+@pytest.mark.parametrize("path", ["direct", "tiled"])
+@pytest.mark.parametrize("D", [(700,), (2, 700), (2, 1, 700)])
+def test_far_positions_keep_the_offset_fraction(D, path, device, monkeypatch):
+    """A position o*stride - pad + k*dil + offset in the hundreds: in a float32 sum
+    its fraction (the interpolation weight) would lose bits beyond API.md's 1e-5.
+    Strides put the outputs hundreds of elements apart, on every plan (1-D general,
+    2-D/3-D 32-bit) and path."""
+    monkeypatch.setattr(cpu_dc, "_DIRECT_MAX", 1 << 62 if path == "direct" else -1)
+    monkeypatch.setattr(cpu_dc, "_STATES", {})
+    nd = len(D)
+    rng = np.random.default_rng(21)
+    strides = [1] * (nd - 1) + [333]
+    ins, att = make_case(rng, N=1, C=3, D=D, oC=2, k=(1,) * (nd - 1) + (2,), strides=strides,
+                         pads=[0] * (2 * nd - 1) + [1], spread=0.0)
+    ins["offset"] = rng.uniform(-0.5, 0.5, ins["offset"].shape) + rng.choice([0.1, 0.3, 0.7], ins["offset"].shape)
+    ins32 = cast(ins, np.float32)
+    assert_api_close(call(ins32, att, device), ref(ins32, att), np.float32)
+    # the audit's case: positions 0 and 500.1 of a 502-long axis, x one-hot at 501
+    x = np.zeros((1, 1, 502), np.float32)
+    x[0, 0, 501] = 1
+    y = numba_ops.deform_conv(x, np.ones((1, 1, 1), np.float32), np.array([[[0.0, 0.1]]], np.float32),
+                              strides=[500], device=device)
+    np.testing.assert_allclose(y[0, 0], [0.0, float(np.float32(0.1))], rtol=1e-7)
+
+
+@pytest.mark.parametrize("path", ["direct", "tiled"])
+def test_axis_longer_than_2_24(path, monkeypatch):
+    """Sizes and positions past 2**24 (where float32 stops counting integers) index
+    exactly: the last element of a 2**24 + 4 long axis, and the one before it."""
+    monkeypatch.setattr(cpu_dc, "_DIRECT_MAX", 1 << 62 if path == "direct" else -1)
+    monkeypatch.setattr(cpu_dc, "_STATES", {})
+    L = 2 ** 24 + 4
+    x = np.zeros((1, 1, L), np.float32)
+    x[0, 0, 0], x[0, 0, L - 2], x[0, 0, L - 1] = 1, 5, 7
+    w = np.ones((1, 1, 1), np.float32)
+    y = numba_ops.deform_conv(x, w, np.zeros((1, 1, 2), np.float32), strides=[L - 1])
+    np.testing.assert_array_equal(y[0, 0], [1, 7])
+    y = numba_ops.deform_conv(x, w, np.array([[[0.0, -1.0]]], np.float32), strides=[L - 1])
+    np.testing.assert_array_equal(y[0, 0], [1, 5])
+    y = numba_ops.deform_conv(x, w, np.array([[[0.0, -0.5]]], np.float32), strides=[L - 1])
+    np.testing.assert_array_equal(y[0, 0], [1, 6])
+
+
 # --- shapes and layouts ------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
@@ -463,6 +508,7 @@ def _bad_calls():
         ("dilations", (x, w, off, b, m), dict(A, dilations=[1, -1])),
         ("pads", (x, w, off, b, m), dict(A, pads=[1, 1])),
         ("pads", (x, w, off, b, m), dict(A, pads=[1, 1, -1, 1])),
+        ("pads", (x, w, off, b, m), dict(A, pads=[1, 1, 2 ** 60, 1])),
         ("group", (x, w, off, b, m), dict(A, group=0)),
         ("group", (x, w, off, b, m), dict(A, group=3)),
         ("group", (x, w[:3], off, b[:3], m), A),

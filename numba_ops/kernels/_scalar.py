@@ -167,24 +167,59 @@ def base_coord(i, length, align_corners, one):
 
 # --- DeformConv -----------------------------------------------------------------
 
-@njit(cache=True)
-def border_corner(p, size, zero, one):
-    """Linear-interpolation support of ``p`` on an axis of ``size`` stored with a
-    1-element zero border on each side (element ``i`` of the axis at index ``i + 1``).
+def _int_like(ref, x):
+    """The float ``x`` (holding an integer) as the integer type of ``ref``."""
+    return type(ref)(x)
 
-    Returns ``(f, lam, ok, finite)``: ``f = floor(p)`` as a float, so the bordered
-    index of the lower corner is ``int(f) + 1`` and of the upper one ``int(f) + 2``;
-    ``lam = p - f`` the weight of the upper corner; ``ok`` whether ``p`` is inside
-    ``(-1, size)`` (otherwise the sample is 0, and ``f = lam = 0``); ``finite``
-    whether ``p`` is finite (otherwise the sample is NaN). Corners outside
-    ``[0, size - 1]`` land on the border's zeros, so they count 0 exactly (API.md)
-    without a branch; ``f`` lies in ``[-1, size - 1]`` whatever ``p`` is, so huge
-    offsets never overflow an index. ``zero``/``one`` are 0 and 1 in the compute
-    type. Branch-free (the caller picks the integer width), so a loop of calls
-    vectorises.
+
+@overload(_int_like, jit_options={"inline": "always"})
+def _int_like_ol(ref, x):
+    if ref == types.int32:
+        return lambda ref, x: np.int32(x)
+    return lambda ref, x: np.int64(x)
+
+
+def _offset_limit(base, zero):
+    """Offsets at least this large put a position outside the input (see ``border_corner``)."""
+    return zero + (2.0 ** 30 if isinstance(base, np.int32) else 2.0 ** 62)
+
+
+@overload(_offset_limit, jit_options={"inline": "always"})
+def _offset_limit_ol(base, zero):
+    lim = 2.0 ** 30 if base == types.int32 else 2.0 ** 62
+    return lambda base, zero: zero + lim
+
+
+@njit(cache=True)
+def border_corner(base, off, size, zero):
+    """Linear-interpolation support of the position ``base + off`` (``base`` an
+    integer, ``off`` a float of the compute type) on an axis of ``size`` stored
+    with a 1-element zero border on each side (element ``i`` at index ``i + 1``).
+
+    Returns ``(i, lam, ok, finite)``: ``i = floor(base + off)`` in ``base``'s
+    integer type, so the bordered index of the lower corner is ``i + 1`` and of
+    the upper one ``i + 2``; ``lam`` the weight of the upper corner; ``ok``
+    whether the position is inside ``(-1, size)`` (otherwise the sample is 0,
+    and ``i = lam = 0``); ``finite`` whether it is finite (otherwise the sample
+    is NaN). Corners outside ``[0, size - 1]`` land on the border's zeros, so
+    they count 0 exactly (API.md) without a branch.
+
+    The position is never rounded: ``floor(off)`` and ``off - floor(off)`` are
+    exact in floating point, the integer parts add as integers, and the bounds
+    test is on integers. So the weight keeps every bit of the offset's fraction
+    however far along the axis, and axes longer than 2**24 index exactly.
+    An offset of magnitude at least 2**30 (int32 ``base``) or 2**62 (int64)
+    puts the position outside the input, since the callers keep ``|base|`` and
+    ``size`` under 2**29 (int32) or 2**61 (int64, the front end's bound on
+    ``D + pads``); so huge offsets never reach an integer conversion. Branch-free, so a loop of calls
+    vectorises. ``zero`` is 0 in the compute type.
     """
-    ok = (p > -one) & (p < size)
-    finite = (p - p) == zero
-    pc = p if ok else zero
-    f = np.floor(pc)
-    return f, pc - f, ok, finite
+    finite = (off - off) == zero
+    lim = _offset_limit(base, zero)
+    near = (off > -lim) & (off < lim)
+    oc = off if near else zero
+    fo = np.floor(oc)
+    lam = oc - fo
+    i = base + _int_like(base, fo)
+    ok = near & (i >= -1) & (i < size) & ((i >= 0) | (lam > zero))
+    return (i if ok else base - base), (lam if ok else zero), ok, finite

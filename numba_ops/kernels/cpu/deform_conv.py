@@ -161,30 +161,28 @@ def _reorder_w(w3, wr, K, o):
 # --- phase 2: sampling plans, column fill, GEMM, write-out -------------------------------
 
 @njit(cache=True)
-def _plan_row2d(oy, ox, mm, has_mask, fy, fx, sx, hw, ys, zsite, C, q0, q1, j0, pidx, pw, pm):
+def _plan_row2d(oy, ox, mm, has_mask, by, bx, sx, hw, ys, zsite, C, q0, q1, j0, pidx, pw, pm):
     """2-D plan of output positions q0..q1 of one output row: the hot loop,
     branch-free, 32-bit (the launcher checks the sizes) and on 0-based slices,
-    so that it vectorises."""
+    so that it vectorises. ``by``, ``bx + i * sx``: the positions' integer parts."""
     zero = _czero(pw)
     one = zero + 1
     nan = _cast(zero, np.nan)
-    Hf, Wf = hw
+    Hi, Wi = hw
     n = q1 - q0
     oy, ox, mm = oy[q0:q1], ox[q0:q1], mm[q0:q1] if has_mask else mm[:0]
     pidx, pm = pidx[j0:j0 + n], pm[j0:j0 + n]
     pw0, pw1, pw2, pw3 = pw[0, j0:j0 + n], pw[1, j0:j0 + n], pw[2, j0:j0 + n], pw[3, j0:j0 + n]
     for i in range(n):
-        py = fy + load(oy, i)
-        px = fx + _cast(zero, np.int32(i)) * sx + load(ox, i)
-        ay, ly, oky, finy = border_corner(py, Hf, zero, one)
-        ax, lx, okx, finx = border_corner(px, Wf, zero, one)
+        ay, ly, oky, finy = border_corner(by, load(oy, i), Hi, zero)
+        ax, lx, okx, finx = border_corner(bx + np.int32(i) * sx, load(ox, i), Wi, zero)
         ok = oky & okx
         s = one if ok else zero
         s = s if (finy & finx) else nan
         m = load(mm, i) if has_mask else one
         mfin = (m - m) == zero
         s = s * m if mfin else s
-        site = (np.int32(ay) + 1) * ys + np.int32(ax) + 1
+        site = (ay + 1) * ys + ax + 1
         pidx[i] = np.int64(site if ok else zsite) * C
         hy = (one - ly) * s
         ly = ly * s
@@ -196,30 +194,27 @@ def _plan_row2d(oy, ox, mm, has_mask, fy, fx, sx, hw, ys, zsite, C, q0, q1, j0, 
 
 
 @njit(cache=True)
-def _plan_row3d(oz, oy, ox, mm, has_mask, fz, fy, fx, sx, dhw, zs, ys, zsite, C, q0, q1, j0, pidx, pw, pm):
+def _plan_row3d(oz, oy, ox, mm, has_mask, bz, by, bx, sx, dhw, zs, ys, zsite, C, q0, q1, j0, pidx, pw, pm):
     """3-D plan of output positions q0..q1 of one output row (see ``_plan_row2d``)."""
     zero = _czero(pw)
     one = zero + 1
     nan = _cast(zero, np.nan)
-    Df, Hf, Wf = dhw
+    Di, Hi, Wi = dhw
     n = q1 - q0
     oz, oy, ox, mm = oz[q0:q1], oy[q0:q1], ox[q0:q1], mm[q0:q1] if has_mask else mm[:0]
     pidx, pm = pidx[j0:j0 + n], pm[j0:j0 + n]
     w = pw[:, j0:j0 + n]
     for i in range(n):
-        pz = fz + load(oz, i)
-        py = fy + load(oy, i)
-        px = fx + _cast(zero, np.int32(i)) * sx + load(ox, i)
-        az, lz, okz, finz = border_corner(pz, Df, zero, one)
-        ay, ly, oky, finy = border_corner(py, Hf, zero, one)
-        ax, lx, okx, finx = border_corner(px, Wf, zero, one)
+        az, lz, okz, finz = border_corner(bz, load(oz, i), Di, zero)
+        ay, ly, oky, finy = border_corner(by, load(oy, i), Hi, zero)
+        ax, lx, okx, finx = border_corner(bx + np.int32(i) * sx, load(ox, i), Wi, zero)
         ok = okz & oky & okx
         s = one if ok else zero
         s = s if (finz & finy & finx) else nan
         m = load(mm, i) if has_mask else one
         mfin = (m - m) == zero
         s = s * m if mfin else s
-        site = (np.int32(az) + 1) * zs + (np.int32(ay) + 1) * ys + np.int32(ax) + 1
+        site = (az + 1) * zs + (ay + 1) * ys + ax + 1
         pidx[i] = np.int64(site if ok else zsite) * C
         hz = (one - lz) * s
         lz = lz * s
@@ -249,8 +244,8 @@ def _plan(off3, m3, has_mask, n, geo, pstr, C, kidx, g, K, p0, p1, pidx, pw, pm,
     mm = m3[n, g * K + kidx]
     fast2d, fast3d = fast == 2, fast == 3
     if fast2d:
-        hw = (_cast(zero, geo[0, 0]), _cast(zero, geo[0, 1]))
-        sx = _cast(zero, geo[2, 1])
+        hw = (np.int32(geo[0, 0]), np.int32(geo[0, 1]))
+        sx = np.int32(geo[2, 1])
         ys = np.int32(pstr[0])
         # kernel point coordinates: the constant part of the positions on each axis
         ky = (kidx // geo[1, 1]) * geo[4, 0] - geo[3, 0]
@@ -259,15 +254,15 @@ def _plan(off3, m3, has_mask, n, geo, pstr, C, kidx, g, K, p0, p1, pidx, pw, pm,
         while p < p1:
             ol = p % oL
             end = min(p1, p - ol + oL)
-            fy = _cast(zero, (p // oL) * geo[2, 0] + ky)
-            fx = _cast(zero, ol * geo[2, 1] + kx)
-            _plan_row2d(off3[n, ch0], off3[n, ch0 + 1], mm, has_mask, fy, fx, sx, hw, ys, np.int32(zsite), C,
+            by = np.int32((p // oL) * geo[2, 0] + ky)
+            bx = np.int32(ol * geo[2, 1] + kx)
+            _plan_row2d(off3[n, ch0], off3[n, ch0 + 1], mm, has_mask, by, bx, sx, hw, ys, np.int32(zsite), C,
                         p, end, p - p0, pidx, pw, pm)
             p = end
         return
     if fast3d:
-        dhw = (_cast(zero, geo[0, 0]), _cast(zero, geo[0, 1]), _cast(zero, geo[0, 2]))
-        sx = _cast(zero, geo[2, 2])
+        dhw = (np.int32(geo[0, 0]), np.int32(geo[0, 1]), np.int32(geo[0, 2]))
+        sx = np.int32(geo[2, 2])
         zs, ys = np.int32(pstr[0]), np.int32(pstr[1])
         kz = (kidx // (geo[1, 1] * geo[1, 2])) * geo[4, 0] - geo[3, 0]
         ky = ((kidx // geo[1, 2]) % geo[1, 1]) * geo[4, 1] - geo[3, 1]
@@ -277,10 +272,10 @@ def _plan(off3, m3, has_mask, n, geo, pstr, C, kidx, g, K, p0, p1, pidx, pw, pm,
             ol = p % oL
             end = min(p1, p - ol + oL)
             row = p // oL
-            fz = _cast(zero, (row // geo[5, 1]) * geo[2, 0] + kz)
-            fy = _cast(zero, (row % geo[5, 1]) * geo[2, 1] + ky)
-            fx = _cast(zero, ol * geo[2, 2] + kx)
-            _plan_row3d(off3[n, ch0], off3[n, ch0 + 1], off3[n, ch0 + 2], mm, has_mask, fz, fy, fx, sx, dhw,
+            bz = np.int32((row // geo[5, 1]) * geo[2, 0] + kz)
+            by = np.int32((row % geo[5, 1]) * geo[2, 1] + ky)
+            bx = np.int32(ol * geo[2, 2] + kx)
+            _plan_row3d(off3[n, ch0], off3[n, ch0 + 1], off3[n, ch0 + 2], mm, has_mask, bz, by, bx, sx, dhw,
                         zs, ys, np.int32(zsite), C, p, end, p - p0, pidx, pw, pm)
             p = end
         return
@@ -299,11 +294,11 @@ def _plan(off3, m3, has_mask, n, geo, pstr, C, kidx, g, K, p0, p1, pidx, pw, pm,
         for ax in range(nd - 1, -1, -1):
             oq = rq % geo[5, ax]
             rq //= geo[5, ax]
-            pos = _cast(zero, oq * geo[2, ax] + kpos[ax]) + load(off3[n, ch0 + ax], q)
-            f, l, okk, finn = border_corner(pos, _cast(zero, geo[0, ax]), zero, one)
+            f, l, okk, finn = border_corner(oq * geo[2, ax] + kpos[ax], load(off3[n, ch0 + ax], q),
+                                            geo[0, ax], zero)
             ok = ok & okk
             fin = fin & finn
-            base += (np.int64(f) + 1) * pstr[ax]
+            base += (f + 1) * pstr[ax]
             lam[ax] = l
         s = one if ok else zero
         s = s if fin else nan
@@ -618,12 +613,12 @@ def _direct(x, w, off, m, b, y, meta):
                         ok = True
                         fin = True
                         for ax in range(nd):
-                            pos = (_cast(zero, ib[ax, q] + ib[ax, P + kidx])
-                                   + load(of, ((n * og + g) * K + kidx) * nd * P + ax * P + q))
-                            f, lam, okk, finn = border_corner(pos, _cast(zero, geo[0, ax]), zero, one)
+                            f, lam, okk, finn = border_corner(
+                                ib[ax, q] + ib[ax, P + kidx],
+                                load(of, ((n * og + g) * K + kidx) * nd * P + ax * P + q), geo[0, ax], zero)
                             ok = ok and okk
                             fin = fin and finn
-                            ib[ax, P + K] = np.int64(f)
+                            ib[ax, P + K] = f
                             lm[ax] = lam
                         sv = zero
                         if not fin:
@@ -836,7 +831,9 @@ _BLAS = _BlasThreads()
 
 # --- launch -------------------------------------------------------------------------------
 
-_I32 = 1 << 30  # the 2-D fast path computes sites and positions in 32 bits
+#: the 2-D/3-D fast plans compute sites and positions in 32 bits: sizes, sites and the
+#: positions' integer parts must stay under this (``border_corner``'s int32 bound)
+_I32 = 1 << 29
 _VIEW = {FLOAT16: np.int16, BFLOAT16: np.uint16}
 _EMPTY = {np.dtype(t): np.empty(0, t) for t in (FLOAT16, BFLOAT16, np.float32, np.float64)}
 
@@ -895,7 +892,7 @@ class _State:
         item = 8 if x.dtype == np.float64 else 4
         self.ctype = np.float64 if item == 8 else np.float32
         # 2-D and 3-D plans compute sites and positions in 32 bits: only when they fit
-        fits = (S < _I32 and max(x.shape[2:], default=0) < _I32
+        fits = (S < _I32 and max(x.shape[2:], default=0) < _I32 and max(p.pads_begin) < _I32
                 and max(p.out_spatial) * max(p.strides) + max(p.kernel_shape) * max(p.dilations) < _I32)
         fast = nd if (fits and nd in (2, 3)) else 0
         self.meta = {}

@@ -185,10 +185,10 @@ def kernel(ct, tiles, nd_max):
                                     rem_k = rem_k // geo[1, ax]
                                     oo = rem_p % geo[5, ax]
                                     rem_p = rem_p // geo[5, ax]
-                                    pos = ct(oo * geo[2, ax] - geo[3, ax] + kk * geo[4, ax]) \
-                                        + load(off, (ob + ax) * P + p)
-                                    f, lam, inside, fin = border_corner(pos, ct(geo[0, ax]), zero, one)
-                                    ax_i0[ax] = np.int64(f)
+                                    f, lam, inside, fin = border_corner(
+                                        oo * geo[2, ax] - geo[3, ax] + kk * geo[4, ax],
+                                        load(off, (ob + ax) * P + p), geo[0, ax], zero)
+                                    ax_i0[ax] = f
                                     ax_w[ax, 0] = one - lam
                                     ax_w[ax, 1] = lam
                                     ok = ok and inside
