@@ -12,10 +12,12 @@ Algorithm, per image (images go in chunks so that scratch stays within
    branch, and an Inf/NaN in ``x`` reaches only the samples whose support
    holds it. A position at or beyond -1 or D gets weight 0 and a base in the
    zero tail (every corner it reads is a zero, never an input value); a
-   non-finite position gets weight NaN there (the sample is NaN). ``floor``
-   only sees positions inside ``(-1, D)``, so huge offsets never overflow an
-   index; indices are 64-bit (the 2-D/3-D plans use 32 bits per axis only
-   when the sizes fit, see ``_State``).
+   non-finite position gets weight NaN there (the sample is NaN). Positions
+   are never rounded: ``border_corner`` adds their integer parts as integers
+   and keeps the offset's fraction exactly, and only offsets under 2**30 (the
+   32-bit plans) or 2**62 reach an integer conversion, so huge offsets never
+   overflow an index; indices are 64-bit (the 2-D/3-D plans use 32 bits per
+   axis only when the sizes fit, see ``_State``).
 2. Output positions are cut into tiles of ``T``. For each tile and each
    (offset group, kernel point) a plan (base index, 2**n weights with a finite
    mask folded in) is built, vectorised along the last output axis. The fill
