@@ -83,8 +83,16 @@ def as_array(a, name, device):
         return a
     try:
         return np.asarray(a)
+    except ValueError as exc:  # NumPy's word for a ragged nested sequence
+        raise ValueError(f"{name} must be a rectangular array; got a ragged {type(a).__name__}: {exc}") from exc
     except Exception as exc:
         raise TypeError(f"{name} must be an array of one of {SUPPORTED}; got {type(a).__name__}") from exc
+
+
+def to_device(result):
+    """A CPU result for device inputs: a numba device array (API.md, Devices)."""
+    from .kernels.cuda._device import from_host
+    return from_host(result)
 
 
 @functools.lru_cache(maxsize=None)

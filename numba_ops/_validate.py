@@ -1,5 +1,6 @@
 """Attribute normalisation shared by the front ends (API.md, Bad input)."""
 import numbers
+import operator
 
 import numpy as np
 
@@ -52,11 +53,17 @@ def int_tuple(value, name, length=None, minimum=None):
         raise ValueError(f"{name} must be a sequence or 1-D array of integers; got {value!r}") from exc
     if arr.ndim != 1:
         raise ValueError(f"{name} must be 1-D (a sequence of integers); got shape {arr.shape}")
-    if arr.size and arr.dtype.kind not in "iu":
-        raise IntegerError(f"{name} must hold integers; got {arr.dtype} values {arr.tolist()}")
     if arr is not value and any(isinstance(v, (bool, np.bool_)) for v in value):
         raise IntegerError(f"{name} must hold integers, not bools; got {list(value)!r}")
-    out = tuple(arr.tolist())
+    if arr.size and arr.dtype.kind not in "iu":
+        if arr is value or arr.dtype.kind != "f":
+            raise IntegerError(f"{name} must hold integers; got {arr.dtype} values {arr.tolist()}")
+        try:  # NumPy turns a mix of uint64 and signed integers into float64: ask each entry
+            out = tuple(operator.index(v) for v in value)
+        except TypeError:
+            raise IntegerError(f"{name} must hold integers; got {list(value)!r}") from None
+    else:
+        out = tuple(arr.tolist())
     allowed = (length,) if isinstance(length, int) else length
     if allowed is not None and len(out) not in allowed:
         want = " or ".join(str(n) for n in allowed)

@@ -1,7 +1,7 @@
 """AffineGrid (ONNX opset 20): front end. Semantics: seeds/AffineGrid-onnx-spec.txt."""
 import numpy as np
 
-from ._dispatch import as_array, launcher, resolve_device
+from ._dispatch import as_array, launcher, on_device, resolve_device, to_device
 from ._dtypes import common_float_dtype
 from ._validate import as_bool, int_tuple, remember
 
@@ -43,7 +43,10 @@ def affine_grid(theta, size, align_corners=False, *, device=None):
                 hit = key = None
             if hit is not None:
                 return launcher("affine_grid", "cpu")(theta, *hit)
+    if theta is None:
+        raise ValueError("theta is required")
     device = resolve_device(device, [theta])
+    back = device == "cpu" and on_device(theta)  # device input run on the CPU: a device result
     theta = as_array(theta, "theta", device)
     common_float_dtype({"theta": theta})
     align = as_bool(align_corners, "align_corners")
@@ -54,6 +57,10 @@ def affine_grid(theta, size, align_corners=False, *, device=None):
         raise ValueError(
             f"theta must have shape (N, {nd}, {nd + 1}) = {want} for a size of length {len(size)} "
             f"(N = size[0] = {size[0]}); got {tuple(theta.shape)}")
+    shape = (size[0],) + size[2:] + (nd,)
+    if np.prod([max(1, s) for s in shape], dtype=object) * theta.dtype.itemsize > np.iinfo(np.intp).max:
+        raise ValueError(f"size {list(size)} asks for a grid of shape {shape}: too large to allocate")
     if key is not None and device == "cpu":
         remember(_SEEN, key, (size, align))
-    return launcher("affine_grid", device)(theta, size, align)
+    out = launcher("affine_grid", device)(theta, size, align)
+    return to_device(out) if back else out

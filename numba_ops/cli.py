@@ -641,15 +641,31 @@ def _select(only):
     return picked
 
 
+def _read_json(path, what):
+    """A JSON file named on the command line, or a one-line error."""
+    try:
+        with open(path) as fh:
+            return json.load(fh)
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"numba-ops bench: cannot read {what} {path!r}: {exc}") from None
+
+
 def cmd_bench(args):
     import numba
 
     import numba_ops
+    # files first: a bad path fails now, not after the measurements
+    baseline = _read_json(args.compare, "--compare baseline") if args.compare else None
+    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
+        raise SystemExit(f"numba-ops bench: --json {args.json!r}: no such directory")
     if args.load:
-        with open(args.load) as fh:
-            report = json.load(fh)
-        for row in report["cases"].values():
-            row["figures"] = figures(row)
+        report = _read_json(args.load, "--load report")
+        try:
+            for row in report["cases"].values():
+                row["figures"] = figures(row)
+        except (KeyError, TypeError, AttributeError) as exc:
+            raise SystemExit(f"numba-ops bench: {args.load!r} is not a numba-ops bench --json report "
+                             f"({type(exc).__name__}: {exc})") from None
     else:
         device = args.device or "cpu"
         if device not in numba_ops.devices():
@@ -684,13 +700,14 @@ def cmd_bench(args):
                   "limits": limits, "cases": _table(results, cases)}
     print_table(report)
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(report, fh, indent=1, sort_keys=True)
-            fh.write("\n")
+        try:
+            with open(args.json, "w") as fh:
+                json.dump(report, fh, indent=1, sort_keys=True)
+                fh.write("\n")
+        except OSError as exc:
+            raise SystemExit(f"numba-ops bench: cannot write --json {args.json!r}: {exc}") from None
         print(f"wrote {args.json}")
-    if args.compare:
-        with open(args.compare) as fh:
-            baseline = json.load(fh)
+    if baseline is not None:
         try:
             failures = compare(report, baseline)
         except ValueError as exc:
@@ -701,6 +718,13 @@ def cmd_bench(args):
 
 
 # --------------------------------------------------------------------------
+
+def _positive_int(text):
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1; got {n}")
+    return n
+
 
 def _parser():
     ap = argparse.ArgumentParser(prog="numba-ops", description="numba_ops: ONNX AffineGrid and DeformConv in Numba.")
@@ -720,7 +744,7 @@ def _parser():
     p.add_argument("--only", metavar="NAMES", help="comma-separated substrings of case names to run")
     p.add_argument("--peers", metavar="LIST",
                    help=f"comma-separated peers to time ({', '.join(PEERS)}, or none); default: those installed")
-    p.add_argument("--repeat", type=int, metavar="N", help="timed calls per case (overrides --quick's)")
+    p.add_argument("--repeat", type=_positive_int, metavar="N", help="timed calls per case (overrides --quick's)")
     p.add_argument("--load", metavar="FILE", help="show (and --compare) a saved --json report instead of measuring")
     return ap
 

@@ -136,7 +136,8 @@ def test_length_one_axes_are_zero(device):
 
 
 @pytest.mark.parametrize("size_like", [[1, 1, 2, 3], (1, 1, 2, 3), np.array([1, 1, 2, 3]),
-                                       np.array([1, 1, 2, 3], np.int32), np.array([1, 1, 2, 3], np.uint8)])
+                                       np.array([1, 1, 2, 3], np.int32), np.array([1, 1, 2, 3], np.uint8),
+                                       [np.uint64(1), np.int64(1), 2, np.int8(3)]])  # NumPy mixes these to float
 def test_size_forms(size_like):
     theta = np.eye(2, 3)[None]
     assert numba_ops.affine_grid(theta, size_like).shape == (1, 2, 3, 2)
@@ -174,6 +175,8 @@ def test_non_contiguous_and_not_modified(device, rng):
     ((1, 2, 3), [1, 1, 2, 3, 4], "theta"),
     ((2, 3), [1, 1, 2, 3], "theta"),
     ((1, 2, 4), [1, 1, 2, 3], "theta"),
+    ((1, 2, 3), [1, 1, 2 ** 40, 2 ** 40], "size"),  # too large to allocate
+    ((1, 2, 3), [np.uint64(1), 1, 2.5, 3], "size"),
 ])
 def test_bad_shapes(theta_shape, size, match):
     with pytest.raises(ValueError, match=match):
@@ -195,6 +198,13 @@ def test_bad_call_after_valid_call(size, align, match):
     numba_ops.affine_grid(theta, np.array([1, 1, 2, 3]), 0)
     with pytest.raises(ValueError, match=match):
         numba_ops.affine_grid(theta, size, align)
+
+
+def test_missing_or_ragged_theta():
+    with pytest.raises(ValueError, match="theta"):
+        numba_ops.affine_grid(None, [1, 1, 2, 3])
+    with pytest.raises(ValueError, match="theta"):
+        numba_ops.affine_grid([[[1, 0, 0], [0, 1]]], [1, 1, 2, 3])
 
 
 @pytest.mark.parametrize("dtype", [np.int32, np.int64, np.complex64, np.bool_, np.float128 if hasattr(np, "float128") else np.int8])

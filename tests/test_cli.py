@@ -210,3 +210,11 @@ def test_bench_worker_times_the_cuda_kernels():
     if cuda_simulator():
         rc, out, err = run("bench", "--device", "cuda")
         assert rc == 2 and "simulator" in err
+
+
+def test_bench_bad_options_fail_fast(tmp_path):
+    """Bad files and counts are refused before anything is measured, in one line."""
+    for args in (["--repeat", "0"], ["--load", str(tmp_path / "missing.json")],
+                 ["--compare", str(tmp_path / "missing.json")], ["--json", str(tmp_path / "no" / "x.json")]):
+        rc, _, err = run("bench", "--peers", "none", "--only", "ag2d_small", *args, timeout=120)
+        assert rc != 0 and "Traceback" not in err and err.strip(), (args, err)

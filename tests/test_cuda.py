@@ -263,9 +263,13 @@ def test_device_in_device_out(dtype):
     want = deform_conv_ref(*[a.astype(np.float64) for a in args], **kw)
     tol = {np.dtype(np.float64): 1e-12, np.dtype(np.float32): 1e-5}.get(np.dtype(dtype), 2e-2)
     np.testing.assert_allclose(y.copy_to_host().astype(np.float64), want, rtol=tol, atol=tol * np.abs(want).max())
-    # a device input with device="cpu" runs on the CPU and gives NumPy
+    # a device input with device="cpu" runs on the CPU and still gives a device array
     c = numba_ops.affine_grid(dth, [2, 1, 3, 4], device="cpu")
-    assert type(c) is np.ndarray
+    assert _is_numba_device_array(c) and c.dtype == dtype
+    np.testing.assert_array_equal(c.copy_to_host(), g.copy_to_host())
+    yc = numba_ops.deform_conv(dargs[0], *args[1:], **kw, device="cpu")  # one device input is enough
+    assert _is_numba_device_array(yc) and yc.dtype == dtype
+    np.testing.assert_allclose(yc.copy_to_host().astype(np.float64), want, rtol=tol, atol=tol * np.abs(want).max())
     # inputs are not modified
     np.testing.assert_array_equal(dth.copy_to_host(), theta)
     for d, a in zip(dargs, args):

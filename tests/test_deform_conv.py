@@ -478,6 +478,26 @@ def test_threads_match_serial(device):
     assert not errors, errors[0]
 
 
+@pytest.mark.parametrize("dtype", [np.float16, BF16, np.float32])
+def test_thread_count_change(dtype, monkeypatch):
+    """A tiled call planned under one numba thread count, then called under another
+    (16-bit data included, which the kernels see as bit patterns)."""
+    import numba
+    monkeypatch.setattr(numba_ops.kernels.cpu._runtime, "PARALLEL_MIN_WORK", 0)
+    monkeypatch.setattr(cpu_dc, "_DIRECT_MAX", -1)
+    monkeypatch.setattr(cpu_dc, "_STATES", {})
+    ins, att = make_case(np.random.default_rng(11), N=2, C=4, D=(6, 6), oC=4, k=(3, 3), pads=[1, 1, 1, 1])
+    ins = cast(ins, dtype)
+    full = numba.get_num_threads()
+    try:
+        numba.set_num_threads(1)
+        one = call(ins, att)
+        numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
+        np.testing.assert_array_equal(call(ins, att), one)
+    finally:
+        numba.set_num_threads(full)
+
+
 def test_attribute_defaults_and_sequences():
     ins, att = make_case(np.random.default_rng(4), N=1, C=2, D=(4, 4), oC=2, k=(2, 2))
     y = call(ins, dict(kernel_shape=None, group=1))
@@ -486,6 +506,8 @@ def test_attribute_defaults_and_sequences():
                                kernel_shape=np.array([2, 2]), pads=(0, 0, 0, 0), strides=np.array([1, 1]),
                                dilations=(1, 1), group=np.int64(1), offset_group=np.int32(1))
     np.testing.assert_array_equal(y2, y)
+    y3 = call(ins, dict(att, dilations=[np.uint64(1), np.int64(1)]))  # NumPy mixes these to float
+    np.testing.assert_array_equal(y3, y)
 
 
 # --- bad input ----------------------------------------------------------------------------------

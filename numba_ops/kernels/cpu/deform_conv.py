@@ -946,6 +946,11 @@ def launch(x, w, offset, b, mask, p):
         b = st.nob
     else:
         i += 1
+    if st.small is None:
+        nth = numba.get_num_threads() if _runtime.pool_usable() else 1
+        plan = st.meta.get(nth)
+        if plan is None:  # the caller changed numba's thread count
+            plan = st.meta[nth] = _State(x, w, p).meta[nth]
     yk = y
     if st.view is not None:
         v = st.view
@@ -953,10 +958,6 @@ def launch(x, w, offset, b, mask, p):
     if st.small is not None:
         st.small(x, w, offset, mask, b, yk, st.meta[1][0][i])
         return y
-    nth = numba.get_num_threads() if _runtime.pool_usable() else 1
-    plan = st.meta.get(nth)
-    if plan is None:  # the caller changed numba's thread count
-        plan = st.meta[nth] = _State(x, w, p).meta[nth]
     metas, nf, ni = plan
     with _runtime.POOL_LOCK, _BLAS:
         if nth == 1:

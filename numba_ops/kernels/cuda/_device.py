@@ -256,6 +256,15 @@ def finish(out, shape, dtype, to_host):
     return out.reshape(shape).view(dtype) if out.size else cuda.device_array(shape, dtype=dtype)
 
 
+def from_host(a):
+    """The NumPy array ``a`` as a numba device array of its dtype."""
+    st = storage(a.dtype)
+    if a.size == 0:
+        return cuda.device_array(a.shape, dtype=a.dtype)
+    d = cuda.to_device(np.ascontiguousarray(a).view(st))
+    return d if st == a.dtype else d.view(a.dtype)
+
+
 def int64_array(values):
     """A small read-only int64 table (kernel geometry) on the device.
 
