@@ -188,10 +188,19 @@ def _timing(quick, repeat):
     return (7, 2, 2.0, 2) if quick else (9, 2, 15.0, 5)
 
 
+#: warm-up lasts at least this long: after idle (another implementation's turn) this
+#: VM runs the first ~10 ms of calls up to 2x slower, whatever the code (a prange fill too)
+WARMUP_S = 0.05
+
+
 def time_runs(fn, repeat, warmup, budget_s):
     """Seconds of each of ``repeat`` back-to-back calls, after ``warmup`` calls
-    (compilation included there); stops early past ``budget_s`` once 3 are in."""
+    (compilation included there) and at least ``WARMUP_S`` of calls; stops early
+    past ``budget_s`` once 3 are in."""
+    t_warm = time.perf_counter() + WARMUP_S
     for _ in range(warmup):
+        fn()
+    while time.perf_counter() < t_warm:
         fn()
     ts = []
     t_end = time.perf_counter() + budget_s
