@@ -180,14 +180,17 @@ def _int_like_ol(ref, x):
 
 
 def _offset_limit(base, zero):
-    """Offsets at least this large put a position outside the input (see ``border_corner``)."""
-    return zero + (2.0 ** 30 if isinstance(base, np.int32) else 2.0 ** 62)
+    """Offsets at least this large put a position outside the input (see
+    ``border_corner``), in the compute type of ``zero``."""
+    return type(zero)(2.0 ** 30 if isinstance(base, np.int32) else 2.0 ** 62)
 
 
 @overload(_offset_limit, jit_options={"inline": "always"})
 def _offset_limit_ol(base, zero):
     lim = 2.0 ** 30 if base == types.int32 else 2.0 ** 62
-    return lambda base, zero: zero + lim
+    if zero == types.float32:
+        return lambda base, zero: np.float32(lim)
+    return lambda base, zero: np.float64(lim)
 
 
 @njit(cache=True)
@@ -211,8 +214,8 @@ def border_corner(base, off, size, zero):
     An offset of magnitude at least 2**30 (int32 ``base``) or 2**62 (int64)
     puts the position outside the input, since the callers keep ``|base|`` and
     ``size`` under 2**29 (int32) or 2**61 (int64, the front end's bound on
-    ``D + pads``); so huge offsets never reach an integer conversion. Branch-free, so a loop of calls
-    vectorises. ``zero`` is 0 in the compute type.
+    ``D + pads``); so huge offsets never reach an integer conversion.
+    Branch-free, so a loop of calls vectorises. ``zero`` is 0 in the compute type.
     """
     finite = (off - off) == zero
     lim = _offset_limit(base, zero)
