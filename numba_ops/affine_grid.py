@@ -1,4 +1,6 @@
 """AffineGrid (ONNX opset 20): front end. Semantics: seeds/AffineGrid-onnx-spec.txt."""
+import math
+
 import numpy as np
 
 from ._dispatch import as_array, launcher, on_device, resolve_device, to_device
@@ -58,7 +60,7 @@ def affine_grid(theta, size, align_corners=False, *, device=None):
             f"theta must have shape (N, {nd}, {nd + 1}) = {want} for a size of length {len(size)} "
             f"(N = size[0] = {size[0]}); got {tuple(theta.shape)}")
     shape = (size[0],) + size[2:] + (nd,)
-    if np.prod([max(1, s) for s in shape], dtype=object) * theta.dtype.itemsize > np.iinfo(np.intp).max:
+    if math.prod(max(1, s) for s in shape) * theta.dtype.itemsize > np.iinfo(np.intp).max:
         raise ValueError(f"size {list(size)} asks for a grid of shape {shape}: too large to allocate")
     if key is not None and device == "cpu":
         remember(_SEEN, key, (size, align))

@@ -946,22 +946,20 @@ def launch(x, w, offset, b, mask, p):
         b = st.nob
     else:
         i += 1
-    if st.small is None:
-        nth = numba.get_num_threads() if _runtime.pool_usable() else 1
-        plan = st.meta.get(nth)
-        if plan is None:  # the caller changed numba's thread count
-            plan = st.meta[nth] = _State(x, w, p).meta[nth]
-    yk = y
-    if st.view is not None:
-        v = st.view
-        x, w, offset, mask, b, yk = x.view(v), w.view(v), offset.view(v), mask.view(v), b.view(v), y.view(v)
+    args = (x, w, offset, mask, b, y)
+    if st.view is not None:  # 16-bit data as its bit patterns
+        args = tuple(a.view(st.view) for a in args)
     if st.small is not None:
-        st.small(x, w, offset, mask, b, yk, st.meta[1][0][i])
+        st.small(*args, st.meta[1][0][i])
         return y
+    nth = numba.get_num_threads() if _runtime.pool_usable() else 1
+    plan = st.meta.get(nth)
+    if plan is None:  # the caller changed numba's thread count
+        plan = st.meta[nth] = _State(x, w, p).meta[nth]
     metas, nf, ni = plan
     with _runtime.POOL_LOCK, _BLAS:
         if nth == 1:
-            _serial(x, w, offset, mask, b, yk, metas[i])
+            _serial(*args, metas[i])
         else:
-            _parallel(x, w, offset, mask, b, yk, metas[i], _workspace(st.ctype, nf), _workspace(np.int64, ni))
+            _parallel(*args, metas[i], _workspace(st.ctype, nf), _workspace(np.int64, ni))
     return y
