@@ -423,10 +423,14 @@ def _tile(n, nl, p0, p1, xp, off3, m3, has_mask, wr, b, has_b, y3, geo, pstr, co
                   dims[7], dims[8])
     _fill(xp[nl], coff, pidx, pw, pm, cols, segs, tl, K, cpg)
     zero = _czero(wr)
-    blk = outb[ocg * T:ocg * (T + 16)].reshape((ocg, 16))
+    blk = outb[ocg * T:ocg * (T + 16)]
+    outf = outb[:tl * ocg]
+    out = outf.reshape((tl, ocg))
+    yf = _flat(y3)
+    P = y3.shape[2]
+    uocg = np.uint64(ocg)
     for gi in range(group):
         # out^T = cols @ W^T: BLAS runs this orientation ~15 % faster than W @ cols^T here
-        out = outb[:tl * ocg].reshape((tl, ocg))
         a = wr[gi * ocg * kc:(gi + 1) * ocg * kc].reshape((ocg, kc))
         bt = cols[gi * T * kc:gi * T * kc + tl * kc].reshape((tl, kc))
         if ocg * tl * kc >= 16384:  # below this, BLAS's call overhead dominates
@@ -439,17 +443,21 @@ def _tile(n, nl, p0, p1, xp, off3, m3, has_mask, wr, b, has_b, y3, geo, pstr, co
                         acc += a[o, k] * bt[j, k]
                     out[j, o] = acc
         # out^T into y's rows 16 positions at a time, through a small transposed block
-        # (contiguous reads of out, then contiguous runs of y)
+        # (contiguous reads of out, then contiguous runs of y; flat unsigned indices
+        # keep both loops free of index fix-ups: 2x faster than 2-D indexing)
         for j0 in range(0, tl, 16):
-            jl = min(tl, j0 + 16) - j0
+            jl = np.uint64(min(tl, j0 + 16) - j0)
             for j in range(jl):
-                for o in range(ocg):
-                    blk[o, j] = out[j0 + j, o]
+                src = (np.uint64(j0) + j) * uocg
+                for o in range(uocg):
+                    blk[o * np.uint64(16) + j] = outf[src + o]
             for o in range(ocg):
                 oc = gi * ocg + o
                 bias = load(b, oc) if has_b else zero
+                dst = np.uint64((n * oC + oc) * P + p0 + j0)
+                bo = np.uint64(o * 16)
                 for j in range(jl):
-                    store(y3, (n, oc, p0 + j0 + j), blk[o, j] + bias)
+                    store(yf, dst + j, blk[bo + j] + bias)
 
 
 @njit(cache=True)
