@@ -337,7 +337,7 @@ def _segments(dims):
     return segs[:ns]
 
 
-@njit(cache=True, fastmath={"contract"})
+@njit(cache=True)
 def _fill(xp, coff, pidx, pw, pm, cols, segs, tl, K, cpg):
     """Apply the tile's plans: cols[gi, j, kidx, c - gi*cpg] =
     mask * sum_corner w * xp[pidx + coff + c] for every channel c.
@@ -345,14 +345,53 @@ def _fill(xp, coff, pidx, pw, pm, cols, segs, tl, K, cpg):
     Position by position, so that each column row is written front to back;
     each (kernel point, offset group) is a contiguous run of channels in ``xp``
     (split where a conv group ends). The runs are short (often 32-64 channels), so
-    their set-up is kept to a few loads and adds. A finite mask is folded into the
-    plan's weights by ``_plan`` (``pm`` is then 1); a non-finite one multiplies the
-    sample, as the definition orders it."""
-    NC = coff.shape[0]
+    their set-up is kept to a few loads and adds: 2-D (4 corners) has a loop of its
+    own, and the mask is not in the runs. A finite mask is folded into the plan's
+    weights by ``_plan`` (``pm`` is then 1); a non-finite one multiplies the
+    finished sample afterwards, as the definition orders it."""
+    if coff.shape[0] == 4:
+        _fill_bilinear(xp, np.uint64(coff[1]), np.uint64(coff[2]), np.uint64(coff[3]), pidx, pw, cols, segs,
+                       tl, K, cpg)
+    else:
+        _fill_any(xp, coff, pidx, pw, cols, segs, tl, K, cpg)
     one = _czero(pm) + 1
+    kc = K * cpg
+    for s in range(segs.shape[0]):
+        g, L, d = segs[s, 0], segs[s, 2], segs[s, 3]
+        for kidx in range(K):
+            for j in range(tl):
+                m = pm[g * K + kidx, j]
+                if m != one:
+                    o = j * kc + kidx * cpg + d
+                    for i in range(L):
+                        cols[o + i] *= m
+
+
+@njit(cache=True, fastmath={"contract"})
+def _fill_bilinear(xp, u1, u2, u3, pidx, pw, cols, segs, tl, K, cpg):
+    """The runs of ``_fill`` in 2-D: 4 loads and FMAs per channel (SIMD), unsigned
+    indices (no negative-index fix-ups in the short loops)."""
+    uKc = np.uint64(K * cpg)
+    ucpg = np.uint64(cpg)
+    for j in range(tl):
+        for kidx in range(K):
+            dk = np.uint64(j) * uKc + np.uint64(kidx) * ucpg
+            for s in range(segs.shape[0]):
+                gk = segs[s, 0] * K + kidx
+                ub = np.uint64(pidx[gk, j] + segs[s, 1])
+                ud = dk + np.uint64(segs[s, 3])
+                w0, w1, w2, w3 = pw[gk, 0, j], pw[gk, 1, j], pw[gk, 2, j], pw[gk, 3, j]
+                for i in range(np.uint64(segs[s, 2])):
+                    bi = ub + i
+                    cols[ud + i] = w0 * xp[bi] + w1 * xp[bi + u1] + w2 * xp[bi + u2] + w3 * xp[bi + u3]
+
+
+@njit(cache=True, fastmath={"contract"})
+def _fill_any(xp, coff, pidx, pw, cols, segs, tl, K, cpg):
+    """The runs of ``_fill`` in 1-D (2 corners), 3-D (8) and beyond (a pass per corner)."""
+    NC = coff.shape[0]
     u1 = np.uint64(coff[1 % NC])
-    u2 = np.uint64(coff[2 % NC])
-    u3 = np.uint64(coff[3 % NC])
+    u2, u3 = np.uint64(coff[2 % NC]), np.uint64(coff[3 % NC])
     u4, u5 = np.uint64(coff[4 % NC]), np.uint64(coff[5 % NC])
     u6, u7 = np.uint64(coff[6 % NC]), np.uint64(coff[7 % NC])
     uKc = np.uint64(K * cpg)
@@ -362,36 +401,22 @@ def _fill(xp, coff, pidx, pw, pm, cols, segs, tl, K, cpg):
             dk = np.uint64(j) * uKc + np.uint64(kidx) * ucpg
             for s in range(segs.shape[0]):
                 gk = segs[s, 0] * K + kidx
-                # unsigned indices: no negative-index fix-ups in the short SIMD loops
                 ub = np.uint64(pidx[gk, j] + segs[s, 1])
                 ud = dk + np.uint64(segs[s, 3])
                 L = np.uint64(segs[s, 2])
-                m = pm[gk, j]
-                if NC == 4:
-                    w0, w1, w2, w3 = pw[gk, 0, j], pw[gk, 1, j], pw[gk, 2, j], pw[gk, 3, j]
-                    if m == one:
-                        for i in range(L):
-                            bi = ub + i
-                            cols[ud + i] = (w0 * xp[bi] + w1 * xp[bi + u1]
-                                            + w2 * xp[bi + u2] + w3 * xp[bi + u3])
-                    else:
-                        for i in range(L):
-                            bi = ub + i
-                            cols[ud + i] = (w0 * xp[bi] + w1 * xp[bi + u1]
-                                            + w2 * xp[bi + u2] + w3 * xp[bi + u3]) * m
-                elif NC == 8:
+                if NC == 8:
                     w0, w1, w2, w3 = pw[gk, 0, j], pw[gk, 1, j], pw[gk, 2, j], pw[gk, 3, j]
                     w4, w5, w6, w7 = pw[gk, 4, j], pw[gk, 5, j], pw[gk, 6, j], pw[gk, 7, j]
                     for i in range(L):
                         bi = ub + i
-                        cols[ud + i] = ((w0 * xp[bi] + w1 * xp[bi + u1] + w2 * xp[bi + u2] + w3 * xp[bi + u3]
-                                         + w4 * xp[bi + u4] + w5 * xp[bi + u5] + w6 * xp[bi + u6]
-                                         + w7 * xp[bi + u7]) * m)
+                        cols[ud + i] = (w0 * xp[bi] + w1 * xp[bi + u1] + w2 * xp[bi + u2] + w3 * xp[bi + u3]
+                                        + w4 * xp[bi + u4] + w5 * xp[bi + u5] + w6 * xp[bi + u6]
+                                        + w7 * xp[bi + u7])
                 elif NC == 2:
                     w0, w1 = pw[gk, 0, j], pw[gk, 1, j]
                     for i in range(L):
                         bi = ub + i
-                        cols[ud + i] = (w0 * xp[bi] + w1 * xp[bi + u1]) * m
+                        cols[ud + i] = w0 * xp[bi] + w1 * xp[bi + u1]
                 else:
                     w0, u0 = pw[gk, 0, j], np.uint64(coff[0])
                     for i in range(L):
@@ -401,9 +426,6 @@ def _fill(xp, coff, pidx, pw, pm, cols, segs, tl, K, cpg):
                         uc = np.uint64(coff[cr])
                         for i in range(L):
                             cols[ud + i] += wc * xp[ub + uc + i]
-                    if m != one:
-                        for i in range(L):
-                            cols[ud + i] *= m
 
 
 @njit(cache=True)
