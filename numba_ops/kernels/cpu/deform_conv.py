@@ -152,12 +152,16 @@ def _pad_row(x3, n, xp, geo, r):
 
 @njit(cache=True)
 def _reorder_w(w3, wr, K, o):
-    """wr[o, kidx, c] = w[o, c, kidx] in the compute type (wr flat, one row of oC)."""
-    Cg = w3.shape[1]
-    base = o * K * Cg
-    for k in range(K):
-        for c in range(Cg):
-            wr[base + k * Cg + c] = load(w3, (o, c, k))
+    """wr[o, kidx, c] = w[o, c, kidx] in the compute type (wr flat, one row of oC;
+    flat unsigned indices: no index fix-ups in the strided gather)."""
+    uK, uCg = np.uint64(K), np.uint64(w3.shape[1])
+    wf = _flat(w3)
+    base = np.uint64(o) * uK * uCg  # the same in w (o, c, k) and wr (o, k, c)
+    for k in range(uK):
+        dst = base + k * uCg
+        src = base + k
+        for c in range(uCg):
+            wr[dst + c] = load(wf, src + c * uK)
 
 
 # --- phase 2: sampling plans, column fill, GEMM, write-out -------------------------------
