@@ -332,6 +332,25 @@ def test_non_finite_inputs(where, bad, dtype, path, device, monkeypatch):
         assert np.isnan(y).any()
 
 
+@pytest.mark.parametrize("D, k", [((7,), (3,)), ((3, 4, 4), (2, 2, 2)), ((2, 3, 2, 3), (2, 1, 2, 2))])
+@pytest.mark.parametrize("path", ["direct", "tiled"])
+def test_non_finite_mask_every_rank(D, k, path, monkeypatch):
+    """1-D, 3-D and 4-D (the 2-, 8- and 16-corner fills): a non-finite mask multiplies
+    its finished sample, as the definition orders it (0 * Inf is NaN), on both paths."""
+    monkeypatch.setattr(cpu_dc, "_DIRECT_MAX", 1 << 62 if path == "direct" else -1)
+    monkeypatch.setattr(cpu_dc, "_STATES", {})
+    rng = np.random.default_rng(12)
+    ins, att = make_case(rng, N=2, C=4, D=D, oC=2, k=k, pads=[1] * (2 * len(D)), og=2)
+    m = ins["mask"]
+    m.flat[::7] = np.inf
+    m.flat[3::11] = -np.inf
+    m.flat[5::13] = np.nan
+    m.flat[1::17] = 0.0
+    y = call(ins, att)
+    assert_api_close(y, ref(ins, att), np.float64)
+    assert np.isnan(y).any()
+
+
 def test_non_finite_offset_is_nan_even_if_far_on_other_axis():
     ins, att = make_case(np.random.default_rng(9), N=1, C=1, D=(3, 3), oC=1, k=(1, 1), bias=False, mask=False)
     ins["offset"][:] = 0.0

@@ -98,6 +98,30 @@ def _cast_ol(ref, v):
     return lambda ref, v: np.float32(v)
 
 
+@intrinsic
+def _flat(typingctx, a):
+    """The 1-D view of a C-contiguous array. (``a.reshape(a.size)`` calls numba's
+    reshape helper: 30-50 ns each, a fifth of a tiny call for five arrays.)"""
+    if not isinstance(a, types.Array) or a.layout != "C":
+        return None
+    rt = a.copy(ndim=1)
+
+    def codegen(context, builder, sig, args):
+        aty = sig.args[0]
+        src = context.make_array(aty)(context, builder, args[0])
+        out = context.make_array(rt)(context, builder)
+        n = context.get_constant(types.intp, 1)
+        for extent in cgutils.unpack_tuple(builder, src.shape, aty.ndim):
+            n = builder.mul(n, extent)
+        context.populate_array(out, data=src.data, shape=cgutils.pack_array(builder, [n]),
+                               strides=cgutils.pack_array(builder, [src.itemsize]), itemsize=src.itemsize,
+                               meminfo=src.meminfo, parent=src.parent)
+        res = out._getvalue()
+        context.nrt.incref(builder, rt, res)
+        return res
+    return rt(a), codegen
+
+
 # --- phase 1: padded channel-last images and reordered weights ---------------------------
 
 @njit(cache=True)
@@ -576,30 +600,6 @@ def _corner_offsets(pstr, C):
 
 
 # --- tiny calls: straight from the definition, no scratch ------------------------------------
-
-@intrinsic
-def _flat(typingctx, a):
-    """The 1-D view of a C-contiguous array. (``a.reshape(a.size)`` calls numba's
-    reshape helper: 30-50 ns each, a fifth of a tiny call for five arrays.)"""
-    if not isinstance(a, types.Array) or a.layout != "C":
-        return None
-    rt = a.copy(ndim=1)
-
-    def codegen(context, builder, sig, args):
-        aty = sig.args[0]
-        src = context.make_array(aty)(context, builder, args[0])
-        out = context.make_array(rt)(context, builder)
-        n = context.get_constant(types.intp, 1)
-        for extent in cgutils.unpack_tuple(builder, src.shape, aty.ndim):
-            n = builder.mul(n, extent)
-        context.populate_array(out, data=src.data, shape=cgutils.pack_array(builder, [n]),
-                               strides=cgutils.pack_array(builder, [src.itemsize]), itemsize=src.itemsize,
-                               meminfo=src.meminfo, parent=src.parent)
-        res = out._getvalue()
-        context.nrt.incref(builder, rt, res)
-        return res
-    return rt(a), codegen
-
 
 @njit(cache=True)
 def _direct(x, w, off, m, b, y, meta):
