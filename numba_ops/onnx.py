@@ -20,6 +20,11 @@ bound to one device, for example::
 
     ReferenceEvaluator(model, new_ops=numba_ops.onnx.ops("cuda"))
 
+A model's local functions (``ModelProto.functions``) are a gap in onnx: the
+evaluator runs their bodies without ``new_ops``, so an op inside one runs on
+onnx's own implementation. ``evaluator(model, device)`` closes it: a
+``ReferenceEvaluator`` whose functions run on these ops too.
+
 This module needs onnx (``pip install numba_ops[onnx]``); ``import numba_ops``
 does not import it.
 """
@@ -30,7 +35,7 @@ from ._dispatch import DEVICES
 from .affine_grid import affine_grid
 from .deform_conv import deform_conv
 
-__all__ = ["AffineGrid", "DeformConv", "ops"]
+__all__ = ["AffineGrid", "DeformConv", "evaluator", "ops"]
 
 
 def _host(a):
@@ -75,3 +80,20 @@ def ops(device=None):
         return [AffineGrid, DeformConv]
     return [type(cls.__name__, (cls,), {"device": device, "__module__": __name__})
             for cls in (AffineGrid, DeformConv)]
+
+
+def evaluator(model, device=None, **kwargs):
+    """``ReferenceEvaluator(model, new_ops=ops(device))``, with the model's local
+    functions also run on numba_ops' kernels (onnx evaluates function bodies
+    without ``new_ops``). ``kwargs`` go to every evaluator (``verbose``...)."""
+    from onnx import ModelProto
+    from onnx.reference import ReferenceEvaluator
+
+    new = ops(device)
+    if not isinstance(model, ModelProto) or not model.functions:
+        return ReferenceEvaluator(model, new_ops=new, **kwargs)
+    funcs = []
+    for f in model.functions:  # in order: a function may call the ones before it
+        funcs.append(ReferenceEvaluator(f, new_ops=new, functions=list(funcs), **kwargs))
+    return ReferenceEvaluator(model.graph, opsets={d.domain: d.version for d in model.opset_import},
+                              functions=funcs, new_ops=new, **kwargs)

@@ -240,3 +240,33 @@ def test_models_on_cuda_match_cpu(rng):
     for g, w in zip(got, want):
         assert isinstance(g, np.ndarray)
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5 * np.abs(w).max())
+
+
+def test_evaluator_runs_local_functions_on_numba_ops(rng, monkeypatch):
+    """onnx runs a model-local function's body without new_ops; evaluator() does not."""
+    from numba_ops.onnx import evaluator
+    calls = []
+    run = DeformConv._run
+    monkeypatch.setattr(DeformConv, "_run", lambda self, *a, **k: (calls.append(1), run(self, *a, **k))[1])
+    inner = helper.make_function("local", "Inner", ["X", "W", "O"], ["Y"],
+                                 [helper.make_node("DeformConv", ["X", "W", "O"], ["Y"], pads=[1, 1, 1, 1])],
+                                 [helper.make_opsetid("", 22)])
+    outer = helper.make_function("local", "Outer", ["X", "W", "O"], ["Y"],  # a function calling a function
+                                 [helper.make_node("Inner", ["X", "W", "O"], ["Y"], domain="local")],
+                                 [helper.make_opsetid("", 22), helper.make_opsetid("local", 1)])
+    vi = [helper.make_tensor_value_info(n, TP.FLOAT, None) for n in "XWO"]
+    g = helper.make_graph([helper.make_node("Outer", ["X", "W", "O"], ["Y"], domain="local")], "g", vi,
+                          [helper.make_tensor_value_info("Y", TP.FLOAT, None)])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 22), helper.make_opsetid("local", 1)],
+                              functions=[inner, outer])
+    x = rng.standard_normal((1, 2, 4, 4)).astype(np.float32)
+    w = rng.standard_normal((2, 2, 3, 3)).astype(np.float32)
+    o = rng.standard_normal((1, 18, 4, 4)).astype(np.float32)
+    y, = evaluator(model).run(None, {"X": x, "W": w, "O": o})
+    assert calls == [1]
+    np.testing.assert_array_equal(y, numba_ops.deform_conv(x, w, o, pads=[1, 1, 1, 1]))
+    plain = helper.make_model(helper.make_graph(inner.node, "p", vi, g.output),
+                              opset_imports=[helper.make_opsetid("", 22)])  # no functions: as new_ops=ops()
+    y2, = evaluator(plain, device="cpu").run(None, {"X": x, "W": w, "O": o})
+    assert calls == [1, 1]
+    np.testing.assert_array_equal(y2, y)
