@@ -148,6 +148,13 @@ def test_2d_vs_torchvision(i, device):
     assert_api_close(call(ins, att, device), want, np.float64)
 
 
+def _force_path(monkeypatch, path):
+    """Make every CPU call take ``path`` ("direct" loops or the "tiled" path), whatever
+    its size would pick; plans made before are dropped."""
+    monkeypatch.setattr(cpu_dc, "_DIRECT_MAX", 1 << 62 if path == "direct" else -1)
+    monkeypatch.setattr(cpu_dc, "_STATES", {})
+
+
 # --- 1-D, 2-D, 3-D against the float64 oracle -------------------------------------------------
 
 CASES_ND = [
@@ -175,8 +182,7 @@ def test_vs_float64_reference(i, dtype, device):
 def test_cpu_paths_vs_reference(i, path, dtype, monkeypatch):
     """The CPU's tiny-call path (straight loops) and its tiled path both, whatever
     size would pick."""
-    monkeypatch.setattr(cpu_dc, "_DIRECT_MAX", 1 << 62 if path == "direct" else -1)
-    monkeypatch.setattr(cpu_dc, "_STATES", {})
+    _force_path(monkeypatch, path)
     ins, att = make_case(np.random.default_rng(200 + i), **CASES_ND[i])
     lo = cast(ins, dtype)
     want = ref(lo, att)
@@ -227,8 +233,7 @@ def test_parallel_path_vs_reference(dtype, monkeypatch):
          spread=2.0)])
 def test_fast_plans_match_generic_plan(case, monkeypatch):
     """The 32-bit 2-D/3-D plans and the generic N-D plan agree, on the tiled path."""
-    monkeypatch.setattr(cpu_dc, "_DIRECT_MAX", -1)
-    monkeypatch.setattr(cpu_dc, "_STATES", {})
+    _force_path(monkeypatch, "tiled")
     ins, att = make_case(np.random.default_rng(12), **case)
     fast = call(ins, att)
     assert_api_close(fast, ref(ins, att), np.float64)
@@ -311,8 +316,7 @@ def test_non_finite_inputs(where, bad, dtype, path, device, monkeypatch):
     """Never a crash; NaN/Inf reach exactly the outputs the definition says
     (the float64 oracle), e.g. an Inf in x[0] does not leak into samples whose
     support does not hold it, and a non-finite position gives NaN."""
-    monkeypatch.setattr(cpu_dc, "_DIRECT_MAX", 1 << 62 if path == "direct" else -1)
-    monkeypatch.setattr(cpu_dc, "_STATES", {})
+    _force_path(monkeypatch, path)
     rng = np.random.default_rng(8)
     ins, att = make_case(rng, N=2, C=4, D=(4, 5), oC=4, k=(2, 2), pads=[1, 1, 1, 1], group=2, og=2)
     ins = cast(ins, dtype)
@@ -337,8 +341,7 @@ def test_non_finite_inputs(where, bad, dtype, path, device, monkeypatch):
 def test_non_finite_mask_every_rank(D, k, path, monkeypatch):
     """1-D, 3-D and 4-D (the 2-, 8- and 16-corner fills): a non-finite mask multiplies
     its finished sample, as the definition orders it (0 * Inf is NaN), on both paths."""
-    monkeypatch.setattr(cpu_dc, "_DIRECT_MAX", 1 << 62 if path == "direct" else -1)
-    monkeypatch.setattr(cpu_dc, "_STATES", {})
+    _force_path(monkeypatch, path)
     rng = np.random.default_rng(12)
     ins, att = make_case(rng, N=2, C=4, D=D, oC=2, k=k, pads=[1] * (2 * len(D)), og=2)
     m = ins["mask"]
@@ -371,8 +374,7 @@ def test_far_positions_keep_the_offset_fraction(D, path, device, monkeypatch):
     its fraction (the interpolation weight) would lose bits beyond API.md's 1e-5.
     Strides put the outputs hundreds of elements apart, on every plan (1-D general,
     2-D/3-D 32-bit) and path."""
-    monkeypatch.setattr(cpu_dc, "_DIRECT_MAX", 1 << 62 if path == "direct" else -1)
-    monkeypatch.setattr(cpu_dc, "_STATES", {})
+    _force_path(monkeypatch, path)
     nd = len(D)
     rng = np.random.default_rng(21)
     strides = [1] * (nd - 1) + [333]
@@ -393,8 +395,7 @@ def test_far_positions_keep_the_offset_fraction(D, path, device, monkeypatch):
 def test_axis_longer_than_2_24(path, monkeypatch):
     """Sizes and positions past 2**24 (where float32 stops counting integers) index
     exactly: the last element of a 2**24 + 4 long axis, and the one before it."""
-    monkeypatch.setattr(cpu_dc, "_DIRECT_MAX", 1 << 62 if path == "direct" else -1)
-    monkeypatch.setattr(cpu_dc, "_STATES", {})
+    _force_path(monkeypatch, path)
     L = 2 ** 24 + 4
     x = np.zeros((1, 1, L), np.float32)
     x[0, 0, 0], x[0, 0, L - 2], x[0, 0, L - 1] = 1, 5, 7
@@ -503,8 +504,7 @@ def test_thread_count_change(dtype, monkeypatch):
     (16-bit data included, which the kernels see as bit patterns)."""
     import numba
     monkeypatch.setattr(numba_ops.kernels.cpu._runtime, "PARALLEL_MIN_WORK", 0)
-    monkeypatch.setattr(cpu_dc, "_DIRECT_MAX", -1)
-    monkeypatch.setattr(cpu_dc, "_STATES", {})
+    _force_path(monkeypatch, "tiled")
     ins, att = make_case(np.random.default_rng(11), N=2, C=4, D=(6, 6), oC=4, k=(3, 3), pads=[1, 1, 1, 1])
     ins = cast(ins, dtype)
     full = numba.get_num_threads()

@@ -398,7 +398,9 @@ def _fill(xp, coff, pidx, pw, pm, cols, segs, tl, K, cpg):
 @njit(cache=True, fastmath={"contract"})
 def _fill_bilinear(xp, u1, u2, u3, pidx, pw, cols, segs, tl, K, cpg):
     """The runs of ``_fill`` in 2-D: 4 loads and FMAs per channel (SIMD), unsigned
-    indices (no negative-index fix-ups in the short loops)."""
+    indices (no negative-index fix-ups in the short loops). Apart from ``_fill_any``
+    on purpose: in one loop with a branch on the corner count (or a corner count
+    fixed by an inlined helper) the 2-D runs measured 3-20 % slower."""
     uKc = np.uint64(K * cpg)
     ucpg = np.uint64(cpg)
     for j in range(tl):

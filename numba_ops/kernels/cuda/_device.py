@@ -258,11 +258,7 @@ def finish(out, shape, dtype, to_host):
 
 def from_host(a):
     """The NumPy array ``a`` as a numba device array of its dtype."""
-    st = storage(a.dtype)
-    if a.size == 0:
-        return cuda.device_array(a.shape, dtype=a.dtype)
-    d = cuda.to_device(np.ascontiguousarray(a).view(st))
-    return d if st == a.dtype else d.view(a.dtype)
+    return finish(flat(a), a.shape, a.dtype, to_host=False)
 
 
 def int64_array(values):
