@@ -70,7 +70,8 @@ def resolve_device(device, inputs):
 
 def as_array(a, name, device):
     """``a`` as an array the ``device`` backend takes: NumPy for the CPU (device
-    arrays are copied to the host), NumPy or a numba device array for CUDA."""
+    arrays are copied to the host), NumPy or a numba device array for CUDA; NumPy
+    arrays in native byte order. Anything converted is a new object."""
     if a is None:
         return None
     if on_device(a):
@@ -80,7 +81,8 @@ def as_array(a, name, device):
         d = as_device_array(a, name)
         return d.copy_to_host() if device == "cpu" else d
     if isinstance(a, np.ndarray):
-        return a
+        # a non-native byte order (">f4" on x86) is the same dtype to the user: a native copy
+        return a if a.dtype.isnative else a.astype(a.dtype.newbyteorder("="))
     try:
         return np.asarray(a)
     except ValueError as exc:  # NumPy's word for a ragged nested sequence

@@ -49,7 +49,10 @@ def affine_grid(theta, size, align_corners=False, *, device=None):
         raise ValueError("theta is required")
     device = resolve_device(device, [theta])
     back = device == "cpu" and on_device(theta)  # device input run on the CPU: a device result
-    theta = as_array(theta, "theta", device)
+    arr = as_array(theta, "theta", device)
+    if arr is not theta:
+        key = None  # converted (byte order, device copy): such calls never take the fast path
+    theta = arr
     common_float_dtype({"theta": theta})
     align = as_bool(align_corners, "align_corners")
     size = int_tuple(size, "size", length=(4, 5), minimum=0)

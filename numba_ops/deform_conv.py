@@ -133,7 +133,10 @@ def deform_conv(x, w, offset, b=None, mask=None, *, kernel_shape=None, strides=N
     for name in ("X", "W", "offset"):
         if inputs[name] is None:
             raise ValueError(f"{name} is required")
-    x, w, offset, b, mask = (as_array(a, name, device) for name, a in inputs.items())
+    arrays = [as_array(a, name, device) for name, a in inputs.items()]
+    if any(a is not orig for a, orig in zip(arrays, inputs.values())):
+        key = None  # converted (byte order, device copy): such calls never take the fast path
+    x, w, offset, b, mask = arrays
     common_float_dtype({"X": x, "W": w, "offset": offset, "B": b, "mask": mask})
     p = _params(x, w, kernel_shape, strides, pads, dilations, group, offset_group)
     N, oC = x.shape[0], w.shape[0]

@@ -163,6 +163,20 @@ def test_non_contiguous_and_not_modified(device, rng):
     np.testing.assert_allclose(got, affine_grid_ref(before, [2, 1, 3, 4], 0), rtol=1e-12, atol=1e-12)
 
 
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_non_native_byte_order(dtype, device, rng):
+    """A big-endian theta is its dtype: the same grid (in native order), twice (the
+    second call is a validated shape); theta untouched."""
+    theta = rng.standard_normal((2, 2, 3)).astype(dtype)
+    want = _host(numba_ops.affine_grid(theta, [2, 1, 3, 4], device=device))
+    swapped = theta.astype(theta.dtype.newbyteorder(">"))
+    for _ in range(2):
+        got = _host(numba_ops.affine_grid(swapped, [2, 1, 3, 4], device=device))
+        assert got.dtype == np.dtype(dtype) and got.dtype.isnative
+        np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(swapped, theta)
+
 @pytest.mark.parametrize("theta_shape,size,match", [
     ((1, 2, 3), [1, 1, 2], "size"),
     ((1, 2, 3), [1, 1, 2, 3, 4, 5], "size"),

@@ -276,6 +276,25 @@ def test_mixed_and_bad_dtypes():
         call(bad, att)
 
 
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_non_native_byte_order(dtype, device):
+    """Big-endian arrays are their dtype: the same result (in native order), twice
+    (the second call is a validated shape), mixed with native ones too; inputs untouched."""
+    ins, att = make_case(np.random.default_rng(4))
+    ins = cast(ins, dtype)
+    want = call(ins, att, device)
+    swapped = {k: v.astype(v.dtype.newbyteorder(">")) for k, v in ins.items()}
+    before = {k: v.copy() for k, v in swapped.items()}
+    for _ in range(2):
+        y = call(swapped, att, device)
+        assert y.dtype == np.dtype(dtype) and y.dtype.isnative
+        np.testing.assert_array_equal(y, want)
+    np.testing.assert_array_equal(call(dict(ins, w=swapped["w"]), att, device), want)
+    for k in swapped:
+        np.testing.assert_array_equal(swapped[k], before[k])
+        assert swapped[k].dtype.byteorder == ">"
+
 # --- boundary rule, non-finite values, huge offsets -------------------------------------------
 
 def test_integer_and_border_positions(device):
