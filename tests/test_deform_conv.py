@@ -373,6 +373,27 @@ def test_non_finite_mask_every_rank(D, k, path, monkeypatch):
     assert np.isnan(y).any()
 
 
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32, np.float16])
+def test_non_finite_mask_times_the_sample(dtype, device):
+    """An Inf mask times the finished sample, on every device: Inf at an integer position
+    (corner weights exactly 0: no 0 * Inf) and under corners of mixed signs (no Inf - Inf)."""
+    x = np.array([[[1.0, -1.0, 2.0]]], dtype)
+    w = np.ones((1, 1, 1), dtype)
+    off = np.array([[[0.0, 0.25, 0.5]]], dtype)  # positions 0, 1.25, 2.5: samples 1, -0.25, 1
+    mask = np.array([[[np.inf, np.inf, -np.inf]]], dtype)
+    y = numba_ops.deform_conv(x, w, off, None, mask, device=device)
+    np.testing.assert_array_equal(y, np.array([[[np.inf, -np.inf, -np.inf]]], dtype))
+    rng = np.random.default_rng(13)
+    ins, att = make_case(rng, N=1, C=2, D=(3, 4), oC=2, k=(2, 2), pads=[1, 1, 1, 1], og=2)
+    ins["offset"] = rng.integers(-1, 2, ins["offset"].shape) + rng.choice([0.0, 0.5], ins["offset"].shape)
+    m = ins["mask"]
+    m.flat[::3] = np.inf
+    m.flat[1::5] = -np.inf
+    m.flat[2::7] = np.nan
+    ins = cast(ins, dtype)
+    assert_api_close(call(ins, att, device), ref(ins, att), dtype)
+
 def test_non_finite_offset_is_nan_even_if_far_on_other_axis():
     ins, att = make_case(np.random.default_rng(9), N=1, C=1, D=(3, 3), oC=1, k=(1, 1), bias=False, mask=False)
     ins["offset"][:] = 0.0

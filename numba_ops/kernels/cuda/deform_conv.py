@@ -10,7 +10,7 @@ the reduction in chunks of ``RK`` rows:
 
 1. the *sampling plan* for the tile's positions at one kernel point ``kidx`` and
    offset group: for each position, the flat indices of its in-range corners and
-   their n-linear weights with the mask folded in (per axis ``border_corner``
+   their n-linear weights with a finite mask folded in (per axis ``border_corner``
    from ``kernels/_scalar.py``, the CPU kernel's function). A plan serves every
    channel of the offset group, so it is rebuilt only when ``kidx`` or the offset
    group changes (the reduction runs kidx-major, channel-minor);
@@ -43,8 +43,9 @@ written once, by the thread that accumulated it: ``y = b + Σ``. Corners outside
 the input count 0 exactly (they are dropped from the plan, never multiplied by 0),
 a non-finite sample position gives a NaN sample, a position outside the input
 gives ``0 · mask`` (so a NaN/Inf mask still poisons it, as the definition's
-``mask · sample`` does), and ``border_corner`` keeps huge finite offsets from
-ever reaching an integer conversion.
+``mask · sample`` does), a NaN/Inf mask multiplies the finished sample (as on the
+CPU: folded into corner weights it would make 0 · Inf and Inf - Inf), and
+``border_corner`` keeps huge finite offsets from ever reaching an integer conversion.
 """
 import functools
 import math
@@ -137,6 +138,7 @@ def kernel(ct, tiles, nd_max):
         pidx = cuda.shared.array((NC, TP), np.int64)
         pw = cuda.shared.array((NC, TP), ct)
         pcnt = cuda.shared.array(TP, np.int64)  # corners in the plan; -1: the sample is pw[0, q]
+        pm = cuda.shared.array(TP, ct)  # a NaN/Inf mask, times the finished sample (else 1)
         ax_i0 = cuda.local.array(ND, np.int64)
         ax_w = cuda.local.array((ND, 2), ct)
         acc = cuda.local.array((TM, TN), ct)
@@ -174,6 +176,7 @@ def kernel(ct, tiles, nd_max):
                         for q in range(t, TP, NT):
                             p = p0 + q
                             cnt = np.int64(0)
+                            pm[q] = one
                             if p < P:
                                 ok = True
                                 finite = True
@@ -194,6 +197,12 @@ def kernel(ct, tiles, nd_max):
                                     ok = ok and inside
                                     finite = finite and fin
                                 m = load(mask, ((n * og + g) * K + kidx) * P + p) if has_mask else one
+                                # a finite mask is folded into the corner weights; a NaN/Inf one
+                                # multiplies the finished sample (no 0 * Inf, no Inf - Inf)
+                                m_finite = (m - m) == zero
+                                wm = m if m_finite else one
+                                if not m_finite:
+                                    pm[q] = m
                                 if not finite:
                                     cnt = -1
                                     pw[0, q] = nan
@@ -202,7 +211,7 @@ def kernel(ct, tiles, nd_max):
                                     pw[0, q] = zero * m
                                 else:
                                     for corner in range(1 << nd):
-                                        wt = m
+                                        wt = wm
                                         flat = np.int64(0)
                                         valid = True
                                         for ax in range(nd):
@@ -232,6 +241,7 @@ def kernel(ct, tiles, nd_max):
                                 xb = (n * C + c + rr) * S
                                 for jc in range(cnt):
                                     v += pw[jc, pp] * load(x, xb + pidx[jc, pp])
+                                v *= pm[pp]
                         cols[rr, pp] = v
                     # -- ... and the RK x TO weight tile (0 past the group's channels)
                     for e in range(t, RK * TO, NT):
