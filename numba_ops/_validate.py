@@ -51,14 +51,20 @@ def int_tuple(value, name, length=None, minimum=None):
         arr = value if isinstance(value, np.ndarray) else np.asarray(value)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{name} must be a sequence or 1-D array of integers; got {value!r}") from exc
+    if arr.ndim == 0:
+        raise ValueError(f"{name} must be a sequence or 1-D array of integers; "
+                         f"got {type(value).__name__} {value!r:.80}")
     if arr.ndim != 1:
         raise ValueError(f"{name} must be 1-D (a sequence of integers); got shape {arr.shape}")
-    if arr is not value and any(isinstance(v, (bool, np.bool_)) for v in value):
+    objects = arr.dtype.kind == "O"
+    if (arr is not value or objects) and any(isinstance(v, (bool, np.bool_)) for v in value):
         raise IntegerError(f"{name} must hold integers, not bools; got {list(value)!r}")
     if arr.size and arr.dtype.kind not in "iu":
-        if arr is value or arr.dtype.kind != "f":
+        if not (objects or (arr is not value and arr.dtype.kind == "f")):
             raise IntegerError(f"{name} must hold integers; got {arr.dtype} values {arr.tolist()}")
-        try:  # NumPy turns a mix of uint64 and signed integers into float64: ask each entry
+        # NumPy holds integers beyond 64 bits as objects, and turns a mix of uint64 and
+        # signed integers into float64: ask each entry
+        try:
             out = tuple(operator.index(v) for v in value)
         except TypeError:
             raise IntegerError(f"{name} must hold integers; got {list(value)!r}") from None

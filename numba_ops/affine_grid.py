@@ -8,7 +8,7 @@ from ._dtypes import common_float_dtype
 from ._validate import as_bool, int_tuple, remember
 
 #: validated plain NumPy CPU calls: (theta shape, dtype, size values with their types
-#: (or a size array's dtype), align_corners and its type) -> (size, align) as the kernels
+#: (or an integer size array's dtype), align_corners and its type) -> (size, align) as the kernels
 #: take them. The types are part of the key, so a hit stands for a call that passed
 #: every check below (a float size can never hit the entry of an integer one).
 _SEEN = {}
@@ -36,7 +36,7 @@ def affine_grid(theta, size, align_corners=False, *, device=None):
     if (device is None or device == "cpu") and type(theta) is np.ndarray:
         if type(size) in (list, tuple):
             key = (theta.shape, theta.dtype, *size, *map(type, size), align_corners, type(align_corners))
-        elif type(size) is np.ndarray and size.ndim == 1:
+        elif type(size) is np.ndarray and size.ndim == 1 and size.dtype.kind in "iu":
             key = (theta.shape, theta.dtype, size.dtype, *size.tolist(), align_corners, type(align_corners))
         if key is not None:
             try:

@@ -30,6 +30,8 @@ def _params(x, w, kernel_shape, strides, pads, dilations, group, offset_group):
     if C % offset_group:
         raise ValueError(f"offset_group={offset_group} must divide the input channels C={C}")
     wk = tuple(int(k) for k in w.shape[2:])
+    if min(wk) < 1:
+        raise ValueError(f"W must have kernel sizes W.shape[2:] >= 1; got shape {tuple(w.shape)}")
     if kernel_shape is None:
         kernel_shape = wk
     kernel_shape = int_tuple(kernel_shape, "kernel_shape", length=nd, minimum=1)
@@ -50,6 +52,10 @@ def _params(x, w, kernel_shape, strides, pads, dilations, group, offset_group):
             f"output spatial size must be >= 1 on every axis; got {list(outs)} from input {list(spatial)}, "
             f"kernel_shape {list(kernel_shape)}, pads {list(pads)}, dilations {list(dilations)}, "
             f"strides {list(strides)}")
+    # a stride along an axis with one output, or a dilation of a 1-long kernel axis, never
+    # moves a sample: 1 then, so that any valid value (even past 64 bits) fits the kernels
+    strides = tuple(s if o > 1 else 1 for s, o in zip(strides, outs))
+    dilations = tuple(d if k > 1 else 1 for d, k in zip(dilations, kernel_shape))
     return DeformParams(kernel_shape, strides, begin, end, dilations, group, offset_group, outs)
 
 

@@ -191,6 +191,10 @@ def test_non_native_byte_order(dtype, device, rng):
     ((1, 2, 4), [1, 1, 2, 3], "theta"),
     ((1, 2, 3), [1, 1, 2 ** 40, 2 ** 40], "size"),  # too large to allocate
     ((1, 2, 3), [np.uint64(1), 1, 2.5, 3], "size"),
+    ((1, 2, 3), [1, 1, 2, 2 ** 70], "size.*too large"),  # an integer past 64 bits is still an integer
+    ((1, 2, 3), None, "size.*got NoneType None"),
+    ((1, 2, 3), 4, "size.*got int 4"),
+    ((1, 2, 3), {1, 2, 3, 4}, "size.*got set"),
 ])
 def test_bad_shapes(theta_shape, size, match):
     with pytest.raises(ValueError, match=match):
@@ -202,6 +206,7 @@ def test_bad_shapes(theta_shape, size, match):
     ([1, 1, 2, [3]], 0, "size"), ([1, 1, 2, 3], 1.0, "align_corners"), ([1, 1, 2, 3], 2, "align_corners"),
     (np.array([1, 1, 2, 3.0]), 0, "size"), (np.array([1, 1, 2, 3], np.float32), 1, "size"),
     (np.array([[1, 1, 2, 3]]), 0, "size"), (np.array([1, 1, 2, 3]), 1.0, "align_corners"),
+    (np.array([1, 1, 2, 3.0], object), 0, "size"), (np.array([1, 1, 2, True], object), 0, "size"),
 ])
 def test_bad_call_after_valid_call(size, align, match):
     """A call cached as valid (same shapes, equal values) does not make a float, bool or
@@ -210,6 +215,7 @@ def test_bad_call_after_valid_call(size, align, match):
     numba_ops.affine_grid(theta, [1, 1, 2, 3], 0)
     numba_ops.affine_grid(theta, (1, 1, 2, 3), 1)
     numba_ops.affine_grid(theta, np.array([1, 1, 2, 3]), 0)
+    numba_ops.affine_grid(theta, np.array([1, 1, 2, 3], object), 0)  # Python ints, as objects
     with pytest.raises(ValueError, match=match):
         numba_ops.affine_grid(theta, size, align)
 

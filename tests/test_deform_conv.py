@@ -607,6 +607,10 @@ def _bad_calls():
         ("output", (x[..., :1, :1], w, off, b, m), dict(A, pads=[0, 0, 0, 0])),
         ("offset", (x, w, None, b, m), A),
         ("X", (None, w, off, b, m), A),
+        ("W", (x, w[:, :, :0], off, b, m), dict(A, kernel_shape=None)),
+        ("strides.*got int 1", (x, w, off, b, m), dict(A, strides=1)),
+        ("dilations.*got \\[None, 1\\]", (x, w, off, b, m), dict(A, dilations=[None, 1])),
+        ("dilations", (x, w, off, b, m), dict(A, dilations=[2 ** 64, 1])),
     ]
 
 
@@ -631,6 +635,18 @@ def test_bad_attribute_after_valid_call():
     with pytest.raises((ValueError, TypeError), match="group"):
         call(ins, dict(att, group=True))
 
+
+
+def test_attributes_past_64_bits():
+    """A stride along an axis with one output and a dilation of a 1-long kernel axis never
+    move a sample: any integer works there, even past 64 bits; elsewhere it is a ValueError."""
+    ins, att = make_case(np.random.default_rng(6), N=1, C=2, D=(1, 5), oC=2, k=(1, 2))
+    y = call(ins, att)
+    np.testing.assert_array_equal(call(ins, dict(att, strides=[2 ** 64, 1], dilations=[2 ** 70, 1])), y)
+    with pytest.raises(ValueError, match="dilations"):
+        call(ins, dict(att, dilations=[1, 2 ** 64]))
+    with pytest.raises(ValueError, match="pads"):
+        call(ins, dict(att, pads=[0, 2 ** 64, 0, 0]))
 
 def test_bad_device():
     ins, att = make_case(np.random.default_rng(0))
