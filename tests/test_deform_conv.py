@@ -355,6 +355,36 @@ def test_non_finite_inputs(where, bad, dtype, path, device, monkeypatch):
         assert np.isnan(y).any()
 
 
+@pytest.mark.parametrize("path", ["direct", "tiled"])
+def test_random_geometries_with_special_values(path, device, monkeypatch):
+    """20 random 1-D/2-D/3-D geometries (groups, offset groups, pads, strides,
+    dilations, optional mask and bias) with NaN, +-Inf, +-1e30 and 0 scattered over
+    every input, integer and half-integer offsets among them: the float64 oracle."""
+    _force_path(monkeypatch, path)
+    rng = np.random.default_rng(21)
+    done = 0
+    while done < 20:
+        nd = int(rng.integers(1, 4))
+        group, og = int(rng.choice([1, 2])), int(rng.choice([1, 2]))
+        D = tuple(int(v) for v in rng.integers(1, 5, nd))
+        k = tuple(int(v) for v in rng.integers(1, 3, nd))
+        pads, strides, dil = [int(v) for v in rng.integers(0, 2, 2 * nd)], [int(v) for v in rng.integers(1, 3, nd)], \
+            [int(v) for v in rng.integers(1, 3, nd)]
+        if min(out_sizes(D, k, pads, strides, dil)) < 1:
+            continue
+        ins, att = make_case(rng, N=int(rng.integers(1, 3)), C=2 * group * og // np.gcd(group, og), D=D,
+                             oC=2 * group, k=k, pads=pads, strides=strides, dil=dil, group=group, og=og,
+                             mask=bool(rng.random() < 0.7), bias=bool(rng.random() < 0.7))
+        off = ins["offset"]
+        off[:] = np.where(rng.random(off.shape) < 0.5, rng.choice([0.0, 0.5, 1.0, -1.0], off.shape), off)
+        for a in ins.values():
+            if a is not None and rng.random() < 0.6:
+                n = max(1, a.size // 10)
+                a.flat[rng.integers(0, a.size, n)] = rng.choice([np.nan, np.inf, -np.inf, 1e30, -1e30, 0.0], n)
+        with np.errstate(all="ignore"):
+            assert_api_close(call(ins, att, device), ref(ins, att), np.float64)
+        done += 1
+
 @pytest.mark.parametrize("D, k", [((7,), (3,)), ((3, 4, 4), (2, 2, 2)), ((2, 3, 2, 3), (2, 1, 2, 2))])
 @pytest.mark.parametrize("path", ["direct", "tiled"])
 def test_non_finite_mask_every_rank(D, k, path, monkeypatch):
