@@ -77,9 +77,9 @@ def as_array(a, name, device):
     if on_device(a):
         if device == "cpu" and not cuda_usable():
             raise RuntimeError(f"{name} is a CUDA array but no CUDA GPU is usable here to copy it from")
-        from .kernels.cuda._device import as_device_array
+        from .kernels.cuda._device import as_device_array, to_host
         d = as_device_array(a, name)
-        return d.copy_to_host() if device == "cpu" else d
+        return to_host(d) if device == "cpu" else d
     if isinstance(a, np.ndarray):
         # a non-native byte order (">f4" on x86) is the same dtype to the user: a native copy
         return a if a.dtype.isnative else a.astype(a.dtype.newbyteorder("="))

@@ -47,14 +47,16 @@ def affine_grid(theta, size, align_corners=False, *, device=None):
                 return launcher("affine_grid", "cpu")(theta, *hit)
     if theta is None:
         raise ValueError("theta is required")
-    device = resolve_device(device, [theta])
-    back = device == "cpu" and on_device(theta)  # device input run on the CPU: a device result
+    device = resolve_device(device, [theta, size])
+    back = on_device(theta) or on_device(size)  # device inputs: a device result, wherever it ran
     arr = as_array(theta, "theta", device)
     if arr is not theta:
         key = None  # converted (byte order, device copy): such calls never take the fast path
     theta = arr
     common_float_dtype({"theta": theta})
     align = as_bool(align_corners, "align_corners")
+    if on_device(size):
+        size = as_array(size, "size", "cpu")  # its values, read on the host
     size = int_tuple(size, "size", length=(4, 5), minimum=0)
     nd = len(size) - 2
     want = (size[0], nd, nd + 1)
@@ -68,4 +70,4 @@ def affine_grid(theta, size, align_corners=False, *, device=None):
     if key is not None and device == "cpu":
         remember(_SEEN, key, (size, align))
     out = launcher("affine_grid", device)(theta, size, align)
-    return to_device(out) if back else out
+    return to_device(out) if back and isinstance(out, np.ndarray) else out

@@ -522,3 +522,68 @@ def test_simulated_shared_arrays_are_shared():
     finally:
         sys.setswitchinterval(old)
     assert bad == 0
+
+
+@needs_cuda
+def test_device_results_while_another_thread_packs():
+    """One thread's CUDA calls pack a strided device input (a kernel in
+    kernels/cuda/_device.py, whose ``cuda`` the simulator swaps while it runs) while
+    another turns CPU results on device inputs into device arrays (host code of that
+    module): every call succeeds with the serial result."""
+    from numba import cuda
+
+    strided = cuda.to_device(np.zeros((40, 2, 3), np.float32))[::2]
+    dth = cuda.to_device(np.array([[[1, 0, 0], [0, 1, 0]]], np.float32))
+    want = numba_ops.affine_grid(dth.copy_to_host(), (1, 1, 2, 3), device="cpu")
+    done, errors = threading.Event(), []
+
+    def packs():
+        try:
+            for _ in range(10):
+                numba_ops.affine_grid(strided, (20, 1, 1, 1), device="cuda")
+        finally:
+            done.set()
+
+    def reads():
+        while not done.is_set():
+            try:
+                np.testing.assert_array_equal(
+                    numba_ops.affine_grid(dth, (1, 1, 2, 3), device="cpu").copy_to_host(), want)
+            except Exception as exc:  # reported in the main thread
+                errors.append(exc)
+    threads = [threading.Thread(target=packs), threading.Thread(target=reads)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
+
+
+@needs_cuda
+def test_size_on_the_device():
+    """``size`` is an input too: a device array picks "cuda" under device=None and
+    gives a device result on either device, with the values of a host size."""
+    from numba import cuda
+
+    theta = np.array([[[1, 0.5, 0], [0, 1, 0.25]]], np.float32)
+    want = numba_ops.affine_grid(theta, [1, 1, 2, 3])
+    dsize = cuda.to_device(np.array([1, 1, 2, 3]))
+    for device in (None, "cpu", "cuda"):
+        got = numba_ops.affine_grid(theta, dsize, device=device)
+        assert not isinstance(got, np.ndarray)
+        np.testing.assert_array_equal(got.copy_to_host(), want)
+
+
+def test_malformed_or_masked_interfaces_name_the_input():
+    from numba_ops.kernels.cuda._device import interface_desc
+
+    class Obj:
+        def __init__(self, iface):
+            self.__cuda_array_interface__ = iface
+    good = {"typestr": "<f4", "shape": (2,), "data": (0, False), "version": 3}
+    for bad in ({k: v for k, v in good.items() if k != "typestr"}, dict(good, typestr="zz"),
+                dict(good, data=None), 5):
+        with pytest.raises(TypeError, match="X has a malformed __cuda_array_interface__"):
+            interface_desc(Obj(bad), "X")
+    with pytest.raises(TypeError, match="offset is a masked CUDA array"):
+        interface_desc(Obj(dict(good, mask=object())), "offset")

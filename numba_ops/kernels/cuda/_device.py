@@ -29,7 +29,7 @@ try:  # numba-cuda keeps its own config; numba's built-in target used numba's
 except ImportError:  # pragma: no cover - other numba-cuda layouts
     from numba.core import config as _cuda_config
 
-from ..._dtypes import BFLOAT16, storage
+from ..._dtypes import BFLOAT16, DTYPES, storage
 
 SIMULATOR = bool(_cuda_config.ENABLE_CUDASIM)
 
@@ -109,10 +109,10 @@ if SIMULATOR:
 
 @contextlib.contextmanager
 def launch_guard():
-    """Wraps every launcher. On a GPU it does nothing. In the simulator it
-    serialises launches (while a simulated kernel runs, numba swaps the ``cuda``
-    global of the kernel's module for a fake, which breaks host code of that module
-    running in another thread) and shortens the interpreter's thread switch
+    """Wraps every launcher, and the host code of this module used from outside
+    one. On a GPU it does nothing. In the simulator it serialises them (while a
+    simulated kernel runs, numba swaps the ``cuda`` global of the kernel's module for
+    a fake, which breaks host code of that module running in another thread) and shortens the interpreter's thread switch
     interval: the simulator's block manager busy-polls its threads, so each
     ``syncthreads`` otherwise costs a 5 ms GIL hand-over (measured: 7x faster)."""
     if not SIMULATOR:
@@ -148,8 +148,16 @@ def interface_desc(obj, name):
     returned description then reads it as ``"<u2"`` bits. Any other untyped
     typestr is a TypeError naming ``name``.
     """
-    desc = dict(obj.__cuda_array_interface__)
-    dt = np.dtype(desc["typestr"])
+    try:
+        desc = dict(obj.__cuda_array_interface__)
+        dt = np.dtype(desc["typestr"])
+        tuple(desc["shape"]), tuple(desc["data"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise TypeError(f"{name} has a malformed __cuda_array_interface__ "
+                        f"(needs shape, typestr and data): {type(exc).__name__}: {exc}") from None
+    if desc.get("mask") is not None:
+        raise TypeError(f"{name} is a masked CUDA array (__cuda_array_interface__ mask); "
+                        "masked arrays are not supported")
     if dt.kind != "V":
         return desc, False
     if dt.itemsize == 2 and "bfloat16" in str(getattr(obj, "dtype", "")):
@@ -178,11 +186,13 @@ def _from_interface(desc, owner):
 
 def as_device_array(obj, name):
     """``obj`` (anything with ``__cuda_array_interface__``) as a numba device array,
-    without a copy. Its dtype is checked by the front end."""
+    without a copy. Its dtype is checked by the front end. (Under ``launch_guard``,
+    as every use of this module's ``cuda`` from outside a launcher: see there.)"""
     if is_numba_device_array(obj):
         return obj
     desc, bf16 = interface_desc(obj, name)
-    arr = _from_interface(desc, obj)
+    with launch_guard():
+        arr = _from_interface(desc, obj)
     return arr.view(BFLOAT16) if bf16 else arr
 
 
@@ -237,7 +247,6 @@ def compile_jobs():
     few ranks: what ``compile_ptx`` type-checks (tests/test_cuda.py)."""
     from numba import types
     from numba.np.numpy_support import from_dtype
-    from ..._dtypes import DTYPES
     for dt in DTYPES:
         st = from_dtype(storage(dt))
         for rank in (1, 3, 5):
@@ -258,7 +267,17 @@ def finish(out, shape, dtype, to_host):
 
 def from_host(a):
     """The NumPy array ``a`` as a numba device array of its dtype."""
-    return finish(flat(a), a.shape, a.dtype, to_host=False)
+    with launch_guard():
+        return finish(flat(a), a.shape, a.dtype, to_host=False)
+
+
+def to_host(a):
+    """The device array ``a`` (any strides, negative ones too: numba-cuda copies
+    those to the host only after they are packed) as a NumPy array of its dtype."""
+    with launch_guard():
+        if np.dtype(a.dtype) not in DTYPES:  # not one of ours: the front end says so
+            return a.copy_to_host()
+        return finish(flat(a), a.shape, a.dtype, to_host=True)
 
 
 def int64_array(values):
