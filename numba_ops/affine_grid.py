@@ -48,14 +48,15 @@ def affine_grid(theta, size, align_corners=False, *, device=None):
     if theta is None:
         raise ValueError("theta is required")
     device = resolve_device(device, [theta, size])
-    back = on_device(theta) or on_device(size)  # device inputs: a device result, wherever it ran
+    size_on_device = on_device(size)
+    back = size_on_device or on_device(theta)  # device inputs: a device result, wherever it ran
     arr = as_array(theta, "theta", device)
     if arr is not theta:
         key = None  # converted (byte order, device copy): such calls never take the fast path
     theta = arr
     common_float_dtype({"theta": theta})
     align = as_bool(align_corners, "align_corners")
-    if on_device(size):
+    if size_on_device:
         size = as_array(size, "size", "cpu")  # its values, read on the host
     size = int_tuple(size, "size", length=(4, 5), minimum=0)
     nd = len(size) - 2

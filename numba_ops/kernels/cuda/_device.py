@@ -151,7 +151,7 @@ def interface_desc(obj, name):
     try:
         desc = dict(obj.__cuda_array_interface__)
         dt = np.dtype(desc["typestr"])
-        tuple(desc["shape"]), tuple(desc["data"])
+        desc["shape"], desc["data"] = tuple(desc["shape"]), tuple(desc["data"])
     except (KeyError, TypeError, ValueError) as exc:
         raise TypeError(f"{name} has a malformed __cuda_array_interface__ "
                         f"(needs shape, typestr and data): {type(exc).__name__}: {exc}") from None
@@ -172,7 +172,7 @@ class _HostView:
 
     def __init__(self, desc, owner):
         self.owner = owner  # keeps the memory alive as long as the view
-        self.__array_interface__ = {"data": tuple(desc["data"]), "shape": tuple(desc["shape"]),
+        self.__array_interface__ = {"data": desc["data"], "shape": desc["shape"],
                                     "strides": desc.get("strides"), "typestr": desc["typestr"],
                                     "version": 3}
 
