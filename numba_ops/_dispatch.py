@@ -88,7 +88,8 @@ def as_array(a, name, device):
     except ValueError as exc:  # NumPy's word for a ragged nested sequence
         raise ValueError(f"{name} must be a rectangular array; got a ragged {type(a).__name__}: {exc}") from exc
     except Exception as exc:
-        raise TypeError(f"{name} must be an array of one of {SUPPORTED}; got {type(a).__name__}") from exc
+        raise TypeError(f"{name} must be an array of one of {SUPPORTED}; got a {type(a).__name__} "
+                        f"that NumPy cannot read ({exc})") from exc
 
 
 def to_device(result):

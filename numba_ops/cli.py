@@ -729,7 +729,10 @@ def cmd_bench(args):
 # --------------------------------------------------------------------------
 
 def _positive_int(text):
-    n = int(text)
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1; got {text!r}") from None
     if n < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1; got {n}")
     return n
@@ -763,7 +766,11 @@ def main(argv=None):
     if argv[:1] == ["_worker"]:  # internal: one implementation's process, see _Worker
         return _worker(json.loads(argv[1]))
     args = _parser().parse_args(argv)
-    return {"info": cmd_info, "check": cmd_check, "bench": cmd_bench}[args.command](args)
+    try:
+        return {"info": cmd_info, "check": cmd_check, "bench": cmd_bench}[args.command](args)
+    except BrokenPipeError:  # the reader went away (numba-ops check | head): stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        return 1
 
 
 if __name__ == "__main__":

@@ -10,13 +10,18 @@ from ._validate import as_int, int_tuple, remember
 _PADDED_MAX = 1 << 60
 
 
+def _axes(letter, nd):
+    """How a message names n per-axis sizes: "k1" for one axis, "k1..k3" for three."""
+    return f"{letter}1" if nd == 1 else f"{letter}1..{letter}{nd}"
+
+
 def _params(x, w, kernel_shape, strides, pads, dilations, group, offset_group):
     if x.ndim < 3:
         raise ValueError(f"X must have shape (N, C, D1, ..., Dn) with n >= 1 spatial dims; got {tuple(x.shape)}")
     nd = x.ndim - 2
     C = x.shape[1]
     if w.ndim != nd + 2:
-        raise ValueError(f"W must have rank {nd + 2} (oC, C/group, k1..k{nd}) for a rank-{x.ndim} X; "
+        raise ValueError(f"W must have rank {nd + 2} (oC, C/group, {_axes('k', nd)}) for a rank-{x.ndim} X; "
                          f"got shape {tuple(w.shape)}")
     group = as_int(group, "group", minimum=1)
     offset_group = as_int(offset_group, "offset_group", minimum=1)
@@ -148,8 +153,8 @@ def deform_conv(x, w, offset, b=None, mask=None, *, kernel_shape=None, strides=N
     N, oC = x.shape[0], w.shape[0]
     og, K, nd = p.offset_group, p.K, p.nd
     _check_shape(offset, "offset", (N, og * K * nd) + p.out_spatial,
-                 f"(N, offset_group*K*n, o1..o{nd}) with K={K}, n={nd}")
-    _check_shape(mask, "mask", (N, og * K) + p.out_spatial, f"(N, offset_group*K, o1..o{nd}) with K={K}")
+                 f"(N, offset_group*K*n, {_axes('o', nd)}) with K={K}, n={nd}")
+    _check_shape(mask, "mask", (N, og * K) + p.out_spatial, f"(N, offset_group*K, {_axes('o', nd)}) with K={K}")
     _check_shape(b, "B", (oC,), "(oC,)")
     if key is not None and device == "cpu":
         remember(_SEEN, key, p)

@@ -82,14 +82,16 @@ def ops(device=None):
             for cls in (AffineGrid, DeformConv)]
 
 
-def evaluator(model, device=None, **kwargs):
+def evaluator(model, device=None, new_ops=(), **kwargs):
     """``ReferenceEvaluator(model, new_ops=ops(device))``, with the model's local
     functions also run on numba_ops' kernels (onnx evaluates function bodies
-    without ``new_ops``). ``kwargs`` go to every evaluator (``verbose``...)."""
+    without ``new_ops``). ``new_ops``: more operator classes, used before ours (an
+    evaluator takes the first class of a name). ``kwargs`` go to every evaluator
+    (``verbose``...)."""
     from onnx import ModelProto
     from onnx.reference import ReferenceEvaluator
 
-    new = ops(device)
+    new = list(new_ops or ()) + ops(device)
     if not isinstance(model, ModelProto) or not model.functions:
         return ReferenceEvaluator(model, new_ops=new, **kwargs)
     funcs = []

@@ -214,7 +214,19 @@ def test_bench_worker_times_the_cuda_kernels():
 
 def test_bench_bad_options_fail_fast(tmp_path):
     """Bad files and counts are refused before anything is measured, in one line."""
-    for args in (["--repeat", "0"], ["--load", str(tmp_path / "missing.json")],
+    for args in (["--repeat", "0"], ["--repeat", "abc"], ["--load", str(tmp_path / "missing.json")],
                  ["--compare", str(tmp_path / "missing.json")], ["--json", str(tmp_path / "no" / "x.json")]):
         rc, _, err = run("bench", "--peers", "none", "--only", "ag2d_small", *args, timeout=120)
         assert rc != 0 and "Traceback" not in err and err.strip(), (args, err)
+        assert "_positive_int" not in err, err
+
+
+def test_a_closed_pipe_is_not_a_traceback():
+    """`numba-ops check | head -1`: the reader leaves early; the command stops quietly."""
+    cmd = [sys.executable, "-m", "numba_ops", "check"]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
+    p.stdout.readline()
+    p.stdout.close()  # as `head -1` does
+    err = p.stderr.read().decode()
+    p.wait(timeout=300)
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err

@@ -275,6 +275,12 @@ def test_mixed_and_bad_dtypes():
     with pytest.raises(TypeError, match="X"):
         call(bad, att)
 
+    class Unreadable:  # e.g. a torch bfloat16 tensor: NumPy cannot read it, and says why
+        def __array__(self, *args, **kwargs):
+            raise RuntimeError("no NumPy view of this one")
+
+    with pytest.raises(TypeError, match="offset must be an array .* Unreadable .*no NumPy view of this one"):
+        call(dict(ins, offset=Unreadable()), att)
 
 
 @pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])

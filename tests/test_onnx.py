@@ -270,3 +270,40 @@ def test_evaluator_runs_local_functions_on_numba_ops(rng, monkeypatch):
     y2, = evaluator(plain, device="cpu").run(None, {"X": x, "W": w, "O": o})
     assert calls == [1, 1]
     np.testing.assert_array_equal(y2, y)
+
+
+def test_evaluator_takes_more_ops(rng):
+    """evaluator(model, new_ops=[...]): the user's classes join ours and, as in
+    ReferenceEvaluator, the first class of a name wins (the user's)."""
+    from onnx.reference.op_run import OpRun
+
+    from numba_ops.onnx import evaluator
+
+    class Twice(OpRun):
+        op_domain = "local"
+
+        def _run(self, X):
+            return (2 * X,)
+
+    class DeformConv(OpRun):  # the user's own DeformConv replaces ours
+        op_domain = ""
+
+        def _run(self, X, W, offset, **attrs):
+            return (np.zeros(1, X.dtype),)
+
+    vi = [helper.make_tensor_value_info(n, TP.FLOAT, None) for n in ("theta", "size")]
+    g = helper.make_graph([helper.make_node("AffineGrid", ["theta", "size"], ["G"], align_corners=1),
+                           helper.make_node("Twice", ["G"], ["Y"], domain="local")], "g", vi,
+                          [helper.make_tensor_value_info("Y", TP.FLOAT, None)])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 22), helper.make_opsetid("local", 1)])
+    theta = rng.standard_normal((1, 2, 3)).astype(np.float32)
+    size = np.array([1, 1, 2, 1], np.int64)  # a length-1 axis: 0 in numba_ops, -1 in onnx's own
+    y, = evaluator(model, new_ops=[Twice]).run(None, {"theta": theta, "size": size})
+    np.testing.assert_array_equal(y, 2 * numba_ops.affine_grid(theta, [1, 1, 2, 1], align_corners=True))
+    dc = helper.make_model(helper.make_graph([helper.make_node("DeformConv", ["X", "W", "O"], ["Y"])], "d",
+                                             [helper.make_tensor_value_info(n, TP.FLOAT, None) for n in "XWO"],
+                                             [helper.make_tensor_value_info("Y", TP.FLOAT, None)]),
+                           opset_imports=[helper.make_opsetid("", 22)])
+    x, w, o = np.ones((1, 1, 2, 2), np.float32), np.ones((1, 1, 1, 1), np.float32), np.zeros((1, 2, 2, 2), np.float32)
+    y, = evaluator(dc, new_ops=[DeformConv]).run(None, {"X": x, "W": w, "O": o})
+    np.testing.assert_array_equal(y, np.zeros(1, np.float32))
