@@ -61,7 +61,8 @@ def affine_grid(theta, size, align_corners=False, *, device=None):
     size = int_tuple(size, "size", length=(4, 5), minimum=0)
     nd = len(size) - 2
     want = (size[0], nd, nd + 1)
-    if tuple(theta.shape) != want:
+    # size N = 0 asks for an empty grid (API.md): any count of well-formed matrices gives it
+    if tuple(theta.shape) != want and not (size[0] == 0 and tuple(theta.shape[1:]) == want[1:]):
         raise ValueError(
             f"theta must have shape (N, {nd}, {nd + 1}) = {want} for a size of length {len(size)} "
             f"(N = size[0] = {size[0]}); got {tuple(theta.shape)}")

@@ -126,6 +126,9 @@ def test_zero_sizes(size, device):
     theta = np.zeros((size[0], nd, nd + 1), np.float32)
     got = numba_ops.affine_grid(theta, size, device=device)
     assert got.shape == (size[0],) + tuple(size[2:]) + (nd,) and got.dtype == np.float32
+    if size[0] == 0:  # N = 0 asks for an empty grid, whatever the count of matrices
+        got = numba_ops.affine_grid(np.ones((2, nd, nd + 1), np.float32), size, device=device)
+        assert got.shape == (0,) + tuple(size[2:]) + (nd,) and got.dtype == np.float32
 
 
 def test_length_one_axes_are_zero(device):
@@ -185,6 +188,8 @@ def test_non_native_byte_order(dtype, device, rng):
     ((1, 2, 3), [1, 1, 2.5, 3], "size"),
     ((1, 2, 3), "1123", "size"),
     ((1, 2, 3), [2, 1, 2, 3], "theta"),
+    ((0, 2, 3), [2, 1, 2, 3], "theta"),
+    ((1, 2, 3), [0, 1, 2, 3, 4], "theta"),  # N = 0, but 2-D matrices for a 3-D size
     ((1, 3, 4), [1, 1, 2, 3], "theta"),
     ((1, 2, 3), [1, 1, 2, 3, 4], "theta"),
     ((2, 3), [1, 1, 2, 3], "theta"),
