@@ -19,6 +19,8 @@ onnx is installed (imported lazily; ``import numba_ops`` never imports onnx).
 """
 import numpy as np
 
+from ._shapes import out_size
+
 DTYPE_NAMES = ("float16", "bfloat16", "float32", "float64")
 
 #: name -> size (N, C, [D,] H, W) and align_corners
@@ -92,8 +94,7 @@ def deform_inputs(name, dtype="float32", small=False):
     """
     N, C, H, W, oC, k, pad, stride, dil, group, og, use_mask = deform_params(name, small)
     rng = np.random.default_rng(0)
-    oH = (H + 2 * pad - ((k - 1) * dil + 1)) // stride + 1
-    oW = (W + 2 * pad - ((k - 1) * dil + 1)) // stride + 1
+    oH, oW = (out_size(D, pad, pad, k, dil, stride) for D in (H, W))
     X = rng.standard_normal((N, C, H, W)).astype(np.float32)
     Wt = rng.standard_normal((oC, C // group, k, k)).astype(np.float32)
     off = (2.0 * rng.standard_normal((N, og * k * k * 2, oH, oW))).astype(np.float32)

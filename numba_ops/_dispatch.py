@@ -1,9 +1,11 @@
 """Device selection and the kernel table.
 
 ``LAUNCHERS`` maps ``(op, device)`` to the module holding that op's kernels for
-that device; each such module declares the dtypes it supports (``DTYPES``) beside
-its ``launch`` function. Modules are imported on first use, so importing
-numba_ops compiles nothing and never touches the GPU.
+that device; each such module declares the dtypes it takes (``DTYPES``) beside
+its ``launch`` function, and ``launcher(op, device, dtype)`` is the table's entry
+for the three (a ``TypeError`` naming those dtypes for any other). Modules are
+imported on first use, so importing numba_ops compiles nothing and never touches
+the GPU.
 """
 import functools
 import importlib
@@ -52,13 +54,18 @@ def on_device(a):
                               or bool(getattr(type(a), "__cuda_ndarray__", False)))
 
 
+def check_device(device):
+    """``device`` if it is None, "cpu" or "cuda", else a ValueError."""
+    if device is not None and (not isinstance(device, str) or device not in DEVICES):
+        raise ValueError(f"device must be None, 'cpu' or 'cuda'; got {device!r}")
+    return device
+
+
 def resolve_device(device, inputs):
     """API.md, Devices: None follows ``__cuda_array_interface__``; else "cpu"/"cuda"."""
-    if device is None:
+    if check_device(device) is None:
         device = "cuda" if any(on_device(a) for a in inputs) else "cpu"
         what = "an input is a CUDA array (device=None follows it)"
-    elif not isinstance(device, str) or device not in DEVICES:
-        raise ValueError(f"device must be None, 'cpu' or 'cuda'; got {device!r}")
     else:
         what = "device='cuda' was asked for"
     if device == "cuda" and not cuda_usable():
@@ -99,6 +106,9 @@ def to_device(result):
 
 
 @functools.lru_cache(maxsize=None)
-def launcher(op, device):
-    """The ``launch`` function of ``op`` on ``device``."""
-    return importlib.import_module(LAUNCHERS[op, device]).launch
+def launcher(op, device, dtype):
+    """The ``launch`` function of ``op`` on ``device`` for inputs of ``dtype``."""
+    module = importlib.import_module(LAUNCHERS[op, device])
+    if dtype.name not in module.DTYPES:
+        raise TypeError(f"{op} on {device} takes {', '.join(module.DTYPES)}; got {dtype}")
+    return module.launch

@@ -1,4 +1,4 @@
-"""DeformConv attribute arithmetic shared by the front end and every backend."""
+"""DeformConv attribute arithmetic: the normalised attributes every backend takes, and the output size."""
 from typing import NamedTuple, Tuple
 
 import numpy as np
@@ -8,8 +8,7 @@ class DeformParams(NamedTuple):
     """Normalised DeformConv attributes; tuples have one entry per spatial axis."""
     kernel_shape: Tuple[int, ...]
     strides: Tuple[int, ...]
-    pads_begin: Tuple[int, ...]
-    pads_end: Tuple[int, ...]
+    pads_begin: Tuple[int, ...]  # the ends only set out_spatial
     dilations: Tuple[int, ...]
     group: int
     offset_group: int

@@ -44,7 +44,7 @@ def affine_grid(theta, size, align_corners=False, *, device=None):
             except TypeError:  # an unhashable entry: the full path says what is wrong
                 hit = key = None
             if hit is not None:
-                return launcher("affine_grid", "cpu")(theta, *hit)
+                return launcher("affine_grid", "cpu", theta.dtype)(theta, *hit)
     if theta is None:
         raise ValueError("theta is required")
     device = resolve_device(device, [theta, size])
@@ -71,5 +71,5 @@ def affine_grid(theta, size, align_corners=False, *, device=None):
         raise ValueError(f"size {list(size)} asks for a grid of shape {shape}: too large to allocate")
     if key is not None and device == "cpu":
         remember(_SEEN, key, (size, align))
-    out = launcher("affine_grid", device)(theta, size, align)
+    out = launcher("affine_grid", device, theta.dtype)(theta, size, align)
     return to_device(out) if back and isinstance(out, np.ndarray) else out

@@ -61,7 +61,7 @@ def _params(x, w, kernel_shape, strides, pads, dilations, group, offset_group):
     # moves a sample: 1 then, so that any valid value (even past 64 bits) fits the kernels
     strides = tuple(s if o > 1 else 1 for s, o in zip(strides, outs))
     dilations = tuple(d if k > 1 else 1 for d, k in zip(dilations, kernel_shape))
-    return DeformParams(kernel_shape, strides, begin, end, dilations, group, offset_group, outs)
+    return DeformParams(kernel_shape, strides, begin, dilations, group, offset_group, outs)
 
 
 def _check_shape(a, name, want, what):
@@ -75,7 +75,7 @@ def _check_shape(a, name, want, what):
 _SEEN = {}
 
 
-_ND = np.ndarray
+_NDARRAY = np.ndarray
 _INT = int
 
 
@@ -85,14 +85,14 @@ def _fast_key(x, w, offset, b, mask, kernel_shape, strides, pads, dilations, gro
     Exact ndarrays of one dtype object, ``int`` group/offset_group and attributes
     that are None or lists/tuples of exact ``int`` (bool and float are not): a
     float stride can never hit the entry of an integer one."""
-    if type(x) is not _ND or type(w) is not _ND or type(offset) is not _ND:
+    if type(x) is not _NDARRAY or type(w) is not _NDARRAY or type(offset) is not _NDARRAY:
         return None
     dt = x.dtype
     if w.dtype is not dt or offset.dtype is not dt:
         return None
-    if b is not None and (type(b) is not _ND or b.dtype is not dt):
+    if b is not None and (type(b) is not _NDARRAY or b.dtype is not dt):
         return None
-    if mask is not None and (type(mask) is not _ND or mask.dtype is not dt):
+    if mask is not None and (type(mask) is not _NDARRAY or mask.dtype is not dt):
         return None
     if type(group) is not _INT or type(offset_group) is not _INT:
         return None
@@ -135,7 +135,7 @@ def deform_conv(x, w, offset, b=None, mask=None, *, kernel_shape=None, strides=N
         if key is not None:
             p = _SEEN.get(key)
             if p is not None:
-                return launcher("deform_conv", "cpu")(x, w, offset, b, mask, p)
+                return launcher("deform_conv", "cpu", x.dtype)(x, w, offset, b, mask, p)
     else:
         key = None
     inputs = {"X": x, "W": w, "offset": offset, "B": b, "mask": mask}
@@ -158,6 +158,6 @@ def deform_conv(x, w, offset, b=None, mask=None, *, kernel_shape=None, strides=N
     _check_shape(b, "B", (oC,), "(oC,)")
     if key is not None and device == "cpu":
         remember(_SEEN, key, p)
-    y = launcher("deform_conv", device)(x, w, offset, b, mask, p)
+    y = launcher("deform_conv", device, x.dtype)(x, w, offset, b, mask, p)
     return to_device(y) if back else y
 

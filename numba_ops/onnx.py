@@ -31,7 +31,7 @@ does not import it.
 import numpy as np
 from onnx.reference.op_run import OpRun
 
-from ._dispatch import DEVICES
+from ._dispatch import check_device
 from .affine_grid import affine_grid
 from .deform_conv import deform_conv
 
@@ -74,9 +74,7 @@ def ops(device=None):
 
     The classes keep their ONNX names, which is how the evaluator matches them to nodes.
     """
-    if device is not None and device not in DEVICES:
-        raise ValueError(f"device must be None, 'cpu' or 'cuda'; got {device!r}")
-    if device is None:
+    if check_device(device) is None:
         return [AffineGrid, DeformConv]
     return [type(cls.__name__, (cls,), {"device": device, "__module__": __name__})
             for cls in (AffineGrid, DeformConv)]

@@ -238,6 +238,21 @@ def test_bad_dtype(dtype):
         numba_ops.affine_grid(np.zeros((1, 2, 3), dtype), [1, 1, 2, 3])
 
 
+def test_dispatcher_takes_the_kernels_dtypes(monkeypatch):
+    """The kernel table reads the dtypes each kernel module declares: a backend that
+    does not take a dtype is a TypeError naming the ones it does."""
+    import numba_ops.kernels.cpu.affine_grid as kernels
+    from numba_ops._dispatch import launcher
+    monkeypatch.setattr(kernels, "DTYPES", ("float32", "float64"))
+    launcher.cache_clear()
+    try:
+        with pytest.raises(TypeError, match="affine_grid on cpu takes float32, float64; got float16"):
+            numba_ops.affine_grid(np.zeros((1, 2, 3), np.float16), [1, 1, 2, 3])
+        assert numba_ops.affine_grid(np.zeros((1, 2, 3), np.float32), [1, 1, 2, 3]).shape == (1, 2, 3, 2)
+    finally:
+        launcher.cache_clear()  # the next call reads the real table again
+
+
 def test_bad_device():
     theta = np.zeros((1, 2, 3), np.float32)
     for bad in ("gpu", "CPU", 0, "cuda:0"):

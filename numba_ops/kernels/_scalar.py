@@ -211,8 +211,8 @@ def border_corner(base, off, size, zero):
     however far along the axis, and axes longer than 2**24 index exactly.
     An offset of magnitude at least 2**30 (int32 ``base``) or 2**62 (int64)
     puts the position outside the input, since the callers keep ``|base|`` and
-    ``size`` under 2**29 (int32) or 2**61 (int64, the front end's bound on
-    ``D + pads``); so huge offsets never reach an integer conversion.
+    ``size`` under 2**29 (int32) or 2**61 (int64: the front end keeps
+    ``D + pads`` under 2**60); so huge offsets never reach an integer conversion.
     Branch-free, so a loop of calls vectorises. ``zero`` is 0 in the compute type.
     """
     finite = (off - off) == zero

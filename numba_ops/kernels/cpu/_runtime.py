@@ -15,7 +15,8 @@ Measured on 2-core VMs (README, "Devices"):
 
 A user's NUMBA_THREADING_LAYER / NUMBA_THREADING_LAYER_PRIORITY / GOMP_SPINCOUNT
 win. Parallel launches from several Python threads are serialised here (the
-workqueue layer must not be entered twice); serial kernels run without the lock.
+workqueue layer must not be entered twice); serial kernels run without the lock
+(but for deform_conv's one-thread tiled run, which holds it for SciPy's BLAS setting).
 
 GNU OpenMP cannot run in a process forked after it started (numba terminates
 such a child at its first parallel launch), so in a child forked after the pool

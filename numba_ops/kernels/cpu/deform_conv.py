@@ -19,8 +19,9 @@ Algorithm, per image (images go in chunks so that scratch stays within
    overflow an index; indices are 64-bit (the 2-D/3-D plans use 32 bits per
    axis only when the sizes fit, see ``_State``).
 2. Output positions are cut into tiles of ``T``. For each tile and each
-   (offset group, kernel point) a plan (base index, 2**n weights with a finite
-   mask folded in) is built, vectorised along the last output axis. The fill
+   (offset group, kernel point) a plan (base index, 2**n weights; the 2-D and
+   3-D plans, vectorised along the last output axis, fold a finite mask in) is
+   built. The fill
    then walks the tile position by position, writing each column row front to
    back; every (kernel point, offset group) is a contiguous run of channels in
    ``xp``, so the innermost loop is a SIMD loop of 2**n loads and FMAs.
@@ -261,9 +262,10 @@ def _plan_row3d(oz, oy, ox, mm, has_mask, bz, by, bx, sx, dhw, zs, ys, zsite, C,
 def _plan(off3, m3, has_mask, n, geo, pstr, C, kidx, g, K, p0, p1, pidx, pw, pm, fast, zsite):
     """Sampling plan of offset group ``g``, kernel point ``kidx`` for output
     positions [p0, p1): ``pidx`` the flat index of the lowest corner in ``xp``,
-    ``pw[corner]`` the n-linear weights (NaN for a non-finite position, 0 outside)
-    times a finite mask, ``pm`` a non-finite mask (else 1), applied after the sum
-    as the definition orders it."""
+    ``pw[corner]`` the n-linear weights (NaN for a non-finite position, 0 outside),
+    and ``pm`` the mask, applied after the sum as the definition orders it. The
+    2-D/3-D plans fold a finite mask into ``pw`` instead (``pm`` is then 1) and
+    keep only a non-finite one in ``pm``; the general plan keeps every mask there."""
     nd = geo.shape[1]
     NC = 1 << nd
     oL = geo[5, nd - 1]
@@ -374,8 +376,8 @@ def _fill(xp, coff, pidx, pw, pm, cols, segs, tl, K, cpg):
     each (kernel point, offset group) is a contiguous run of channels in ``xp``
     (split where a conv group ends). The runs are short (often 32-64 channels), so
     their set-up is kept to a few loads and adds: 2-D (4 corners) has a loop of its
-    own, and the mask is not in the runs. A finite mask is folded into the plan's
-    weights by ``_plan`` (``pm`` is then 1); a non-finite one multiplies the
+    own, and the mask is not in the runs: what ``_plan`` leaves in ``pm`` (a
+    non-finite mask, or every mask of the general plan; else 1) multiplies the
     finished sample afterwards, as the definition orders it."""
     if coff.shape[0] == 4:
         _fill_bilinear(xp, np.uint64(coff[1]), np.uint64(coff[2]), np.uint64(coff[3]), pidx, pw, cols, segs,

@@ -132,10 +132,9 @@ def is_numba_device_array(a):
     return bool(getattr(type(a), "__cuda_ndarray__", False))
 
 
-def blocks_for(n, threads=None):
-    """Blocks for ``n`` work items; grid-stride loops cover whatever this leaves."""
-    threads = THREADS if threads is None else threads
-    return max(1, min(MAX_BLOCKS, -(-int(n) // threads)))
+def blocks_for(n):
+    """Blocks of ``THREADS`` for ``n`` work items; grid-stride loops cover whatever this leaves."""
+    return max(1, min(MAX_BLOCKS, -(-int(n) // THREADS)))
 
 
 # --- importing device arrays ---------------------------------------------------
