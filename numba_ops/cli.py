@@ -128,6 +128,23 @@ def _run_case(case, device):
     return numba_ops.deform_conv(*case.inputs, device=device, **case.attrs)
 
 
+def _usable(device, command):
+    """True if ``device`` is usable here; else False, having said so on stderr."""
+    import numba_ops
+    if device in numba_ops.devices():
+        return True
+    print(f"numba-ops {command}: device {device!r} is not usable here (usable: {', '.join(numba_ops.devices())})",
+          file=sys.stderr)
+    return False
+
+
+def _gemm_text(limits, sep):
+    """The GEMM rate of a limits record, as the tables print it ("" if it has none)."""
+    if "gemm_GFLOPs" not in limits:
+        return ""
+    return f"{sep}GEMM {limits['gemm_GFLOPs']:.1f} GFLOP/s ({limits['gemm_by']}, {limits['gemm_dtype']})"
+
+
 def _check_one(case, device):
     try:
         got = _run_case(case, device)
@@ -148,11 +165,8 @@ def _check_one(case, device):
 
 
 def cmd_check(args):
-    import numba_ops
     device = args.device or "cpu"
-    if device not in numba_ops.devices():
-        print(f"numba-ops check: device {device!r} is not usable here (usable: {', '.join(numba_ops.devices())})",
-              file=sys.stderr)
+    if not _usable(device, "check"):
         return 2
     cases = _cases.seed_cases()
     skipped = None
@@ -518,9 +532,7 @@ def _measure(impls, cases, base_cfg, log):
             workers[impl], results[impl] = w, {}
             if impl == "limits":
                 limits = ev["limits"]
-                gem = f", GEMM {limits['gemm_GFLOPs']:.1f} GFLOP/s ({limits['gemm_by']}, {limits['gemm_dtype']})" \
-                    if "gemm_GFLOPs" in limits else ""
-                log(f"  [limits] write {limits['write_GBps']:.2f} GB/s{gem}")
+                log(f"  [limits] write {limits['write_GBps']:.2f} GB/s{_gemm_text(limits, ', ')}")
         for name in cases:
             for impl, w in workers.items():
                 # the previous turn's thread pool may still spin (numba_ops' libgomp ~0.1 s after a
@@ -590,9 +602,7 @@ def print_table(report, out=print):
     out(f"numba-ops bench: device {report['device']}, dtype {report['dtype']} (peers float32), "
         f"{report['threads']} threads on {report['cpus']} CPUs{', quick' if report['quick'] else ''}")
     if lim:
-        gem = f"; GEMM {lim['gemm_GFLOPs']:.1f} GFLOP/s ({lim['gemm_by']}, {lim['gemm_dtype']})" \
-            if "gemm_GFLOPs" in lim else ""
-        out(f"limits: write bandwidth {lim['write_GBps']:.2f} GB/s (numba prange fill){gem}")
+        out(f"limits: write bandwidth {lim['write_GBps']:.2f} GB/s (numba prange fill){_gemm_text(lim, '; ')}")
     head = ["case", "numba_ops ms", "cold ms"] + [f"{p} ms" for p in peers] + ["ours/best peer", "% of limit", "limit ms"]
     rows = []
     for name, r in cases.items():
@@ -677,9 +687,7 @@ def cmd_bench(args):
                              f"({type(exc).__name__}: {exc})") from None
     else:
         device = args.device or "cpu"
-        if device not in numba_ops.devices():
-            print(f"numba-ops bench: device {device!r} is not usable here "
-                  f"(usable: {', '.join(numba_ops.devices())})", file=sys.stderr)
+        if not _usable(device, "bench"):
             return 2
         from ._dispatch import cuda_simulator
         if device == "cuda" and cuda_simulator():
