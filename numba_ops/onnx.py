@@ -43,30 +43,45 @@ def _host(a):
     return a.copy_to_host() if hasattr(a, "copy_to_host") else np.asarray(a)
 
 
-class AffineGrid(OpRun):
+class _Carried(Exception):
+    """Carries our TypeError through ``OpRun.run``, which would re-wrap it in a message
+    of its own ("Issues with types ...") that says neither the input nor what was expected."""
+
+
+class _Op(OpRun):
+    op_domain = ""
+    device = None
+
+    def run(self, *args, **kwargs):
+        try:
+            return super().run(*args, **kwargs)
+        except _Carried as carried:
+            raise carried.args[0] from None
+
+    def _call(self, fn, *args, **kwargs):
+        """``fn`` on this class's device, its result on the host, a TypeError carried."""
+        try:
+            return (_host(fn(*args, device=self.device, **kwargs)),)
+        except TypeError as exc:
+            raise _Carried(exc) from None
+
+
+class AffineGrid(_Op):
     """ONNX AffineGrid (opset 20) on numba_ops' kernels."""
 
-    op_domain = ""
-    device = None
-
     def _run(self, theta, size, align_corners=None):
-        align = 0 if align_corners is None else align_corners
-        return (_host(affine_grid(theta, np.asarray(size).tolist(), align_corners=align,
-                                  device=self.device)),)
+        return self._call(affine_grid, theta, np.asarray(size).tolist(),
+                          align_corners=0 if align_corners is None else align_corners)
 
 
-class DeformConv(OpRun):
+class DeformConv(_Op):
     """ONNX DeformConv (opset 19 and 22) on numba_ops' kernels."""
-
-    op_domain = ""
-    device = None
 
     def _run(self, X, W, offset, B=None, mask=None, dilations=None, group=None, kernel_shape=None,
              offset_group=None, pads=None, strides=None):
-        y = deform_conv(X, W, offset, B, mask, kernel_shape=kernel_shape, strides=strides, pads=pads,
-                        dilations=dilations, group=1 if group is None else group,
-                        offset_group=1 if offset_group is None else offset_group, device=self.device)
-        return (_host(y),)
+        return self._call(deform_conv, X, W, offset, B, mask, kernel_shape=kernel_shape, strides=strides,
+                          pads=pads, dilations=dilations, group=1 if group is None else group,
+                          offset_group=1 if offset_group is None else offset_group)
 
 
 def ops(device=None):

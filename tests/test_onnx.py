@@ -194,6 +194,21 @@ def test_bad_input_keeps_numba_ops_errors(rng):
     feeds = {"theta": rng.standard_normal((1, 2, 3)).astype(np.float32), "size": np.array([1, 1, 3, 4])}
     with pytest.raises(ValueError, match="align_corners"):
         ReferenceEvaluator(m, new_ops=ops()).run(None, feeds)
+    # TypeErrors too come as numba_ops says them (onnx's OpRun.run would re-wrap them)
+    with pytest.raises(TypeError, match="theta has dtype int32"):
+        ReferenceEvaluator(m, new_ops=ops()).run(None, dict(feeds, theta=feeds["theta"].astype(np.int32)))
+    dfeeds, attrs = _deform_inputs(rng, np.float32)
+    names = ["X", "W", "offset", "B", "mask"]
+    m = _model([helper.make_node("DeformConv", names, ["Y"], **dict(attrs, group=2.0))],
+               [(n, TP.FLOAT) for n in names], [("Y", TP.FLOAT)])
+    with pytest.raises(ValueError, match="group must be an integer"):  # a float attribute: both kinds
+        ReferenceEvaluator(m, new_ops=ops()).run(None, dfeeds)
+    with pytest.raises(TypeError, match="group must be an integer"):
+        ReferenceEvaluator(m, new_ops=ops("cpu")).run(None, dfeeds)
+    m = _model([helper.make_node("DeformConv", names, ["Y"], **attrs)], [(n, TP.FLOAT) for n in names],
+               [("Y", TP.FLOAT)])
+    with pytest.raises(TypeError, match="all float inputs must share one dtype"):
+        ReferenceEvaluator(m, new_ops=ops()).run(None, dict(dfeeds, W=dfeeds["W"].astype(np.float64)))
 
 
 def test_import_numba_ops_does_not_import_onnx():
