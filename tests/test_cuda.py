@@ -22,7 +22,7 @@ import pytest
 
 import numba_ops
 from numba_ops import _dispatch
-from reference import deform_conv_ref
+from reference import assert_api_close, deform_conv_ref
 
 SIMULATOR = _dispatch.cuda_simulator()
 CUDA = "cuda" in numba_ops.devices()
@@ -237,9 +237,7 @@ def test_host_in_host_out(dtype):
     y = numba_ops.deform_conv(*args, **kw, device="cuda")
     assert type(y) is np.ndarray and y.dtype == dtype and y.shape == (2, 4, 5, 4)
     want = numba_ops.deform_conv(*args, **kw, device="cpu")
-    tol = {np.dtype(np.float64): 1e-12, np.dtype(np.float32): 1e-5}.get(np.dtype(dtype), 1e-2)
-    np.testing.assert_allclose(y.astype(np.float64), want.astype(np.float64), rtol=tol,
-                               atol=tol * np.abs(want.astype(np.float64)).max())
+    assert_api_close(y, want, dtype)
 
 
 def _is_numba_device_array(a):
@@ -261,15 +259,14 @@ def test_device_in_device_out(dtype):
     y = numba_ops.deform_conv(*dargs, **kw)
     assert _is_numba_device_array(y) and y.dtype == dtype
     want = deform_conv_ref(*[a.astype(np.float64) for a in args], **kw)
-    tol = {np.dtype(np.float64): 1e-12, np.dtype(np.float32): 1e-5}.get(np.dtype(dtype), 2e-2)
-    np.testing.assert_allclose(y.copy_to_host().astype(np.float64), want, rtol=tol, atol=tol * np.abs(want).max())
+    assert_api_close(y.copy_to_host(), want, dtype)
     # a device input with device="cpu" runs on the CPU and still gives a device array
     c = numba_ops.affine_grid(dth, [2, 1, 3, 4], device="cpu")
     assert _is_numba_device_array(c) and c.dtype == dtype
     np.testing.assert_array_equal(c.copy_to_host(), g.copy_to_host())
     yc = numba_ops.deform_conv(dargs[0], *args[1:], **kw, device="cpu")  # one device input is enough
     assert _is_numba_device_array(yc) and yc.dtype == dtype
-    np.testing.assert_allclose(yc.copy_to_host().astype(np.float64), want, rtol=tol, atol=tol * np.abs(want).max())
+    assert_api_close(yc.copy_to_host(), want, dtype)
     # inputs are not modified
     np.testing.assert_array_equal(dth.copy_to_host(), theta)
     for d, a in zip(dargs, args):
@@ -283,8 +280,7 @@ def test_mixed_host_and_device_inputs_give_device_output():
     mixed = [cuda.to_device(args[0])] + args[1:]
     y = numba_ops.deform_conv(*mixed, **kw)
     assert _is_numba_device_array(y)
-    np.testing.assert_allclose(y.copy_to_host(), numba_ops.deform_conv(*args, **kw, device="cpu"),
-                               rtol=1e-5, atol=1e-5)
+    assert_api_close(y.copy_to_host(), numba_ops.deform_conv(*args, **kw, device="cpu"), np.float32)
 
 
 @needs_cuda
@@ -312,9 +308,7 @@ def test_strided_device_inputs(dtype):
     dargs = [dx, dw] + [cuda.to_device(a) for a in args[2:]]
     y = numba_ops.deform_conv(*dargs, **kw)
     want = numba_ops.deform_conv(x, w2, *args[2:], **kw, device="cpu")
-    tol = 1e-5 if dtype is np.float32 else 2e-2
-    np.testing.assert_allclose(y.copy_to_host().astype(np.float64), want.astype(np.float64),
-                               rtol=tol, atol=tol * np.abs(want.astype(np.float64)).max())
+    assert_api_close(y.copy_to_host(), want, dtype)
 
 
 @needs_cuda
@@ -386,9 +380,7 @@ def test_torch_interface_in_simulator(tdtype):
     assert _is_numba_device_array(y) and y.dtype == npdt
     host = [a.astype(npdt) for a in args]
     want = numba_ops.deform_conv(*host, **kw, device="cpu")
-    tol = 1e-5 if tdtype == "float32" else 2e-2
-    np.testing.assert_allclose(y.copy_to_host().astype(np.float64), want.astype(np.float64),
-                               rtol=tol, atol=tol * np.abs(want.astype(np.float64)).max())
+    assert_api_close(y.copy_to_host(), want, npdt)
 
 
 def _torch_cuda():
@@ -420,9 +412,7 @@ def test_torch_cuda_tensors(tdtype):
     y = numba_ops.deform_conv(xt, *others, **kw)
     assert _is_numba_device_array(y) and y.dtype == npdt
     want = numba_ops.deform_conv(*[a.astype(npdt) for a in args], **kw, device="cpu")
-    tol = 1e-5 if tdtype == "float32" else 2e-2
-    np.testing.assert_allclose(y.copy_to_host().astype(np.float64), want.astype(np.float64),
-                               rtol=tol, atol=tol * np.abs(want.astype(np.float64)).max())
+    assert_api_close(y.copy_to_host(), want, npdt)
 
 
 # --- the GPU tile configurations, run by the simulator ------------------------------
@@ -444,7 +434,7 @@ def test_gpu_tile_configuration(nd, monkeypatch):
     b = rng.standard_normal(2)
     got = numba_ops.deform_conv(x, w, off, b, device="cuda")
     want = deform_conv_ref(x, w, off, b)
-    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12 * np.abs(want).max())
+    assert_api_close(got, want, np.float64)
 
 
 @needs_cuda

@@ -10,25 +10,9 @@ import pytest
 import numba_ops
 from numba_ops import _cases
 from numba_ops.kernels.cpu import deform_conv as cpu_dc
-from reference import deform_conv_ref
+from reference import assert_api_close, deform_conv_ref
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
-TOL = {np.dtype(np.float32): 1e-5, np.dtype(np.float64): 1e-12,
-       np.dtype(np.float16): 2e-3, BF16: 1.6e-2}  # 16-bit: about 2 ulp of the output's scale
-
-
-def assert_api_close(got, want, dtype):
-    """API.md accuracy: rel tol plus tol x the largest finite |exact output|;
-    non-finite entries must match exactly (NaN where NaN, same-signed Inf)."""
-    tol = TOL[np.dtype(dtype)]
-    got = np.asarray(got, dtype=np.float64)
-    want = np.asarray(want, dtype=np.float64)
-    assert got.shape == want.shape
-    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
-    fin = np.isfinite(want)
-    np.testing.assert_array_equal(got[~fin & ~np.isnan(want)], want[~fin & ~np.isnan(want)])
-    scale = np.abs(want[fin]).max() if fin.any() else 0.0
-    np.testing.assert_allclose(got[fin], want[fin], rtol=tol, atol=tol * scale)
 
 
 def out_sizes(D, k, pads, strides, dil):
