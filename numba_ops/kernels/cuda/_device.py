@@ -29,7 +29,7 @@ try:  # numba-cuda keeps its own config; numba's built-in target used numba's
 except ImportError:  # pragma: no cover - other numba-cuda layouts
     from numba.core import config as _cuda_config
 
-from ..._dtypes import BFLOAT16, DTYPES, storage
+from ..._dtypes import BFLOAT16, DTYPES, SUPPORTED, storage
 
 SIMULATOR = bool(_cuda_config.ENABLE_CUDASIM)
 
@@ -163,7 +163,7 @@ def interface_desc(obj, name):
         desc["typestr"] = "<u2"
         return desc, True
     raise TypeError(f"{name} exports the untyped dtype {desc['typestr']!r} through __cuda_array_interface__ "
-                    f"and does not say it is bfloat16; expected one of float16, bfloat16, float32, float64")
+                    f"and does not say it is bfloat16; expected one of {SUPPORTED}")
 
 
 class _HostView:
