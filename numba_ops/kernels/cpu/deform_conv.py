@@ -21,10 +21,10 @@ Algorithm, per image (images go in chunks so that scratch stays within
 2. Output positions are cut into tiles of ``T``. For each tile and each
    (offset group, kernel point) a plan (base index, 2**n weights; the 2-D and
    3-D plans, vectorised along the last output axis, fold a finite mask in) is
-   built. The fill
-   then walks the tile position by position, writing each column row front to
-   back; every (kernel point, offset group) is a contiguous run of channels in
-   ``xp``, so the innermost loop is a SIMD loop of 2**n loads and FMAs.
+   built. The fill then walks the tile position by position, writing each
+   column row front to back; every (kernel point, offset group) is a contiguous
+   run of channels in ``xp``, so the innermost loop is a SIMD loop of 2**n
+   loads and FMAs.
 3. The tile's columns ``(group, T, K, C/group)`` times the weights, reordered
    once to ``(group, oC/group, K, C/group)``, is one single-threaded BLAS GEMM
    per group (numba's ``np.dot`` calls SciPy's BLAS, which ``launch`` holds at
