@@ -218,9 +218,7 @@ def _strided_get(a, i):
 @cuda.jit
 def _pack(src, dst):
     """dst[i] = src's C-order element i: a strided device array made contiguous."""
-    start = np.int64(cuda.blockIdx.x) * cuda.blockDim.x + cuda.threadIdx.x
-    step = np.int64(cuda.gridDim.x) * cuda.blockDim.x
-    for i in range(start, dst.shape[0], step):
+    for i in range(cuda.grid(1), dst.shape[0], cuda.gridsize(1)):  # grid-stride, int64
         dst[i] = strided_get(src, i)
 
 

@@ -50,9 +50,7 @@ def kernels(ct, nd):
     def coords(c, D, H, W, align):
         """c[:W], c[W:W+H], c[W+H:] = base coordinates of the W, H, D axes."""
         one = ct(1)
-        start = np.int64(cuda.blockIdx.x) * cuda.blockDim.x + cuda.threadIdx.x
-        step = np.int64(cuda.gridDim.x) * cuda.blockDim.x
-        for i in range(start, c.shape[0], step):
+        for i in range(cuda.grid(1), c.shape[0], cuda.gridsize(1)):  # grid-stride, int64
             if i < W:
                 c[i] = base_coord(i, W, align, one)
             elif i < W + H:

@@ -280,9 +280,7 @@ def weights_by_kernel_point(w, wt, cpg, K, ocg):
     """wt[((gi*K + kidx)*cpg + c)*ocg + o] = w[((gi*ocg + o)*cpg + c)*K + kidx]: the
     weight tile of a chunk (fixed kidx, consecutive c, consecutive oc) becomes
     contiguous rows, so its loads coalesce. Storage-type copy; W is small."""
-    start = np.int64(cuda.blockIdx.x) * cuda.blockDim.x + cuda.threadIdx.x
-    step = np.int64(cuda.gridDim.x) * cuda.blockDim.x
-    for i in range(start, w.shape[0], step):
+    for i in range(cuda.grid(1), w.shape[0], cuda.gridsize(1)):  # grid-stride, int64
         kidx = i % K
         r = i // K
         c = r % cpg
