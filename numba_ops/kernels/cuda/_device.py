@@ -29,6 +29,7 @@ try:  # numba-cuda keeps its own config; numba's built-in target used numba's
 except ImportError:  # pragma: no cover - other numba-cuda layouts
     from numba.core import config as _cuda_config
 
+from ..._dispatch import is_numba_device_array
 from ..._dtypes import BFLOAT16, DTYPES, SUPPORTED, storage
 
 SIMULATOR = bool(_cuda_config.ENABLE_CUDASIM)
@@ -125,11 +126,6 @@ def launch_guard():
             yield
         finally:
             sys.setswitchinterval(old)
-
-
-def is_numba_device_array(a):
-    """True for numba's own device arrays (real or simulated)."""
-    return bool(getattr(type(a), "__cuda_ndarray__", False))
 
 
 def blocks_for(n):
