@@ -49,7 +49,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from ..._dtypes import BFLOAT16, FLOAT16
+from ..._dtypes import DTYPES as _PUBLIC, compute, storage
 from .._scalar import border_corner, load, store
 from . import _runtime
 
@@ -874,8 +874,7 @@ _BLAS = _BlasThreads()
 #: the 2-D/3-D fast plans compute sites and positions in 32 bits: sizes, sites and the
 #: positions' integer parts must stay under this (``border_corner``'s int32 bound)
 _I32 = 1 << 29
-_VIEW = {FLOAT16: np.int16, BFLOAT16: np.uint16}
-_EMPTY = {np.dtype(t): np.empty(0, t) for t in (FLOAT16, BFLOAT16, np.float32, np.float64)}
+_EMPTY = {dt: np.empty(0, dt) for dt in _PUBLIC}  # the kernels' B when there is none
 
 
 def _plan_sizes(N, C, K, oC, P, group, og, nd, S, item, nth):
@@ -920,7 +919,7 @@ class _State:
         _, S, tail = _padded_extent(geo, pstr)  # sites of a padded image, its zero tail
         self.p, self.xshape, self.dtype, self.oC = p, x.shape, x.dtype, oC
         self.yshape = (N, oC) + tuple(p.out_spatial)
-        self.view = _VIEW.get(x.dtype)
+        self.view = storage(x.dtype) if storage(x.dtype) != x.dtype else None  # 16-bit: bit patterns
         self.empty = N == 0 or oC == 0
         self.nob = _EMPTY[x.dtype]
         work = N * P * K * (C + oC * (C // group) // 4 + 4)
@@ -929,8 +928,8 @@ class _State:
         self.small = None
         if work < _runtime.PARALLEL_MIN_WORK:
             self.small = _direct if dwork <= _DIRECT_MAX else _serial
-        item = 8 if x.dtype == np.float64 else 4
-        self.ctype = np.float64 if item == 8 else np.float32
+        self.ctype = compute(x.dtype)
+        item = self.ctype.itemsize
         # 2-D and 3-D plans compute sites and positions in 32 bits: only when they fit
         fits = (S < _I32 and max(x.shape[2:], default=0) < _I32 and max(p.pads_begin) < _I32
                 and max(p.out_spatial) * max(p.strides) + max(p.kernel_shape) * max(p.dilations) < _I32)
