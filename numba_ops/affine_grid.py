@@ -14,6 +14,18 @@ from ._validate import as_bool, int_tuple, remember
 _SEEN = {}
 
 
+def _fast_key(theta, size, align_corners):
+    """The cache key of a plain NumPy call (see ``_SEEN``), or None when the call
+    must take the full path."""
+    if type(theta) is not np.ndarray:
+        return None
+    if type(size) in (list, tuple):
+        return (theta.shape, theta.dtype, *size, *map(type, size), align_corners, type(align_corners))
+    if type(size) is np.ndarray and size.ndim == 1 and size.dtype.kind in "iu":
+        return (theta.shape, theta.dtype, size.dtype, *size.tolist(), align_corners, type(align_corners))
+    return None
+
+
 def affine_grid(theta, size, align_corners=False, *, device=None):
     """Sampling grid of an affine transform, as ONNX AffineGrid.
 
@@ -32,19 +44,14 @@ def affine_grid(theta, size, align_corners=False, *, device=None):
     grid : array (N, H, W, 2) or (N, D, H, W, 3), theta's dtype. NumPy for NumPy
         input, a numba device array for device input.
     """
-    key = None
-    if (device is None or device == "cpu") and type(theta) is np.ndarray:
-        if type(size) in (list, tuple):
-            key = (theta.shape, theta.dtype, *size, *map(type, size), align_corners, type(align_corners))
-        elif type(size) is np.ndarray and size.ndim == 1 and size.dtype.kind in "iu":
-            key = (theta.shape, theta.dtype, size.dtype, *size.tolist(), align_corners, type(align_corners))
-        if key is not None:
-            try:
-                hit = _SEEN.get(key)
-            except TypeError:  # an unhashable entry: the full path says what is wrong
-                hit = key = None
-            if hit is not None:
-                return launcher("affine_grid", "cpu", theta.dtype)(theta, *hit)
+    key = _fast_key(theta, size, align_corners) if device is None or device == "cpu" else None
+    if key is not None:
+        try:
+            hit = _SEEN.get(key)
+        except TypeError:  # an unhashable entry: the full path says what is wrong
+            hit = key = None
+        if hit is not None:
+            return launcher("affine_grid", "cpu", theta.dtype)(theta, *hit)
     if theta is None:
         raise ValueError("theta is required")
     device = resolve_device(device, [theta, size])
