@@ -27,6 +27,7 @@ import threading
 import warnings
 
 import numba
+from numba.np.ufunc import parallel as _parallel
 
 if "NUMBA_THREADING_LAYER" not in os.environ and "NUMBA_THREADING_LAYER_PRIORITY" not in os.environ:
     # in the environment too: numba re-reads its config from it when it changes
@@ -47,8 +48,7 @@ _warned = False
 
 def _after_fork_in_child():
     global _forked_after_omp
-    from numba.np.ufunc import parallel
-    if parallel._is_initialized and numba.threading_layer() == "omp":
+    if _parallel._is_initialized and numba.threading_layer() == "omp":
         _forked_after_omp = True
 
 
@@ -70,6 +70,16 @@ def pool_usable():
     return False
 
 
+def num_threads():
+    """``numba.get_num_threads()``: the calling thread's count. Once the pool is up it
+    is read from numba's thread-local slot; ``get_num_threads()`` takes a
+    multiprocessing lock on every call, which beside a spinning pool costs 5-15 us
+    (2-4 % of a large AffineGrid here)."""
+    get = getattr(_parallel, "_get_num_threads", None)  # numba's ctypes binding, set as the pool starts
+    n = get() if get is not None and _parallel._is_initialized else 0
+    return n if n > 0 else numba.get_num_threads()
+
+
 def run(serial, parallel, work, *args):
     """``serial(*args)`` for small work (or where the pool cannot run), else
     ``parallel(*args, nchunks)`` under the pool lock, ``nchunks`` being a few pieces
@@ -77,5 +87,5 @@ def run(serial, parallel, work, *args):
     if work < PARALLEL_MIN_WORK or not pool_usable():
         return serial(*args)
     with POOL_LOCK:
-        return parallel(*args, 4 * numba.get_num_threads())
+        return parallel(*args, 4 * num_threads())
 

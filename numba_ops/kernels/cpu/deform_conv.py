@@ -989,7 +989,7 @@ def launch(x, w, offset, b, mask, p):
     if st.small is not None:
         st.small(*args, st.meta[1][0][i])
         return y
-    nth = numba.get_num_threads() if _runtime.pool_usable() else 1
+    nth = _runtime.num_threads() if _runtime.pool_usable() else 1
     plan = st.meta.get(nth)
     if plan is None:  # the caller changed numba's thread count
         plan = st.meta[nth] = _State(x, w, p).meta[nth]
