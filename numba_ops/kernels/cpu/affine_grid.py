@@ -116,15 +116,20 @@ def _parallel(theta, out, D, H, W, align, one, nchunks):
         _rows(theta, out, D, H, W, align, one, c * rows // nchunks, (c + 1) * rows // nchunks)
 
 
+#: 1 in each compute type, made once: a fresh NumPy scalar per call costs a large call ~5 us
+_ONE = {np.dtype(t): t(1) for t in (np.float32, np.float64)}
+
+
 def launch(theta, size, align):
     """theta: NumPy (N, nd, nd+1), validated; size: (N, C, [D,] H, W)."""
     dtype = theta.dtype
     nd = len(size) - 2
     shape = (size[0],) + tuple(size[2:])
-    out = np.empty(shape + (nd,), dtype=storage(dtype))
-    if out.size == 0:
-        return out.view(dtype)
-    th = np.ascontiguousarray(theta, dtype=compute(dtype))
-    D = shape[1] if nd == 3 else 1
-    _runtime.run(_serial, _parallel, out.size, th, out.reshape(-1), D, shape[-2], shape[-1], align, th.dtype.type(1))
-    return out.view(dtype)
+    st = storage(dtype)
+    out = np.empty(shape + (nd,), dtype=st)
+    if out.size:
+        th = np.ascontiguousarray(theta, dtype=compute(dtype))
+        D = shape[1] if nd == 3 else 1
+        _runtime.run(_serial, _parallel, out.size, th, out.reshape(-1), D, shape[-2], shape[-1], align,
+                     _ONE[th.dtype])
+    return out if st == dtype else out.view(dtype)  # 16-bit: the bit patterns as their dtype
