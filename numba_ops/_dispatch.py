@@ -103,10 +103,13 @@ def as_array(a, name, device):
                         f"that NumPy cannot read ({exc})") from exc
 
 
-def to_device(result):
-    """A CPU result for device inputs: a numba device array (API.md, Devices)."""
+def result_for(out, device_inputs):
+    """A launcher's result as API.md (Devices) hands it back: for calls with device
+    inputs a numba device array wherever it ran (a NumPy result goes over), else as is."""
+    if not device_inputs or not isinstance(out, np.ndarray):
+        return out
     from .kernels.cuda._device import from_host
-    return from_host(result)
+    return from_host(out)
 
 
 @functools.lru_cache(maxsize=None)

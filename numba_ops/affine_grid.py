@@ -3,7 +3,7 @@ import math
 
 import numpy as np
 
-from ._dispatch import as_array, launcher, on_device, resolve_device, to_device
+from ._dispatch import as_array, launcher, on_device, resolve_device, result_for
 from ._dtypes import common_float_dtype
 from ._validate import as_bool, int_tuple, remember
 
@@ -79,4 +79,4 @@ def affine_grid(theta, size, align_corners=False, *, device=None):
     if key is not None and device == "cpu":
         remember(_SEEN, key, (size, align))
     out = launcher("affine_grid", device, theta.dtype)(theta, size, align)
-    return to_device(out) if back and isinstance(out, np.ndarray) else out
+    return result_for(out, back)

@@ -1,7 +1,7 @@
 """DeformConv (ONNX opset 19/22): front end. Semantics: seeds/DeformConv-onnx-spec.txt."""
 import numpy as np
 
-from ._dispatch import as_array, launcher, on_device, resolve_device, to_device
+from ._dispatch import as_array, launcher, on_device, resolve_device, result_for
 from ._dtypes import common_float_dtype
 from ._shapes import DeformParams, out_size
 from ._validate import as_int, int_tuple, remember
@@ -140,7 +140,7 @@ def deform_conv(x, w, offset, b=None, mask=None, *, kernel_shape=None, strides=N
         key = None
     inputs = {"X": x, "W": w, "offset": offset, "B": b, "mask": mask}
     device = resolve_device(device, list(inputs.values()))
-    back = device == "cpu" and any(on_device(a) for a in inputs.values())  # a device result
+    back = any(on_device(a) for a in inputs.values())  # device inputs: a device result, wherever it ran
     for name in ("X", "W", "offset"):
         if inputs[name] is None:
             raise ValueError(f"{name} is required")
@@ -159,5 +159,5 @@ def deform_conv(x, w, offset, b=None, mask=None, *, kernel_shape=None, strides=N
     if key is not None and device == "cpu":
         remember(_SEEN, key, p)
     y = launcher("deform_conv", device, x.dtype)(x, w, offset, b, mask, p)
-    return to_device(y) if back else y
+    return result_for(y, back)
 

@@ -919,7 +919,8 @@ class _State:
         _, S, tail = _padded_extent(geo, pstr)  # sites of a padded image, its zero tail
         self.p, self.xshape, self.dtype, self.oC = p, x.shape, x.dtype, oC
         self.yshape = (N, oC) + tuple(p.out_spatial)
-        self.view = storage(x.dtype) if storage(x.dtype) != x.dtype else None  # 16-bit: bit patterns
+        view = storage(x.dtype)
+        self.view = view if view != x.dtype else None  # 16-bit: their bit patterns
         self.empty = N == 0 or oC == 0
         self.nob = _EMPTY[x.dtype]
         work = N * P * K * (C + oC * (C // group) // 4 + 4)

@@ -112,10 +112,11 @@ if SIMULATOR:
 def launch_guard():
     """Wraps every launcher, and the host code of this module used from outside
     one. On a GPU it does nothing. In the simulator it serialises them (while a
-    simulated kernel runs, numba swaps the ``cuda`` global of the kernel's module for
-    a fake, which breaks host code of that module running in another thread) and shortens the interpreter's thread switch
-    interval: the simulator's block manager busy-polls its threads, so each
-    ``syncthreads`` otherwise costs a 5 ms GIL hand-over (measured: 7x faster)."""
+    simulated kernel runs, numba swaps the ``cuda`` global of the kernel's module
+    for a fake, which breaks host code of that module running in another thread)
+    and shortens the interpreter's thread switch interval: the simulator's block
+    manager busy-polls its threads, so each ``syncthreads`` otherwise costs a 5 ms
+    GIL hand-over (measured: 7x faster)."""
     if not SIMULATOR:
         yield
         return
