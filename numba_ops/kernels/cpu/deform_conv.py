@@ -43,7 +43,6 @@ import glob
 import os
 import threading
 
-import numba
 import numpy as np
 from numba import njit, prange, types
 from numba.core import cgutils
@@ -936,7 +935,7 @@ class _State:
                 and max(p.out_spatial) * max(p.strides) + max(p.kernel_shape) * max(p.dilations) < _I32)
         fast = nd if (fits and nd in (2, 3)) else 0
         self.meta = {}
-        for nth in {1, max(1, numba.get_num_threads())}:
+        for nth in {1, _runtime.num_threads()}:
             T, nb = _plan_sizes(N, C, K, oC, P, p.group, p.offset_group, nd, S + tail, item, nth)
             dims = [C, K, p.group, p.offset_group, T, nb, nth, fast, S]
             # index has_mask * 2 + has_b: dims[9] has_mask, dims[10] has_b
