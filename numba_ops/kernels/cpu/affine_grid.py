@@ -8,11 +8,12 @@ written once, rounded straight into its storage type.
 - 3-D: LLVM leaves the stride-3 version scalar, so every row of one ``(n, d)``
   slab is written as the same linear function of its ``y``::
 
-      row[3w + k] = P[3w + k] + y * Q[3w + k]
-      P = theta[n,k,0] * x_w + (theta[n,k,2] * z_d + theta[n,k,3]),  Q = theta[n,k,1]
+      row[3w + k] = P[3w + k] + y * Q[3w + k],   P = A + z_d * C
+      A = theta[n,k,0] * x_w + theta[n,k,3],  C = theta[n,k,2],  Q = theta[n,k,1]
 
-  ``P`` and ``Q`` are built once per slab (in L1), and the row loop is
-  contiguous loads, a multiply-add and a contiguous store: 1.5-2x faster.
+  ``A``, ``C`` and ``Q`` are built once per image and ``P`` once per slab (a
+  contiguous loop), all in L1; the row loop is contiguous loads, a multiply-add
+  and a contiguous store: 1.5-2x faster than the stride-3 loop.
 
 bfloat16 is rounded by ``f32_to_bf16_bits_rne`` (no NaN branch: theta is
 bfloat16, so every NaN here has zero low bits), which keeps the loop unrolled.
@@ -57,50 +58,51 @@ def _rows(theta, out, D, H, W, align, one, r0, r1):
     1 in 2-D); ``one`` is 1 in the compute type. (Sizes come as ints, not a tuple:
     numba's dispatcher types a tuple argument in Python, a microsecond on small calls.)
 
-    The row's (n, d, h) advance as counters: a 3-D row is only 192 elements, and
-    the three integer divisions that would recover them cost as much as its stores.
+    The rows go by runs within one ``(n, d)`` slab, so the integer divisions that
+    find ``(n, d, h)`` are paid once a run, not once a (3-D: 192-element) row.
     """
     nd = theta.shape[1]
     L = W * nd
     xs = _coords(W, align, one)
     ys = _coords(H, align, one)
     zs = _coords(D, align, one)
-    P = np.empty(L if nd == 3 else 0, dtype=type(one))  # the 3-D slab tables
-    Q = np.empty_like(P)
-    h = r0 % H
-    d = (r0 // H) % D
-    n = r0 // (H * D)
+    T = L if nd == 3 else 0  # the 3-D tables: A, C, Q per image, P per slab
+    A = np.empty(T, dtype=type(one))
+    C, Q, P = np.empty_like(A), np.empty_like(A), np.empty_like(A)
+    n_tables = -1
+    r = r0
     o = r0 * L
-    fresh = True
-    for _ in range(r0, r1):
-        y = ys[h]
+    while r < r1:
+        s = r // H
+        n = s // D
+        h0 = r - s * H
+        h1 = min(H, h0 + (r1 - r))
         if nd == 2:
             a0, a1 = theta[n, 0, 0], theta[n, 1, 0]
-            b0 = theta[n, 0, 1] * y + theta[n, 0, 2]
-            b1 = theta[n, 1, 1] * y + theta[n, 1, 2]
-            for w in range(W):
-                _put(out, np.uint64(o + 2 * w), a0 * xs[w] + b0)  # unsigned: no negative-index fix-up
-                _put(out, np.uint64(o + 2 * w + 1), a1 * xs[w] + b1)
+            for h in range(h0, h1):
+                b0 = theta[n, 0, 1] * ys[h] + theta[n, 0, 2]
+                b1 = theta[n, 1, 1] * ys[h] + theta[n, 1, 2]
+                for w in range(W):
+                    _put(out, np.uint64(o + 2 * w), a0 * xs[w] + b0)  # unsigned: no negative-index fix-up
+                    _put(out, np.uint64(o + 2 * w + 1), a1 * xs[w] + b1)
+                o += L
         else:
-            if fresh:
+            if n != n_tables:
                 for k in range(3):
-                    a, q = theta[n, k, 0], theta[n, k, 1]
-                    b = theta[n, k, 2] * zs[d] + theta[n, k, 3]
                     for w in range(W):
-                        P[3 * w + k] = a * xs[w] + b
-                        Q[3 * w + k] = q
-                fresh = False
+                        A[3 * w + k] = theta[n, k, 0] * xs[w] + theta[n, k, 3]
+                        C[3 * w + k] = theta[n, k, 2]
+                        Q[3 * w + k] = theta[n, k, 1]
+                n_tables = n
+            z = zs[s - n * D]
             for j in range(L):
-                _put(out, np.uint64(o + j), P[j] + y * Q[j])
-        o += L
-        h += 1
-        if h == H:
-            h = 0
-            d += 1
-            fresh = True
-            if d == D:
-                d = 0
-                n += 1
+                P[j] = A[j] + z * C[j]
+            for h in range(h0, h1):
+                y = ys[h]
+                for j in range(L):
+                    _put(out, np.uint64(o + j), P[j] + y * Q[j])
+                o += L
+        r += h1 - h0
 
 
 @njit(cache=True)
