@@ -8,12 +8,13 @@ written once, rounded straight into its storage type.
 - 3-D: LLVM leaves the stride-3 version scalar, so every row of one ``(n, d)``
   slab is written as the same linear function of its ``y``::
 
-      row[3w + k] = P[3w + k] + y * Q[3w + k],   P = A + z_d * C
-      A = theta[n,k,0] * x_w + theta[n,k,3],  C = theta[n,k,2],  Q = theta[n,k,1]
+      row[3w + k] = P[3w + k] + y * Q[3w + k],   P = A + (C * z_d + T)
+      A = theta[n,k,0] * x_w,  C = theta[n,k,2],  T = theta[n,k,3],  Q = theta[n,k,1]
 
-  ``A``, ``C`` and ``Q`` are built once per image and ``P`` once per slab (a
-  contiguous loop), all in L1; the row loop is contiguous loads, a multiply-add
-  and a contiguous store: 1.5-2x faster than the stride-3 loop.
+  ``A``, ``C``, ``T`` and ``Q`` are built once per image and ``P`` once per slab
+  (a contiguous loop), all in L1; the row loop is contiguous loads, a multiply-add
+  and a contiguous store: 1.5-2x faster than the stride-3 loop. (The grouping is
+  the CUDA kernel's, so both devices round alike.)
 
 bfloat16 is rounded by ``f32_to_bf16_bits_rne`` (no NaN branch: theta is
 bfloat16, so every NaN here has zero low bits), which keeps the loop unrolled.
@@ -66,9 +67,8 @@ def _rows(theta, out, D, H, W, align, one, r0, r1):
     xs = _coords(W, align, one)
     ys = _coords(H, align, one)
     zs = _coords(D, align, one)
-    T = L if nd == 3 else 0  # the 3-D tables: A, C, Q per image, P per slab
-    A = np.empty(T, dtype=type(one))
-    C, Q, P = np.empty_like(A), np.empty_like(A), np.empty_like(A)
+    A = np.empty(L if nd == 3 else 0, dtype=type(one))  # the 3-D tables (above)
+    C, T, Q, P = np.empty_like(A), np.empty_like(A), np.empty_like(A), np.empty_like(A)
     n_tables = -1
     r = r0
     o = r0 * L
@@ -90,13 +90,14 @@ def _rows(theta, out, D, H, W, align, one, r0, r1):
             if n != n_tables:
                 for k in range(3):
                     for w in range(W):
-                        A[3 * w + k] = theta[n, k, 0] * xs[w] + theta[n, k, 3]
+                        A[3 * w + k] = theta[n, k, 0] * xs[w]
                         C[3 * w + k] = theta[n, k, 2]
+                        T[3 * w + k] = theta[n, k, 3]
                         Q[3 * w + k] = theta[n, k, 1]
                 n_tables = n
             z = zs[s - n * D]
             for j in range(L):
-                P[j] = A[j] + z * C[j]
+                P[j] = A[j] + (C[j] * z + T[j])
             for h in range(h0, h1):
                 y = ys[h]
                 for j in range(L):
