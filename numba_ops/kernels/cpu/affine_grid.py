@@ -12,9 +12,10 @@ written once, rounded straight into its storage type.
       A = theta[n,k,0] * x_w,  C = theta[n,k,2],  T = theta[n,k,3],  Q = theta[n,k,1]
 
   ``A``, ``C``, ``T`` and ``Q`` are built once per image and ``P`` once per slab
-  (a contiguous loop), all in L1; the row loop is contiguous loads, a multiply-add
-  and a contiguous store: 1.5-2x faster than the stride-3 loop. (The grouping is
-  the CUDA kernel's, so both devices round alike.)
+  (a contiguous loop), all in cache (rows longer than ``_BLOCK`` go in column
+  blocks, the tables rebuilt per block); the row loop is contiguous loads, a
+  multiply-add and a contiguous store: 1.5-2x faster than the stride-3 loop.
+  (The grouping is the CUDA kernel's, so both devices round alike.)
 
 bfloat16 is rounded by ``f32_to_bf16_bits_rne`` (no NaN branch: theta is
 bfloat16, so every NaN here has zero low bits), which keeps the loop unrolled.
@@ -28,6 +29,10 @@ from .._scalar import base_coord, f32_to_bf16_bits_rne, store
 from . import _runtime
 
 DTYPES = ("float16", "bfloat16", "float32", "float64")
+
+#: 3-D column block: five tables of this many elements (60 KB in float32) stay in
+#: L2 and bound the kernel's scratch memory however long a row is
+_BLOCK = 3 * 1024
 
 
 @njit(cache=True)
@@ -67,7 +72,8 @@ def _rows(theta, out, D, H, W, align, one, r0, r1):
     xs = _coords(W, align, one)
     ys = _coords(H, align, one)
     zs = _coords(D, align, one)
-    A = np.empty(L if nd == 3 else 0, dtype=type(one))  # the 3-D tables (above)
+    B = min(L, _BLOCK) if nd == 3 else 0  # 3-D: rows go in column blocks of B elements
+    A = np.empty(B, dtype=type(one))  # the 3-D tables (above), for one column block
     C, T, Q, P = np.empty_like(A), np.empty_like(A), np.empty_like(A), np.empty_like(A)
     n_tables = -1
     r = r0
@@ -79,30 +85,35 @@ def _rows(theta, out, D, H, W, align, one, r0, r1):
         h1 = min(H, h0 + (r1 - r))
         if nd == 2:
             a0, a1 = theta[n, 0, 0], theta[n, 1, 0]
+            ob = o
             for h in range(h0, h1):
                 b0 = theta[n, 0, 1] * ys[h] + theta[n, 0, 2]
                 b1 = theta[n, 1, 1] * ys[h] + theta[n, 1, 2]
                 for w in range(W):
-                    _put(out, np.uint64(o + 2 * w), a0 * xs[w] + b0)  # unsigned: no negative-index fix-up
-                    _put(out, np.uint64(o + 2 * w + 1), a1 * xs[w] + b1)
-                o += L
+                    _put(out, np.uint64(ob + 2 * w), a0 * xs[w] + b0)  # unsigned: no negative-index fix-up
+                    _put(out, np.uint64(ob + 2 * w + 1), a1 * xs[w] + b1)
+                ob += L
         else:
-            if n != n_tables:
-                for k in range(3):
-                    for w in range(W):
-                        A[3 * w + k] = theta[n, k, 0] * xs[w]
-                        C[3 * w + k] = theta[n, k, 2]
-                        T[3 * w + k] = theta[n, k, 3]
-                        Q[3 * w + k] = theta[n, k, 1]
-                n_tables = n
-            z = zs[s - n * D]
-            for j in range(L):
-                P[j] = A[j] + (C[j] * z + T[j])
-            for h in range(h0, h1):
-                y = ys[h]
-                for j in range(L):
-                    _put(out, np.uint64(o + j), P[j] + y * Q[j])
-                o += L
+            for j0 in range(0, L, B):
+                j1 = min(L, j0 + B)
+                if n != n_tables or B < L:  # one block: the tables last the image
+                    for k in range(3):
+                        for w in range(j0 // 3, j1 // 3):
+                            A[3 * w + k - j0] = theta[n, k, 0] * xs[w]
+                            C[3 * w + k - j0] = theta[n, k, 2]
+                            T[3 * w + k - j0] = theta[n, k, 3]
+                            Q[3 * w + k - j0] = theta[n, k, 1]
+                    n_tables = n
+                z = zs[s - n * D]
+                for j in range(j1 - j0):
+                    P[j] = A[j] + (C[j] * z + T[j])
+                ob = o + j0
+                for h in range(h0, h1):
+                    y = ys[h]
+                    for j in range(j1 - j0):
+                        _put(out, np.uint64(ob + j), P[j] + y * Q[j])
+                    ob += L
+        o += (h1 - h0) * L
         r += h1 - h0
 
 
