@@ -53,8 +53,8 @@ def test_float64_oracle(size, align, dtype, device, rng):
 @pytest.mark.parametrize("size", [(2, 1, 2, 3, 1100), (3, 1, 5, 7, 1100)])
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 def test_3d_long_rows(size, dtype, rng):
-    """Rows longer than the CPU kernel's column block (3 * 1024 elements): serial
-    (first size) and parallel (second) runs, chunks starting inside a slab."""
+    """Long 3-D rows (3300 elements), few to a slab: serial (first size) and
+    parallel (second) runs, chunks starting inside a slab."""
     theta = _theta(rng, size[0], 3, dtype) * 3
     for align in (0, 1):
         got = numba_ops.affine_grid(theta, size, align_corners=align)

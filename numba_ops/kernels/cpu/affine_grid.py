@@ -8,13 +8,11 @@ written once, rounded straight into its storage type.
 - 3-D: LLVM leaves the stride-3 version scalar, so every row of one ``(n, d)``
   slab is written as the same linear function of its ``y``::
 
-      row[3w + k] = P[3w + k] + y * Q[3w + k],   P = A + (C * z_d + T)
-      A = theta[n,k,0] * x_w,  C = theta[n,k,2],  T = theta[n,k,3],  Q = theta[n,k,1]
+      row[3w + k] = P[3w + k] + y * Q[3w + k]
+      P = theta[n,k,0] * x_w + (theta[n,k,2] * z_d + theta[n,k,3]),  Q = theta[n,k,1]
 
-  ``A``, ``C``, ``T`` and ``Q`` are built once per image and ``P`` once per slab
-  (a contiguous loop), all in cache (rows longer than ``_BLOCK`` go in column
-  blocks, the tables rebuilt per block); the row loop is contiguous loads, a
-  multiply-add and a contiguous store: 1.5-2x faster than the stride-3 loop.
+  ``P`` is built once per slab and ``Q`` once per image (in L1), and the row
+  loop is contiguous loads, a multiply-add and a contiguous store: 1.5-2x faster.
   (The grouping is the CUDA kernel's, so both devices round alike.)
 
 bfloat16 is rounded by ``f32_to_bf16_bits_rne`` (no NaN branch: theta is
@@ -29,10 +27,6 @@ from .._scalar import base_coord, f32_to_bf16_bits_rne, store
 from . import _runtime
 
 DTYPES = ("float16", "bfloat16", "float32", "float64")
-
-#: 3-D column block: five tables of this many elements (60 KB in float32) stay in
-#: L2 and bound the kernel's scratch memory however long a row is
-_BLOCK = 3 * 1024
 
 
 @njit(cache=True)
@@ -72,10 +66,9 @@ def _rows(theta, out, D, H, W, align, one, r0, r1):
     xs = _coords(W, align, one)
     ys = _coords(H, align, one)
     zs = _coords(D, align, one)
-    B = min(L, _BLOCK) if nd == 3 else 0  # 3-D: rows go in column blocks of B elements
-    A = np.empty(B, dtype=type(one))  # the 3-D tables (above), for one column block
-    C, T, Q, P = np.empty_like(A), np.empty_like(A), np.empty_like(A), np.empty_like(A)
-    n_tables = -1
+    P = np.empty(L if nd == 3 else 0, dtype=type(one))  # the 3-D tables (above)
+    Q = np.empty_like(P)
+    n_q = -1
     r = r0
     o = r0 * L
     while r < r1:
@@ -85,35 +78,29 @@ def _rows(theta, out, D, H, W, align, one, r0, r1):
         h1 = min(H, h0 + (r1 - r))
         if nd == 2:
             a0, a1 = theta[n, 0, 0], theta[n, 1, 0]
-            ob = o
             for h in range(h0, h1):
                 b0 = theta[n, 0, 1] * ys[h] + theta[n, 0, 2]
                 b1 = theta[n, 1, 1] * ys[h] + theta[n, 1, 2]
                 for w in range(W):
-                    _put(out, np.uint64(ob + 2 * w), a0 * xs[w] + b0)  # unsigned: no negative-index fix-up
-                    _put(out, np.uint64(ob + 2 * w + 1), a1 * xs[w] + b1)
-                ob += L
+                    _put(out, np.uint64(o + 2 * w), a0 * xs[w] + b0)  # unsigned: no negative-index fix-up
+                    _put(out, np.uint64(o + 2 * w + 1), a1 * xs[w] + b1)
+                o += L
         else:
-            for j0 in range(0, L, B):
-                j1 = min(L, j0 + B)
-                if n != n_tables or B < L:  # one block: the tables last the image
-                    for k in range(3):
-                        for w in range(j0 // 3, j1 // 3):
-                            A[3 * w + k - j0] = theta[n, k, 0] * xs[w]
-                            C[3 * w + k - j0] = theta[n, k, 2]
-                            T[3 * w + k - j0] = theta[n, k, 3]
-                            Q[3 * w + k - j0] = theta[n, k, 1]
-                    n_tables = n
-                z = zs[s - n * D]
-                for j in range(j1 - j0):
-                    P[j] = A[j] + (C[j] * z + T[j])
-                ob = o + j0
-                for h in range(h0, h1):
-                    y = ys[h]
-                    for j in range(j1 - j0):
-                        _put(out, np.uint64(ob + j), P[j] + y * Q[j])
-                    ob += L
-        o += (h1 - h0) * L
+            if n != n_q:
+                for k in range(3):
+                    for w in range(W):
+                        Q[3 * w + k] = theta[n, k, 1]
+                n_q = n
+            for k in range(3):
+                a = theta[n, k, 0]
+                b = theta[n, k, 2] * zs[s - n * D] + theta[n, k, 3]
+                for w in range(W):
+                    P[3 * w + k] = a * xs[w] + b
+            for h in range(h0, h1):
+                y = ys[h]
+                for j in range(L):
+                    _put(out, np.uint64(o + j), P[j] + y * Q[j])
+                o += L
         r += h1 - h0
 
 
