@@ -29,7 +29,7 @@ try:  # numba-cuda keeps its own config; numba's built-in target used numba's
 except ImportError:  # pragma: no cover - other numba-cuda layouts
     from numba.core import config as _cuda_config
 
-from ..._dispatch import is_numba_device_array
+from ..._arrays import is_numba_device_array
 from ..._dtypes import BFLOAT16, DTYPES, SUPPORTED, storage
 
 SIMULATOR = bool(_cuda_config.ENABLE_CUDASIM)
