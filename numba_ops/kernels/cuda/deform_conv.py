@@ -309,13 +309,14 @@ def compile_jobs():
         yield f"deform_conv.weights/{dt}", weights_by_kernel_point, (arr, arr, i64, i64, i64)
 
 
-def launch(x, w, offset, b, mask, p):
-    """Validated inputs (NumPy or numba device arrays of one dtype) and DeformParams."""
+def launch(x, w, offset, b, mask, p, stream=None):
+    """Validated inputs (NumPy or numba device arrays of one dtype) and DeformParams;
+    stream: the public ``stream=`` (``_device.as_stream``)."""
     with _device.launch_guard():
-        return _launch(x, w, offset, b, mask, p)
+        return _launch(x, w, offset, b, mask, p, _device.as_stream(stream))
 
 
-def _launch(x, w, offset, b, mask, p):
+def _launch(x, w, offset, b, mask, p, stream):
     dtype = np.dtype(x.dtype)
     st = storage(dtype)
     N, C = int(x.shape[0]), int(x.shape[1])
@@ -328,22 +329,22 @@ def _launch(x, w, offset, b, mask, p):
     shape = (N, oC) + tuple(p.out_spatial)
     to_host = not _device.any_on_device(x, w, offset, b, mask)
     total = N * oC * P
-    y = cuda.device_array(total, dtype=st)
+    y = cuda.device_array(total, dtype=st, stream=stream)
     if total:
-        dummy = _device.dummy(st)
-        xf, wf0, of = _device.flat(x), _device.flat(w), _device.flat(offset)
-        wf = cuda.device_array(wf0.shape[0], dtype=st)
+        dummy = _device.dummy(st, stream)
+        xf, wf0, of = (_device.flat(a, stream) for a in (x, w, offset))
+        wf = cuda.device_array(wf0.shape[0], dtype=st, stream=stream)
         if wf.shape[0]:
-            weights_by_kernel_point[_device.blocks_for(wf.shape[0]), _device.THREADS](
+            weights_by_kernel_point[_device.blocks_for(wf.shape[0]), _device.THREADS, stream](
                 wf0, wf, np.int64(C // group), np.int64(K), np.int64(oC // group))
-        mf = dummy if mask is None else _device.flat(mask)
-        bf = dummy if b is None else _device.flat(b)
+        mf = dummy if mask is None else _device.flat(mask, stream)
+        bf = dummy if b is None else _device.flat(b, stream)
         geo = _device.int64_array([tuple(x.shape[2:]), p.kernel_shape, p.strides, p.pads_begin,
-                                   p.dilations, p.out_spatial])
-        dims = _device.int64_array([N, C, oC, group, og, K, P, S, nd, mask is not None, b is not None])
+                                   p.dilations, p.out_spatial], stream)
+        dims = _device.int64_array([N, C, oC, group, og, K, P, S, nd, mask is not None, b is not None], stream)
         tiles, nd_max = config(nd)
         ntiles = N * group * -(-(oC // group) // (tiles.TY * tiles.TM)) * -(-P // (tiles.TX * tiles.TN))
         blocks = max(1, min(ntiles, _device.MAX_BLOCKS if _device.SIMULATOR else 1 << 20))
-        kernel(compute(dtype).type, tiles, nd_max)[blocks, tiles.TY * tiles.TX](
+        kernel(compute(dtype).type, tiles, nd_max)[blocks, tiles.TY * tiles.TX, stream](
             xf, wf, of, mf, bf, y, geo, dims)
-    return _device.finish(y, shape, dtype, to_host)
+    return _device.finish(y, shape, dtype, to_host, stream)
