@@ -11,7 +11,8 @@ import numba_ops
 from reference import assert_api_close
 
 CUDA = "cuda" in numba_ops.devices()
-pytestmark = pytest.mark.skipif(not CUDA, reason="needs a GPU or NUMBA_ENABLE_CUDASIM=1 (CI's second pass)")
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not CUDA, reason="needs a GPU or NUMBA_ENABLE_CUDASIM=1 (CI's second pass)")]
 
 
 class ProtocolStream:
