@@ -418,13 +418,16 @@ def test_torch_cuda_tensors(tdtype):
 # --- the GPU tile configurations, run by the simulator ------------------------------
 
 @needs_cuda
-@pytest.mark.parametrize("nd", [2, 4])
-def test_gpu_tile_configuration(nd, monkeypatch):
-    """The simulator normally runs 4-thread tiles; run the GPU's 256-thread tiles
-    once on a tiny case so the production configuration is checked too."""
+@pytest.mark.parametrize("nd,wide", [(2, False), (2, True), (4, False)])
+def test_gpu_tile_configuration(nd, wide, monkeypatch):
+    """The simulator normally runs 4-thread tiles; run each of the GPU's 256-thread
+    tile shapes (float64: n <= 3, its 64-bit-index one, n >= 4) once on a tiny
+    case so the production configurations are checked too."""
     from numba_ops.kernels.cuda import deform_conv as dc
-    tiles, nd_max = dc.variants()[0 if nd <= 3 else 1]
-    monkeypatch.setattr(dc, "config", lambda n: (tiles, max(nd_max, n)))
+    tiles, nd_max, _ = dc.variants(np.float64)[(0 if nd <= 3 else 2) + wide]
+    monkeypatch.setattr(dc, "config", lambda n, wide, ct: (tiles, max(nd_max, n)))
+    if wide:
+        monkeypatch.setattr(dc, "WIDE_FROM", 0)
     rng = np.random.default_rng(6)
     xs = (1, 3) + (3, 4, 2, 2)[:nd]
     x = rng.standard_normal(xs)

@@ -89,6 +89,13 @@ def kernels(ct, nd):
     return coords, grid
 
 
+def block_size(label):
+    """Threads per block the launcher uses for a ``compile_jobs`` label (resources.py)."""
+    if label.startswith("affine_grid.grid/"):
+        return threads(int(label.split("/")[1][0]))
+    return _device.THREADS
+
+
 def compile_jobs():
     """(label, kernel, argument types) for every kernel, dtype and nd: what
     ``compile_ptx`` type-checks (tests/test_cuda.py)."""

@@ -75,6 +75,10 @@ class Tiles(NamedTuple):
 GPU_TILES = Tiles(16, 16, 4, 4, 16)
 #: n >= 4: a plan holds 2**n corners per position, so the tile narrows to 4 positions.
 GPU_TILES_ND = Tiles(64, 4, 1, 1, 16)
+#: float64 with 64-bit indices (tensors past 2**31 elements): 64 × 32 tiles, a 4 × 2
+#: register block, as 4 × 4 there wants ~154 registers and spills at 128 (sm_80,
+#: nvJitLink 13.5: 92/104 B).
+GPU_TILES_WIDE_F64 = Tiles(16, 16, 4, 2, 16)
 #: the simulator runs each thread as a Python thread: 4 threads, 4 × 4 tiles (so
 #: small test shapes still span several tiles and partial tiles).
 SIM_TILES = Tiles(2, 2, 2, 2, 4)
@@ -84,11 +88,19 @@ WIDE_FROM = 1 << 31
 MAX_ND = 9
 
 
-def config(nd):
-    """(tiles, nd_max) used for ``nd`` spatial dims: nd_max sizes the plan (2**nd_max corners)."""
+def gpu_config(nd, wide, ct):
+    """(tiles, nd_max) on a GPU for ``nd`` spatial dims, 64-bit indices or not
+    (``wide``) and compute type ``ct``: nd_max sizes the plan (2**nd_max corners)."""
+    if nd > 3:
+        return GPU_TILES_ND, nd
+    return (GPU_TILES_WIDE_F64 if wide and np.dtype(ct) == np.float64 else GPU_TILES), 3
+
+
+def config(nd, wide, ct):
+    """(tiles, nd_max) the launcher uses: ``gpu_config``'s, or the simulator's small tiles."""
     if _device.SIMULATOR:
         return SIM_TILES, max(3, nd)
-    return (GPU_TILES, 3) if nd <= 3 else (GPU_TILES_ND, nd)
+    return gpu_config(nd, wide, ct)
 
 
 @functools.lru_cache(maxsize=None)
@@ -315,9 +327,10 @@ def weights_by_kernel_point(w, wt, cpg, K, ocg):
         wt[((gi * K + kidx) * cpg + c) * ocg + oc - gi * ocg] = w[i]
 
 
-def variants():
-    """Every (tiles, nd_max) the launcher picks on a GPU: n <= 3, and n >= 4 (shown for n = 4)."""
-    return [(GPU_TILES, 3), (GPU_TILES_ND, 4)]
+def variants(ct):
+    """Every (tiles, nd_max, wide) the launcher picks on a GPU for compute type ``ct``:
+    n <= 3, and n >= 4 (shown for n = 4), with 32- and 64-bit indices."""
+    return [gpu_config(nd, wide, ct) + (wide,) for nd in (3, 4) for wide in (False, True)]
 
 
 def compile_jobs():
@@ -330,10 +343,9 @@ def compile_jobs():
     for dt in ALL:
         arr = types.Array(from_dtype(storage(dt)), 1, "C")
         args = (arr,) * 6 + (types.Array(i64, 2, "C"), types.UniTuple(i64, 16))
-        for tiles, nd_max in variants():
-            for wide in (False, True):
-                yield (f"deform_conv/nd<={nd_max}/{'i64' if wide else 'i32'}/{dt}",
-                       kernel(compute(dt).type, tiles, nd_max, wide), args)
+        for tiles, nd_max, wide in variants(compute(dt)):
+            yield (f"deform_conv/nd<={nd_max}/{'i64' if wide else 'i32'}/{dt}",
+                   kernel(compute(dt).type, tiles, nd_max, wide), args)
         yield f"deform_conv.weights/{dt}", weights_by_kernel_point, (arr, arr, i64, i64, i64)
 
 
@@ -369,14 +381,15 @@ def _launch(x, w, offset, b, mask, p, stream):
         bf = dummy if b is None else _device.flat(b, stream)
         geo = _device.int64_array([tuple(x.shape[2:]), p.kernel_shape, p.strides, p.pads_begin,
                                    p.dilations, p.out_spatial], stream)
-        tiles, nd_max = config(nd)
+        wide = max(x.size, offset.size, w.size, total) >= WIDE_FROM
+        ct = compute(dtype).type
+        tiles, nd_max = config(nd, wide, ct)
         n_ot = -(-(oC // group) // (tiles.TY * tiles.TM))
         n_pt = -(-P // (tiles.TX * tiles.TN))
         ntiles = N * group * n_ot * n_pt
-        wide = max(x.size, offset.size, w.size, total) >= WIDE_FROM
         dims = tuple(int(v) for v in (C, oC, og, K, P, S, nd, mask is not None, b is not None,
                                       C // group, oC // group, C // og, n_ot, n_pt, ntiles, group))
         blocks = max(1, min(ntiles, _device.MAX_BLOCKS if _device.SIMULATOR else 1 << 20))
-        kernel(compute(dtype).type, tiles, nd_max, wide)[blocks, tiles.TY * tiles.TX, stream](
+        kernel(ct, tiles, nd_max, wide)[blocks, tiles.TY * tiles.TX, stream](
             xf, wf, of, mf, bf, y, geo, dims)
     return _device.finish(y, shape, dtype, to_host, stream)

@@ -72,8 +72,9 @@ def occupancy(cc, threads, registers, smem):
         "registers": (REGISTERS_PER_SM // regs_per_warp) // warps,
         "threads": min(THREADS_PER_SM // threads, WARPS_PER_SM // warps),
         "blocks": BLOCKS_PER_SM,
-        "shared memory": SMEM_PER_SM[cc] // (smem + SMEM_RESERVED_PER_BLOCK) if smem else BLOCKS_PER_SM,
     }
+    if smem:
+        limits["shared memory"] = SMEM_PER_SM[cc] // (smem + SMEM_RESERVED_PER_BLOCK)
     blocks = min(limits.values())
     limiter = "/".join(k for k, v in limits.items() if v == blocks)
     return blocks, blocks * warps, limiter
@@ -217,13 +218,17 @@ def launch_bounds(kern):
     return getattr(kern, "targetoptions", {}).get("launch_bounds")
 
 
-def threads_per_block(kern):
-    """The block size the launcher uses: the kernel's launch bound, else the
-    element-wise kernels' ``_device.THREADS`` (the GPU's 256)."""
+def threads_per_block(mod, label, kern):
+    """The block size the launcher uses: the module's ``block_size(label)`` where
+    it has one, else the kernel's launch bound, else the element-wise kernels'
+    ``_device.THREADS`` (256 on a GPU)."""
+    if hasattr(mod, "block_size"):
+        return int(mod.block_size(label))
     lb = launch_bounds(kern)
     if lb:
         return lb[0] if isinstance(lb, tuple) else int(lb)
-    return 256
+    from ._device import THREADS
+    return THREADS
 
 
 def measure(ccs=CCS, tools=None, only=None):
@@ -233,13 +238,13 @@ def measure(ccs=CCS, tools=None, only=None):
     if not tools:
         raise RuntimeError("no PTX assembler here: neither ptxas (CUDA toolkit or the nvidia-cuda-nvcc wheel) "
                            "nor nvJitLink (cuda-bindings)")
-    jobs = [job for mod in modules() for job in mod.compile_jobs() if only is None or only in job[0]]
+    jobs = [(mod, *job) for mod in modules() for job in mod.compile_jobs() if only is None or only in job[0]]
     rows = []
     for cc in ccs:
         with pretend_device(cc):
-            for label, kern, sig in jobs:
+            for mod, label, kern, sig in jobs:
                 ptx, _ = cuda.compile_ptx(kern.py_func, sig, cc=cc, launch_bounds=launch_bounds(kern))
-                nt = threads_per_block(kern)
+                nt = threads_per_block(mod, label, kern)
                 for name, assemble in tools.items():
                     regs, st, ld, stack, smem = parse(assemble(ptx, cc), ptx)
                     blocks, warps, limiter = occupancy(cc, nt, regs, smem)
