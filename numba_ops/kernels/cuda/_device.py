@@ -10,6 +10,10 @@
   strides) are packed on the device by ``_pack``.
 - ``finish``: the kernel's flat storage output as the public result: a NumPy
   array for host inputs, a numba device array otherwise.
+- ``as_stream``: the public ``stream=`` as the numba stream that a launcher
+  passes to all of its work (kernels, copies, allocations, ``flat``, ``finish``);
+  with device inputs nothing waits for it, with host inputs ``finish``
+  synchronises it after the copy back.
 
 With ``NUMBA_ENABLE_CUDASIM=1`` numba's simulator stands in for the GPU: its
 "device" arrays live in host memory, so a foreign ``__cuda_array_interface__`` is

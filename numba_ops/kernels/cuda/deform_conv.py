@@ -16,9 +16,11 @@ the reduction in chunks of ``RK`` rows:
    group changes (the reduction runs kidx-major, channel-minor);
 2. the ``RK × TP`` sample tile is filled from the plan into shared memory
    (a few gathers and FMAs per sample, from L2-resident ``x``; the plan is
-   stored corner-major so a warp reads it without bank conflicts) and the
-   ``RK × TO`` weight tile beside it, with coalesced loads from a copy of W laid
-   out (group, kidx, c, oc) by ``weights_by_kernel_point`` once per call;
+   stored corner-major so a warp reads it without bank conflicts; a thread
+   fills one fixed column at rows ``r0 + k·RS``, so it reads its column's plan
+   once per chunk and has ``KP`` independent gathers in flight per corner) and
+   the ``RK × TO`` weight tile beside it, with coalesced loads from a copy of W
+   laid out (group, kidx, c, oc) by ``weights_by_kernel_point`` once per call;
 3. each of the 256 threads accumulates a ``TM × TN`` (4 × 4) register block of
    the output tile by outer products over the ``RK`` rows, reading 8 shared
    values per 16 FMAs, with float32 accumulators (float64 for float64).
@@ -29,16 +31,48 @@ HBM; keeping them in shared memory removes the C·K·P·4-byte round trip that
 torchvision pays (write, then read by cuBLAS) for every image, each sample is
 gathered once per 64 output channels instead of once per channel, and the plan
 amortises the offset/mask reads and the weight arithmetic over the channels.
-A block uses ~15 KB of shared memory (float32) and at most 128 registers per
-thread (launch bounds), so two blocks share an SM and one block's latency-bound
-sampling overlaps the other's GEMM; tiles are distributed by a grid-stride
-loop, so any grid size is correct. numba-cuda exposes no tensor-core MMA, so
-the GEMM runs on the FP32 FFMA pipes (~60 TFLOP/s on an H100/H200). The
-performance is unmeasured so far (written without a GPU);
-``bench/gpu_bench.py`` measures it against torchvision.
+Tiles are distributed by a grid-stride loop, so any grid size is correct.
+numba-cuda exposes no tensor-core MMA, so the GEMM runs on the FP32 FFMA pipes
+(~67 TFLOP/s on an H200); with 8 shared loads per 16 FFMAs it is bound by
+shared-memory bandwidth at about half of that on paper (README, "GPU"). The
+performance is unmeasured so far (written without a GPU); ``bench/gpu_bench.py``
+measures it against torchvision.
+
+Register budget (``ptxas -v``, ``numba-ops info --cuda``; launch bounds (256, 2):
+at most 128 registers per thread, so two 256-thread blocks, 16 warps, share an
+SM and one block's latency-bound sampling overlaps the other's GEMM). The first
+version, with 64-bit indices throughout and its sizes read from a device array,
+took 128 registers and spilled in every variant (sm_90, float32 / float64 /
+n >= 4, spill stores/loads per thread: ptxas 13.0 172/252, 236/316, 100/144 B;
+nvJitLink 13.5 324/296, 384/360, 228/212 B); unbounded, ptxas wanted 194-202
+registers for float32. Its PTX showed why: LLVM hoisted the per-thread
+shared-memory address of every unrolled fill iteration out of the tile loop
+(each with numba's negative-index wrap-around arithmetic), every size and tile
+coordinate was a 64-bit value live across the loop, and 12 64-bit divisions
+each expanded to a subroutine. Now:
+
+- the sizes are kernel parameters (the ``dims`` tuple: the constant bank, which
+  instructions read as operands and ptxas reloads rather than spills);
+- indices are uint32 when every tensor has fewer than ``WIDE_FROM`` = 2**31
+  elements (the launcher decides; the int64 kernel is kept for larger ones):
+  half the registers per index, 32-bit divisions, and unsigned shared-memory
+  indices with no wrap-around code;
+- the fill mapping above: one base address plus constants per thread.
+
+Unbounded, ptxas now wants 118-125 registers (uint32, float32), 135-143 (uint32,
+float64), 134-140 (int64, float32), 154-156 (int64, float64); at the bound there
+are no spills in any variant on sm_80 or sm_90 with either assembler, except
+int64 float64 with 4 × 4 blocks on sm_80 with nvJitLink (92/104 B), which
+therefore takes 4 × 2 blocks (``GPU_TILES_WIDE_F64``). Shared memory: 12.5 KB
+(float32) and 22.8 KB (float64) per block, far from binding. Other bounds on
+paper: three blocks per SM would need at most 80 registers, below what the 16
+accumulators, 8 operands and the loop state need without spilling in the GEMM
+loop; (256, 1) would allow 255 registers but leave one block per SM, with
+nothing to hide its sampling phase behind. So (256, 2) stays.
 
 16-bit data is read and written through ``load``/``store`` (bit patterns, one
-rounding on the way out); all index arithmetic is 64-bit. Every output element is
+rounding on the way out); index arithmetic is 32-bit unsigned below 2**31
+elements per tensor, 64-bit above (``WIDE_FROM``). Every output element is
 written once, by the thread that accumulated it: ``y = b + Σ``. Corners outside
 the input count 0 exactly (they are dropped from the plan, never multiplied by 0),
 a non-finite sample position gives a NaN sample, a position outside the input
