@@ -122,11 +122,13 @@ def _cache_bytes(dirs):
 
 
 def _label(op, dtype, device, args, kwargs):
-    import numpy as np
-    shapes = [str(tuple(a.shape)) for a in args if isinstance(a, np.ndarray)]
-    extra = [k for k, v in kwargs.items() if v is not None and k not in ("device",)]
-    text = f"{op} {dtype} {device} " + " ".join(shapes)
-    return text + (f" ({', '.join(extra)})" if extra else "")
+    """``deform_conv float32 cpu [1x2x6x6] [2x2x2x2] ...``: arrays by shape, other values as they are."""
+    def text(v):
+        if hasattr(v, "shape") and hasattr(v, "dtype"):
+            return "[" + "x".join(map(str, v.shape)) + "]"
+        return repr(tuple(v)) if isinstance(v, (list, tuple)) else repr(v)
+    parts = [text(a) for a in args] + [f"{k}={text(v)}" for k, v in kwargs.items()]
+    return f"{op} {dtype} {device} " + " ".join(parts)
 
 
 def warm(ops=None, dtypes=None, devices=None, *, progress=None):
@@ -222,3 +224,46 @@ def warm(ops=None, dtypes=None, devices=None, *, progress=None):
         "cache_dir": os.path.commonpath(dirs) if dirs else None, "cache_dirs": dirs,
         "cache_bytes": _cache_bytes(dirs), "failures": failures, "skipped": skipped,
     }
+
+
+def _size_text(n):
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+
+
+def main(ops=None, dtypes=None, devices=None, out=None):
+    """``numba-ops warm``: ``warm`` with a progress line per call (which call, how
+    many left, seconds so far) and a summary; returns the exit status: 0, 1 when
+    a call failed (a kernel that does not compile), 2 for bad arguments."""
+    out = sys.stdout if out is None else out
+    tty = out.isatty()
+
+    def progress(i, total, label, elapsed):
+        if label == "done":
+            if tty:
+                out.write("\r\033[K")
+            return
+        line = f"[{i + 1:>{len(str(total))}}/{total}] {elapsed:6.1f} s  {total - i - 1} left  {label}"
+        out.write(("\r\033[K" + line) if tty else line + "\n")
+        out.flush()
+
+    try:
+        r = warm(ops, dtypes, devices, progress=progress)
+    except (ValueError, RuntimeError) as exc:
+        print(f"numba-ops warm: error: {exc}", file=sys.stderr)
+        return 2
+    for dev, why in r["skipped"].items():
+        print(f"skipped {dev}: {why}", file=out)
+    print(f"warmed {', '.join(r['ops'])} x {', '.join(r['dtypes'])} on {', '.join(r['devices']) or 'no device'}: "
+          f"{r['calls']} calls, {r['compiled']} functions compiled, {r['loaded']} loaded from the cache, "
+          f"{r['seconds']:.1f} s", file=out)
+    where = "NUMBA_CACHE_DIR" if os.environ.get("NUMBA_CACHE_DIR") else "beside the kernels; NUMBA_CACHE_DIR moves it"
+    print(f"cache: {r['cache_dir']} ({_size_text(r['cache_bytes'])}; {where})", file=out)
+    for f in r["failures"]:
+        print(f"FAILED {f['call']}: {f['error']}", file=out)
+    if r["failures"]:
+        print(f"{len(r['failures'])} of {r['calls']} calls failed", file=out)
+        return 1
+    return 0
