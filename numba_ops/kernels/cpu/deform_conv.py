@@ -48,7 +48,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from ..._dtypes import DTYPES as _PUBLIC, compute, storage
+from ..._dtypes import compute, storage
 from .._scalar import border_corner, load, store
 from . import _runtime
 
@@ -873,7 +873,6 @@ _BLAS = _BlasThreads()
 #: the 2-D/3-D fast plans compute sites and positions in 32 bits: sizes, sites and the
 #: positions' integer parts must stay under this (``border_corner``'s int32 bound)
 _I32 = 1 << 29
-_EMPTY = {dt: np.empty(0, dt) for dt in _PUBLIC}  # the kernels' B when there is none
 
 
 def _plan_sizes(N, C, K, oC, P, group, og, nd, S, item, nth):
@@ -921,7 +920,7 @@ class _State:
         view = storage(x.dtype)
         self.view = view if view != x.dtype else None  # 16-bit: their bit patterns
         self.empty = N == 0 or oC == 0
-        self.nob = _EMPTY[x.dtype]
+        self.nob = np.empty(0, x.dtype)  # the kernels' B when there is none
         work = N * P * K * (C + oC * (C // group) // 4 + 4)
         dwork = N * P * K * C * max(1, oC // group) << nd  # samples x corners of the direct path
         # small work runs on the caller's thread: the direct loops when tiny, else the tiled path
