@@ -189,3 +189,18 @@ def test_import_loads_only_what_is_used():
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     assert p.stdout.split("\n")[:3] == ["[]", "['numba']", "bfloat16"]
+
+
+@pytest.mark.skipif(os.environ.get("NUMBA_ENABLE_CUDASIM", "0") not in ("", "0"),
+                    reason="the simulator's kernels are Python: nothing to cache")
+def test_cuda_kernels_cache_on_disk():
+    """Every CUDA kernel (each dtype, rank and variant the launchers pick) is a
+    numba-cuda dispatcher with its on-disk cache enabled (``cache=True``); the
+    save and load themselves need a GPU (warm, on the usable devices)."""
+    pytest.importorskip("numba.cuda")
+    from numba.cuda.dispatcher import CUDACache
+    from numba_ops.kernels.cuda import _device, affine_grid, deform_conv
+    jobs = [job for mod in (_device, affine_grid, deform_conv) for job in mod.compile_jobs()]
+    assert jobs
+    for label, kernel, _ in jobs:
+        assert isinstance(kernel._cache, CUDACache), label

@@ -116,7 +116,7 @@ def kernel(ct, tiles, nd_max):
     # simulator takes no launch bounds.)
     opts = {} if _device.SIMULATOR else {"launch_bounds": (NT, 2)}
 
-    @cuda.jit(**opts)
+    @cuda.jit(cache=True, **opts)
     def deform_conv_kernel(x, w, off, mask, bias, y, geo, dims):
         N, C, oC, group, og, K, P, S, nd = (dims[0], dims[1], dims[2], dims[3], dims[4], dims[5],
                                             dims[6], dims[7], dims[8])
@@ -275,7 +275,7 @@ def kernel(ct, tiles, nd_max):
     return deform_conv_kernel
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def weights_by_kernel_point(w, wt, cpg, K, ocg):
     """wt[((gi*K + kidx)*cpg + c)*ocg + o] = w[((gi*ocg + o)*cpg + c)*K + kidx]: the
     weight tile of a chunk (fixed kidx, consecutive c, consecutive oc) becomes
