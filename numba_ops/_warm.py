@@ -131,7 +131,7 @@ def _label(op, dtype, device, args, kwargs):
     return f"{op} {dtype} {device} " + " ".join(parts)
 
 
-def warm(ops=None, dtypes=None, devices=None, *, progress=None):
+def warm(ops=None, dtypes=None, devices=None, *, progress=None, quiet=False):
     """Compile every kernel variant of ``ops`` x ``dtypes`` x ``devices`` into
     numba's on-disk cache, so that later processes start with no compile.
 
@@ -150,6 +150,9 @@ def warm(ops=None, dtypes=None, devices=None, *, progress=None):
     progress : callable, optional
         Called before each warm-up call as ``progress(i, total, label, elapsed_s)``
         (``numba-ops warm`` prints it).
+    quiet : bool
+        False (default): print a summary (what was compiled, seconds, the cache
+        folder and its size, any failures) to stdout, besides returning it.
 
     Returns
     -------
@@ -218,12 +221,31 @@ def warm(ops=None, dtypes=None, devices=None, *, progress=None):
     seconds = time.perf_counter() - t0
     if progress is not None:
         progress(len(plan), len(plan), "done", seconds)
-    return {
+    result = {
         "ops": list(ops), "dtypes": list(dtypes), "devices": list(devices),
         "calls": len(plan), "compiled": compiled, "loaded": loaded, "seconds": seconds,
         "cache_dir": os.path.commonpath(dirs) if dirs else None, "cache_dirs": dirs,
         "cache_bytes": _cache_bytes(dirs), "failures": failures, "skipped": skipped,
     }
+    if not quiet:
+        summary(result)
+    return result
+
+
+def summary(r, out=None):
+    """Print ``warm``'s result ``r`` as a few lines (to stdout by default)."""
+    out = sys.stdout if out is None else out
+    for dev, why in r["skipped"].items():
+        print(f"skipped {dev}: {why}", file=out)
+    print(f"warmed {', '.join(r['ops'])} x {', '.join(r['dtypes'])} on {', '.join(r['devices']) or 'no device'}: "
+          f"{r['calls']} calls, {r['compiled']} functions compiled, {r['loaded']} loaded from the cache, "
+          f"{r['seconds']:.1f} s", file=out)
+    where = "NUMBA_CACHE_DIR" if os.environ.get("NUMBA_CACHE_DIR") else "beside the kernels; NUMBA_CACHE_DIR moves it"
+    print(f"cache: {r['cache_dir']} ({_size_text(r['cache_bytes'])}; {where})", file=out)
+    for f in r["failures"]:
+        print(f"FAILED {f['call']}: {f['error']}", file=out)
+    if r["failures"]:
+        print(f"{len(r['failures'])} of {r['calls']} calls failed", file=out)
 
 
 def _size_text(n):
@@ -250,20 +272,9 @@ def main(ops=None, dtypes=None, devices=None, out=None):
         out.flush()
 
     try:
-        r = warm(ops, dtypes, devices, progress=progress)
+        r = warm(ops, dtypes, devices, progress=progress, quiet=True)
     except (ValueError, RuntimeError) as exc:
         print(f"numba-ops warm: error: {exc}", file=sys.stderr)
         return 2
-    for dev, why in r["skipped"].items():
-        print(f"skipped {dev}: {why}", file=out)
-    print(f"warmed {', '.join(r['ops'])} x {', '.join(r['dtypes'])} on {', '.join(r['devices']) or 'no device'}: "
-          f"{r['calls']} calls, {r['compiled']} functions compiled, {r['loaded']} loaded from the cache, "
-          f"{r['seconds']:.1f} s", file=out)
-    where = "NUMBA_CACHE_DIR" if os.environ.get("NUMBA_CACHE_DIR") else "beside the kernels; NUMBA_CACHE_DIR moves it"
-    print(f"cache: {r['cache_dir']} ({_size_text(r['cache_bytes'])}; {where})", file=out)
-    for f in r["failures"]:
-        print(f"FAILED {f['call']}: {f['error']}", file=out)
-    if r["failures"]:
-        print(f"{len(r['failures'])} of {r['calls']} calls failed", file=out)
-        return 1
-    return 0
+    summary(r, out)
+    return 1 if r["failures"] else 0

@@ -104,10 +104,12 @@ def test_warm_leaves_nothing_to_compile(tmp_path):
     assert compiled == 0 and loaded > 0, out
 
 
-def test_warm_result():
+def test_warm_result(capsys):
     calls = len(__import__("numba_ops.affine_grid", fromlist=["warm_calls"]).warm_calls(DTYPE))
     seen = []
     r = numba_ops.warm("affine_grid", [np.float32], "cpu", progress=lambda *a: seen.append(a))
+    printed = capsys.readouterr().out  # API.md: warm returns and prints what it did
+    assert f"{r['compiled']} functions compiled" in printed and str(r["cache_dir"]) in printed
     assert r["ops"] == ["affine_grid"] and r["dtypes"] == [DTYPE] and r["devices"] == ["cpu"]
     assert r["calls"] == calls and r["failures"] == [] and r["skipped"] == {}
     assert r["compiled"] + r["loaded"] > 0
@@ -143,10 +145,10 @@ def test_default_ops_are_the_installed_ones():
 def test_cuda_unusable_or_simulated(monkeypatch):
     monkeypatch.setattr(_warm, "cuda_usable", lambda: False)
     with pytest.raises(RuntimeError, match="no CUDA GPU is usable"):
-        numba_ops.warm(ops="affine_grid", dtypes="float32", devices="cuda")
+        numba_ops.warm(ops="affine_grid", dtypes="float32", devices="cuda", quiet=True)
     monkeypatch.setattr(_warm, "cuda_usable", lambda: True)
     monkeypatch.setattr(_warm, "cuda_simulator", lambda: True)
-    r = numba_ops.warm(ops="affine_grid", dtypes="float32", devices="cuda")
+    r = numba_ops.warm(ops="affine_grid", dtypes="float32", devices="cuda", quiet=True)
     assert r["calls"] == 0 and r["devices"] == [] and "simulator" in r["skipped"]["cuda"]
 
 
