@@ -5,21 +5,51 @@ as its bit pattern: float16 as ``int16``, bfloat16 as ``uint16``. Two distinct
 integer types keep the two formats apart in a kernel's signature (see
 ``kernels/_scalar.py``: ``load``/``store``). Accumulation is float32 for the
 16-bit types and float32, float64 for float64 (API.md, dtypes).
+
+ml_dtypes (bfloat16) is imported only when needed (its extension takes ~0.4 s to
+load, more than the rest of ``import numba_ops``): an array of dtype bfloat16
+exists only once ml_dtypes is loaded, so a dtype named "bfloat16" is checked
+against ml_dtypes then, and nothing here imports it before. ``BFLOAT16`` and
+``DTYPES`` (every public dtype) are module attributes made on first access.
 """
-import ml_dtypes
 import numpy as np
 
-BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 FLOAT16 = np.dtype(np.float16)
+SUPPORTED = "float16, bfloat16, float32, float64"
 
-#: public dtype -> (storage dtype seen by kernels, compute dtype)
-DTYPES = {
+#: public dtype -> (storage dtype seen by kernels, compute dtype); bfloat16 joins once seen
+_KNOWN = {
     FLOAT16: (np.dtype(np.int16), np.dtype(np.float32)),
-    BFLOAT16: (np.dtype(np.uint16), np.dtype(np.float32)),
     np.dtype(np.float32): (np.dtype(np.float32), np.dtype(np.float32)),
     np.dtype(np.float64): (np.dtype(np.float64), np.dtype(np.float64)),
 }
-SUPPORTED = "float16, bfloat16, float32, float64"
+_BF16_ENTRY = (np.dtype(np.uint16), np.dtype(np.float32))
+
+
+def bfloat16():
+    """``np.dtype(ml_dtypes.bfloat16)`` (imports ml_dtypes)."""
+    import ml_dtypes
+    dt = np.dtype(ml_dtypes.bfloat16)
+    _KNOWN.setdefault(dt, _BF16_ENTRY)
+    return dt
+
+
+def entry(dt):
+    """(storage, compute) of the public dtype ``dt`` (an np.dtype), or None."""
+    e = _KNOWN.get(dt)
+    if e is None and dt.name == "bfloat16" and dt.kind == "V":
+        if dt == bfloat16():
+            return _BF16_ENTRY
+    return e
+
+
+def __getattr__(name):
+    if name == "BFLOAT16":
+        return bfloat16()
+    if name == "DTYPES":
+        bfloat16()
+        return {dt: _KNOWN[dt] for dt in (FLOAT16, bfloat16(), np.dtype(np.float32), np.dtype(np.float64))}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def common_float_dtype(named):
@@ -33,7 +63,7 @@ def common_float_dtype(named):
         if a is None:
             continue
         dt = np.dtype(a.dtype)
-        if dt not in DTYPES:
+        if entry(dt) is None:
             raise TypeError(f"{name} has dtype {dt}; expected one of {SUPPORTED}")
         if dtype is None:
             dtype, first = dt, name
@@ -43,8 +73,8 @@ def common_float_dtype(named):
 
 
 def storage(dtype):
-    return DTYPES[np.dtype(dtype)][0]
+    return entry(np.dtype(dtype))[0]
 
 
 def compute(dtype):
-    return DTYPES[np.dtype(dtype)][1]
+    return entry(np.dtype(dtype))[1]

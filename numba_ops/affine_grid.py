@@ -87,3 +87,21 @@ def affine_grid(theta, size, align_corners=False, *, device=None, stream=None):
     else:
         out = launcher("affine_grid", device, theta.dtype)(theta, size, align)
     return result_for(out, back)
+
+
+def warm_calls(dtype):
+    """``(args, kwargs)`` of calls that compile every CPU kernel variant of
+    affine_grid for float dtype name ``dtype`` (``numba_ops.warm`` makes them on
+    each device): 2-D and 3-D, each small (serial) and large enough for the
+    parallel path."""
+    from ._cases import np_dtype
+    from .kernels.cpu._runtime import PARALLEL_MIN_WORK
+    dt = np_dtype(dtype)
+    calls = []
+    for nd in (2, 3):
+        W = 64
+        rows = -(-PARALLEL_MIN_WORK // (W * nd))  # out.size >= PARALLEL_MIN_WORK: the parallel path
+        for size in ((1, 1) + (2,) * nd, (1, 1) + (1,) * (nd - 2) + (rows, W)):
+            theta = np.zeros((1, nd, nd + 1), dt)
+            calls.append(((theta, size), {"align_corners": 0}))
+    return calls

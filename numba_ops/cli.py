@@ -4,6 +4,7 @@
     numba-ops info --cuda                  CUDA kernels' registers, spills, occupancy (ptxas)
     numba-ops check [--device D]           ONNX conformance cases of both ops, pass/fail
     numba-ops bench [--device D] [--dtype T] [--quick] [--json FILE] [--compare BASELINE]
+    numba-ops warm [--op OP ...] [--dtype T ...] [--device D ...]   compile every kernel into the JIT cache
 
 ``bench`` times every case of ``numba_ops._cases`` (the case names of the shared
 peer benchmark) with numba_ops and with each installed peer (onnxruntime,
@@ -773,7 +774,19 @@ def _parser():
                    help=f"comma-separated peers to time ({', '.join(PEERS)}, or none); default: those installed")
     p.add_argument("--repeat", type=_positive_int, metavar="N", help="timed calls per case (overrides --quick's)")
     p.add_argument("--load", metavar="FILE", help="show (and --compare) a saved --json report instead of measuring")
+    p = sub.add_parser("warm", help="compile every kernel variant into numba's on-disk cache; exit 1 on a failure")
+    p.add_argument("--op", action="extend", nargs="+", metavar="OP",
+                   help="affine_grid, deform_conv, grid_sample, affine_warp; default: all")
+    p.add_argument("--dtype", action="extend", nargs="+", metavar="T", choices=_cases.DTYPE_NAMES,
+                   help="default: all four")
+    p.add_argument("--device", action="extend", nargs="+", metavar="D", choices=("cpu", "cuda"),
+                   help="default: the usable devices")
     return ap
+
+
+def cmd_warm(args):
+    from ._warm import main as warm_main
+    return warm_main(args.op, args.dtype, args.device)
 
 
 def main(argv=None):
@@ -782,7 +795,7 @@ def main(argv=None):
         return _worker(json.loads(argv[1]))
     args = _parser().parse_args(argv)
     try:
-        return {"info": cmd_info, "check": cmd_check, "bench": cmd_bench}[args.command](args)
+        return {"info": cmd_info, "check": cmd_check, "bench": cmd_bench, "warm": cmd_warm}[args.command](args)
     except BrokenPipeError:  # the reader went away (numba-ops check | head): stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
         return 1

@@ -168,3 +168,36 @@ def deform_conv(x, w, offset, b=None, mask=None, *, kernel_shape=None, strides=N
         y = launcher("deform_conv", device, x.dtype)(x, w, offset, b, mask, p)
     return result_for(y, back)
 
+
+
+def warm_calls(dtype):
+    """``(args, kwargs)`` of calls that compile every CPU kernel variant of
+    deform_conv for float dtype name ``dtype`` (``numba_ops.warm`` makes them on
+    each device): n = 1, 2, 3 spatial dims, each on the direct (tiny), serial
+    (small) and parallel path, without and with B and mask. Sizes follow the
+    CPU launcher's thresholds: 2 channels in and out, a kernel of 2 per axis."""
+    from ._cases import np_dtype
+    from .kernels.cpu import deform_conv as k
+    from .kernels.cpu._runtime import PARALLEL_MIN_WORK
+    dt = np_dtype(dtype)
+    C = oC = 2
+    calls = []
+    for nd in (1, 2, 3):
+        K = 2 ** nd
+
+        def side(test):
+            o = 1
+            while not test(o ** nd):
+                o += 1
+            return o
+
+        direct = 1
+        serial = side(lambda P: P * K * C * oC << nd > k._DIRECT_MAX)
+        parallel = side(lambda P: P * K * (C + oC * C // 4 + 4) >= PARALLEL_MIN_WORK)
+        for o in (direct, serial, parallel):
+            x = np.zeros((1, C) + (o + 1,) * nd, dt)
+            w = np.zeros((oC, C) + (2,) * nd, dt)
+            off = np.zeros((1, K * nd) + (o,) * nd, dt)
+            calls.append(((x, w, off), {}))
+            calls.append(((x, w, off, np.zeros(oC, dt), np.ones((1, K) + (o,) * nd, dt)), {}))
+    return calls

@@ -17,6 +17,10 @@ written once, rounded straight into its storage type.
 
 bfloat16 is rounded by ``f32_to_bf16_bits_rne`` (no NaN branch: theta is
 bfloat16, so every NaN here has zero low bits), which keeps the loop unrolled.
+
+The grid reaches the kernels in its own shape, (N, H, W, 2) or (N, D, H, W, 3):
+its rank is part of the compiled signature, and numba prunes the ``out.ndim``
+branches before typing, so a 2-D call compiles the 2-D code only (issue 18).
 """
 import numpy as np
 from numba import njit, prange, types
@@ -53,21 +57,23 @@ def _put_impl(out, i, v):
 
 
 @njit(cache=True)
-def _rows(theta, out, D, H, W, align, one, r0, r1):
-    """Rows ``r0:r1`` of the flat ``out`` (N * D * H rows of W * nd elements, D being
-    1 in 2-D); ``one`` is 1 in the compute type. (Sizes come as ints, not a tuple:
+def _rows(theta, grid, D, H, W, align, one, r0, r1):
+    """Rows ``r0:r1`` of the grid, viewed flat as N * D * H rows of W * nd elements
+    (D being 1 in 2-D); ``one`` is 1 in the compute type. (Sizes come as ints, not a tuple:
     numba's dispatcher types a tuple argument in Python, a microsecond on small calls.)
 
     The rows go by runs within one ``(n, d)`` slab, so the integer divisions that
     find ``(n, d, h)`` are paid once a run, not once a (3-D: 192-element) row.
     """
-    nd = theta.shape[1]
+    out = grid.reshape(grid.size)
+    nd = grid.ndim - 2
     L = W * nd
     xs = _coords(W, align, one)
     ys = _coords(H, align, one)
-    zs = _coords(D, align, one)
-    P = np.empty(L if nd == 3 else 0, dtype=type(one))  # the 3-D tables (above)
-    Q = np.empty_like(P)
+    if grid.ndim == 5:
+        zs = _coords(D, align, one)
+        P = np.empty(L, dtype=type(one))  # the 3-D tables (above)
+        Q = np.empty_like(P)
     n_q = -1
     r = r0
     o = r0 * L
@@ -76,7 +82,7 @@ def _rows(theta, out, D, H, W, align, one, r0, r1):
         n = s // D
         h0 = r - s * H
         h1 = min(H, h0 + (r1 - r))
-        if nd == 2:
+        if grid.ndim == 4:
             a0, a1 = theta[n, 0, 0], theta[n, 1, 0]
             for h in range(h0, h1):
                 b0 = theta[n, 0, 1] * ys[h] + theta[n, 0, 2]
@@ -105,16 +111,16 @@ def _rows(theta, out, D, H, W, align, one, r0, r1):
 
 
 @njit(cache=True)
-def _serial(theta, out, D, H, W, align, one):
-    _rows(theta, out, D, H, W, align, one, 0, out.size // (W * theta.shape[1]))
+def _serial(theta, grid, D, H, W, align, one):
+    _rows(theta, grid, D, H, W, align, one, 0, grid.size // (W * theta.shape[1]))
 
 
 @njit(cache=True, parallel=True)
-def _parallel(theta, out, D, H, W, align, one, nchunks):
-    rows = out.size // (W * theta.shape[1])
+def _parallel(theta, grid, D, H, W, align, one, nchunks):
+    rows = grid.size // (W * theta.shape[1])
     nchunks = min(rows, nchunks)
     for c in prange(nchunks):
-        _rows(theta, out, D, H, W, align, one, c * rows // nchunks, (c + 1) * rows // nchunks)
+        _rows(theta, grid, D, H, W, align, one, c * rows // nchunks, (c + 1) * rows // nchunks)
 
 
 #: 1 in each compute type, made once: a fresh NumPy scalar per call costs a large call ~5 us
@@ -131,6 +137,6 @@ def launch(theta, size, align):
     if out.size:
         th = np.ascontiguousarray(theta, dtype=compute(dtype))
         D = shape[1] if nd == 3 else 1
-        _runtime.run(_serial, _parallel, out.size, th, out.reshape(-1), D, shape[-2], shape[-1], align,
+        _runtime.run(_serial, _parallel, out.size, th, out, D, shape[-2], shape[-1], align,
                      _ONE[th.dtype])
     return out if st == dtype else out.view(dtype)  # 16-bit: the bit patterns as their dtype

@@ -37,6 +37,16 @@ tiny ones (the seed example) skip the scratch and BLAS altogether
 (``_direct``: each output straight from the definition). Accumulation is
 float32 for float16/bfloat16/float32 (16-bit data is widened on load) and
 float64 for float64.
+
+Compile time (issue 18): numba compiles each jitted function into a module of
+its own, links in every jitted function it calls and optimises the whole again,
+so each level of calls re-optimises all the code below it. Hence the entries
+(``_direct``, ``_serial``, ``_parallel``) hold their driver loops themselves, the
+small set-up helpers are inlined as numba IR (``inline="always"``: typed in their
+caller, never a module of their own), and only the hot loops (plans, fills,
+padding, weights) stay separate functions, as LLVM vectorises them there. A call
+compiles its own rank's code: ``tok``, the input's spatial shape, goes down to
+``_plan``/``_fill``, whose ``len(tok)`` branches numba prunes before typing.
 """
 import ctypes
 import glob
@@ -48,7 +58,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from ..._dtypes import DTYPES as _PUBLIC, compute, storage
+from ..._dtypes import compute, storage
 from .._scalar import border_corner, load, store
 from . import _runtime
 
@@ -258,13 +268,18 @@ def _plan_row3d(oz, oy, ox, mm, has_mask, bz, by, bx, sx, dhw, zs, ys, zsite, C,
 
 
 @njit(cache=True)
-def _plan(off3, m3, has_mask, n, geo, pstr, C, kidx, g, K, p0, p1, pidx, pw, pm, fast, zsite):
+def _plan(tok, off3, m3, has_mask, n, geo, pstr, C, kidx, g, K, p0, p1, pidx, pw, pm, fast, zsite):
     """Sampling plan of offset group ``g``, kernel point ``kidx`` for output
     positions [p0, p1): ``pidx`` the flat index of the lowest corner in ``xp``,
     ``pw[corner]`` the n-linear weights (NaN for a non-finite position, 0 outside),
     and ``pm`` the mask, applied after the sum as the definition orders it. The
     2-D/3-D plans fold a finite mask into ``pw`` instead (``pm`` is then 1) and
-    keep only a non-finite one in ``pm``; the general plan keeps every mask there."""
+    keep only a non-finite one in ``pm``; the general plan keeps every mask there.
+
+    ``tok`` (the input's spatial shape, a tuple of n) fixes the rank when numba
+    compiles: the ``len(tok)`` branches are pruned before typing, so a 2-D call
+    compiles the 2-D plan (and the general one, its fallback for sizes past 32
+    bits) and never the 3-D one, and a 1-D call neither."""
     nd = geo.shape[1]
     NC = 1 << nd
     oL = geo[5, nd - 1]
@@ -273,8 +288,7 @@ def _plan(off3, m3, has_mask, n, geo, pstr, C, kidx, g, K, p0, p1, pidx, pw, pm,
     nan = _cast(zero, np.nan)
     ch0 = (g * K + kidx) * nd
     mm = m3[n, g * K + kidx]
-    fast2d, fast3d = fast == 2, fast == 3
-    if fast2d:
+    if len(tok) == 2 and fast == 2:
         hw = (np.int32(geo[0, 0]), np.int32(geo[0, 1]))
         sx = np.int32(geo[2, 1])
         ys = np.int32(pstr[0])
@@ -291,7 +305,7 @@ def _plan(off3, m3, has_mask, n, geo, pstr, C, kidx, g, K, p0, p1, pidx, pw, pm,
                         p, end, p - p0, pidx, pw, pm)
             p = end
         return
-    if fast3d:
+    if len(tok) == 3 and fast == 3:
         dhw = (np.int32(geo[0, 0]), np.int32(geo[0, 1]), np.int32(geo[0, 2]))
         sx = np.int32(geo[2, 2])
         zs, ys = np.int32(pstr[0]), np.int32(pstr[1])
@@ -346,7 +360,7 @@ def _plan(off3, m3, has_mask, n, geo, pstr, C, kidx, g, K, p0, p1, pidx, pw, pm,
         pm[j] = load(mm, q) if has_mask else one
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _segments(dims):
     """The channel runs of a column row: one per (offset group, conv group) overlap,
     as rows (offset group, first channel, length, offset in the row's tile)."""
@@ -367,7 +381,7 @@ def _segments(dims):
 
 
 @njit(cache=True)
-def _fill(xp, coff, pidx, pw, pm, cols, segs, tl, K, cpg):
+def _fill(tok, xp, coff, pidx, pw, pm, cols, segs, tl, K, cpg):
     """Apply the tile's plans: cols[gi, j, kidx, c - gi*cpg] =
     mask * sum_corner w * xp[pidx + coff + c] for every channel c.
 
@@ -378,11 +392,11 @@ def _fill(xp, coff, pidx, pw, pm, cols, segs, tl, K, cpg):
     own, and the mask is not in the runs: what ``_plan`` leaves in ``pm`` (a
     non-finite mask, or every mask of the general plan; else 1) multiplies the
     finished sample afterwards, as the definition orders it."""
-    if coff.shape[0] == 4:
+    if len(tok) == 2:  # the rank is fixed at compile time (see ``_plan``)
         _fill_bilinear(xp, np.uint64(coff[1]), np.uint64(coff[2]), np.uint64(coff[3]), pidx, pw, cols, segs,
                        tl, K, cpg)
     else:
-        _fill_any(xp, coff, pidx, pw, cols, segs, tl, K, cpg)
+        _fill_any(tok, xp, coff, pidx, pw, cols, segs, tl, K, cpg)
     one = _czero(pm) + 1
     kc = K * cpg
     for s in range(segs.shape[0]):
@@ -418,8 +432,9 @@ def _fill_bilinear(xp, u1, u2, u3, pidx, pw, cols, segs, tl, K, cpg):
 
 
 @njit(cache=True, fastmath={"contract"})
-def _fill_any(xp, coff, pidx, pw, cols, segs, tl, K, cpg):
-    """The runs of ``_fill`` in 1-D (2 corners), 3-D (8) and beyond (a pass per corner)."""
+def _fill_any(tok, xp, coff, pidx, pw, cols, segs, tl, K, cpg):
+    """The runs of ``_fill`` in 1-D (2 corners), 3-D (8) and beyond (a pass per corner);
+    the rank, ``len(tok)``, is fixed at compile time (see ``_plan``)."""
     NC = coff.shape[0]
     u1 = np.uint64(coff[1 % NC])
     u2, u3 = np.uint64(coff[2 % NC]), np.uint64(coff[3 % NC])
@@ -435,7 +450,7 @@ def _fill_any(xp, coff, pidx, pw, cols, segs, tl, K, cpg):
                 ub = np.uint64(pidx[gk, j] + segs[s, 1])
                 ud = dk + np.uint64(segs[s, 3])
                 L = np.uint64(segs[s, 2])
-                if NC == 8:
+                if len(tok) == 3:
                     w0, w1, w2, w3 = pw[gk, 0, j], pw[gk, 1, j], pw[gk, 2, j], pw[gk, 3, j]
                     w4, w5, w6, w7 = pw[gk, 4, j], pw[gk, 5, j], pw[gk, 6, j], pw[gk, 7, j]
                     for i in range(L):
@@ -443,7 +458,7 @@ def _fill_any(xp, coff, pidx, pw, cols, segs, tl, K, cpg):
                         cols[ud + i] = (w0 * xp[bi] + w1 * xp[bi + u1] + w2 * xp[bi + u2] + w3 * xp[bi + u3]
                                         + w4 * xp[bi + u4] + w5 * xp[bi + u5] + w6 * xp[bi + u6]
                                         + w7 * xp[bi + u7])
-                elif NC == 2:
+                elif len(tok) == 1:
                     w0, w1 = pw[gk, 0, j], pw[gk, 1, j]
                     for i in range(L):
                         bi = ub + i
@@ -460,7 +475,7 @@ def _fill_any(xp, coff, pidx, pw, cols, segs, tl, K, cpg):
 
 
 @njit(cache=True)
-def _tile(n, nl, p0, p1, xp, off3, m3, has_mask, wr, b, has_b, y3, geo, pstr, coff, segs, dims,
+def _tile(tok, n, nl, p0, p1, xp, off3, m3, has_mask, wr, b, has_b, y3, geo, pstr, coff, segs, dims,
           cols, outb, pidx, pw, pm):
     """Output positions [p0, p1) of image ``n`` (``nl``: its slot in ``xp``):
     plans, column fill, one GEMM per group, bias and rounding into ``y3``."""
@@ -472,9 +487,9 @@ def _tile(n, nl, p0, p1, xp, off3, m3, has_mask, wr, b, has_b, y3, geo, pstr, co
     for g in range(og):
         for kidx in range(K):
             gk = g * K + kidx
-            _plan(off3, m3, has_mask, n, geo, pstr, C, kidx, g, K, p0, p1, pidx[gk], pw[gk], pm[gk],
+            _plan(tok, off3, m3, has_mask, n, geo, pstr, C, kidx, g, K, p0, p1, pidx[gk], pw[gk], pm[gk],
                   dims[7], dims[8])
-    _fill(xp[nl], coff, pidx, pw, pm, cols, segs, tl, K, cpg)
+    _fill(tok, xp[nl], coff, pidx, pw, pm, cols, segs, tl, K, cpg)
     zero = _czero(wr)
     blk = outb[ocg * T:ocg * (T + 16)]
     outf = outb[:tl * ocg]
@@ -513,7 +528,7 @@ def _tile(n, nl, p0, p1, xp, off3, m3, has_mask, wr, b, has_b, y3, geo, pstr, co
                     store(yf, dst + j, blk[bo + j] + bias)
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _padded_extent(geo, pstr):
     """(rows, sites, tail) of a padded image: its rows (bordered axes but the last),
     its sites, and the zero tail after them (at least as long as the corner offsets)."""
@@ -529,7 +544,7 @@ def _padded_extent(geo, pstr):
     return rows, sites, tail
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _tile_parts(dims, nd, ocg):
     """Elements of one thread's tile buffers: columns, GEMM tile (and the 16-position
     block its write-out transposes through), plan weights, plan masks (compute type)
@@ -539,7 +554,7 @@ def _tile_parts(dims, nd, ocg):
     return max(1, T * K * C), ocg * (T + 16), plans << nd, plans, plans
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _ws_sizes(C, oC, geo, pstr, dims):
     """Workspace elements: (reordered weights, padded images, one thread's tile
     buffers) in the compute type, and one thread's plan indices in int64."""
@@ -550,7 +565,7 @@ def _ws_sizes(C, oC, geo, pstr, dims):
         ncols + nout + npw + npm, nidx
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _scratch(fws, iws, dims, nd, ocg):
     """One thread's tile buffers, carved from its workspace slices: columns,
     GEMM tile, the plans of every (offset group, kernel point)."""
@@ -566,6 +581,15 @@ def _scratch(fws, iws, dims, nd, ocg):
     return cols, outb, pidx, pw, pm
 
 
+def _ws_sizes_host(C, oC, geo, pstr, dims):
+    """``_ws_sizes`` run as Python, for the launcher: sizes need no compile."""
+    ocg = oC // dims[2]
+    _, sites, tail = _padded_extent.py_func(geo, pstr)
+    ncols, nout, npw, npm, nidx = _tile_parts.py_func(dims, geo.shape[1], ocg)
+    return max(1, oC * dims[1] * (C // dims[2])), dims[5] * max(1, (sites + tail) * C), \
+        ncols + nout + npw + npm, nidx
+
+
 def _geometry(x3shape, p):
     """geo rows: 0 sizes, 1 kernel, 2 strides, 3 pads begin, 4 dilations, 5 outputs."""
     nd = p.nd
@@ -577,7 +601,7 @@ def _geometry(x3shape, p):
     return geo, pstr
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _padded_buffer(buf, nb, sites, tail, C):
     """nb padded images in ``buf``, each followed by a zero tail at least as long as
     the corner offsets: samples that are 0 (or NaN) point their base there, so that
@@ -591,7 +615,7 @@ def _padded_buffer(buf, nb, sites, tail, C):
     return xp
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _corner_offsets(pstr, C):
     nd = pstr.shape[0]
     coff = np.zeros(1 << nd, np.int64)
@@ -695,7 +719,7 @@ def _as_c_ol(a):
     return lambda a: np.ascontiguousarray(a)
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _flat3(geo, x, w, off, m, y):
     """The N-D arrays as (N, C, sites), (oC, C/group, K), (N, channels, positions)."""
     nd = geo.shape[1]
@@ -714,7 +738,7 @@ def _flat3(geo, x, w, off, m, y):
     return x3, w3, off3, m3, y3
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _unpack(meta):
     """meta = [nd, geo (6 x nd), pstr (nd), dims...]: one argument instead of five,
     because every argument costs time in numba's dispatcher on tiny calls."""
@@ -725,23 +749,7 @@ def _unpack(meta):
     return geo, pstr, dims, dims[9] != 0, dims[10] != 0
 
 
-@njit(cache=True)
-def _serial(x, w, off, m, b, y, meta):
-    """Serial entry: any rank and layout, see ``_run_serial``."""
-    geo, pstr, dims, has_mask, has_b = _unpack(meta)
-    x3, w3, off3, m3, y3 = _flat3(geo, x, w, off, m, y)
-    _run_serial(x3, w3, off3, m3, _as_c(b), has_mask, has_b, y3, geo, pstr, dims)
-
-
-@njit(cache=True)
-def _parallel(x, w, off, m, b, y, meta, fws, iws):
-    """Parallel entry: any rank and layout, see ``_run_parallel``."""
-    geo, pstr, dims, has_mask, has_b = _unpack(meta)
-    x3, w3, off3, m3, y3 = _flat3(geo, x, w, off, m, y)
-    _run_parallel(x3, w3, off3, m3, _as_c(b), has_mask, has_b, y3, geo, pstr, dims, fws, iws)
-
-
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _padded_setup(buf, x3, geo, pstr, nb):
     """Rows of a padded image (its bordered axes but the last), the padded buffer
     for ``nb`` images in ``buf``, and the corners' offsets in it."""
@@ -751,7 +759,14 @@ def _padded_setup(buf, x3, geo, pstr, nb):
 
 
 @njit(cache=True)
-def _run_serial(x3, w3, off3, m3, b, has_mask, has_b, y3, geo, pstr, dims):
+def _serial(x, w, off, m, b, y, meta):
+    """The tiled path on the caller's thread: any rank and layout. (One entry, not a
+    wrapper around a 3-D body: numba optimises again, per function, all the jitted
+    code a function calls, so each level of calls costs compile time.)"""
+    geo, pstr, dims, has_mask, has_b = _unpack(meta)
+    x3, w3, off3, m3, y3 = _flat3(geo, x, w, off, m, y)
+    b = _as_c(b)
+    tok = x.shape[2:]
     N, C = x3.shape[0], x3.shape[1]
     oC, P = y3.shape[1], y3.shape[2]
     K, group, T, nb = dims[1], dims[2], dims[4], dims[5]
@@ -773,14 +788,19 @@ def _run_serial(x3, w3, off3, m3, b, has_mask, has_b, y3, geo, pstr, dims):
                 _pad_row(x3, n0 + nl, xp[nl], geo, r)
         for it in range(nc * ntile):
             nl, t = it // ntile, it % ntile
-            _tile(n0 + nl, nl, t * T, min(P, t * T + T), xp, off3, m3, has_mask, wr, b, has_b, y3,
+            _tile(tok, n0 + nl, nl, t * T, min(P, t * T + T), xp, off3, m3, has_mask, wr, b, has_b, y3,
                   geo, pstr, coff, segs, dims, cols, outb, pidx, pw, pm)
 
 
 @njit(cache=True, parallel=True)
-def _run_parallel(x3, w3, off3, m3, b, has_mask, has_b, y3, geo, pstr, dims, fws, iws):
-    """``fws``/``iws``: the caller's workspaces (see ``_ws_sizes``), reused across
-    calls: fresh scratch pages cost a page fault each, up to a fifth of a call."""
+def _parallel(x, w, off, m, b, y, meta, fws, iws):
+    """The tiled path on numba's pool: any rank and layout. ``fws``/``iws``: the
+    caller's workspaces (see ``_ws_sizes``), reused across calls: fresh scratch
+    pages cost a page fault each, up to a fifth of a call."""
+    geo, pstr, dims, has_mask, has_b = _unpack(meta)
+    x3, w3, off3, m3, y3 = _flat3(geo, x, w, off, m, y)
+    b = _as_c(b)
+    tok = x.shape[2:]
     N, C = x3.shape[0], x3.shape[1]
     oC, P = y3.shape[1], y3.shape[2]
     K, group, T, nb, nth = dims[1], dims[2], dims[4], dims[5], dims[6]
@@ -813,7 +833,7 @@ def _run_parallel(x3, w3, off3, m3, b, has_mask, has_b, y3, geo, pstr, dims, fws
             hi = (th + 1) * items // nth
             for it in range(lo, hi):
                 nl, t = it // ntile, it % ntile
-                _tile(n0 + nl, nl, t * T, min(P, t * T + T), xp, off3, m3, has_mask, wr, b, has_b,
+                _tile(tok, n0 + nl, nl, t * T, min(P, t * T + T), xp, off3, m3, has_mask, wr, b, has_b,
                       y3, geo, pstr, coff, segs, dims, cols, outb, pidx, pw, pm)
 
 
@@ -873,7 +893,6 @@ _BLAS = _BlasThreads()
 #: the 2-D/3-D fast plans compute sites and positions in 32 bits: sizes, sites and the
 #: positions' integer parts must stay under this (``border_corner``'s int32 bound)
 _I32 = 1 << 29
-_EMPTY = {dt: np.empty(0, dt) for dt in _PUBLIC}  # the kernels' B when there is none
 
 
 def _plan_sizes(N, C, K, oC, P, group, og, nd, S, item, nth):
@@ -915,13 +934,13 @@ class _State:
         for o in p.out_spatial:
             P *= o
         geo, pstr = _geometry(x.shape[2:], p)
-        _, S, tail = _padded_extent(geo, pstr)  # sites of a padded image, its zero tail
+        _, S, tail = _padded_extent.py_func(geo, pstr)  # sites of a padded image, its zero tail
         self.p, self.xshape, self.dtype, self.oC = p, x.shape, x.dtype, oC
         self.yshape = (N, oC) + tuple(p.out_spatial)
         view = storage(x.dtype)
         self.view = view if view != x.dtype else None  # 16-bit: their bit patterns
         self.empty = N == 0 or oC == 0
-        self.nob = _EMPTY[x.dtype]
+        self.nob = np.empty(0, x.dtype)  # the kernels' B when there is none
         work = N * P * K * (C + oC * (C // group) // 4 + 4)
         dwork = N * P * K * C * max(1, oC // group) << nd  # samples x corners of the direct path
         # small work runs on the caller's thread: the direct loops when tiny, else the tiled path
@@ -941,7 +960,7 @@ class _State:
             # index has_mask * 2 + has_b: dims[9] has_mask, dims[10] has_b
             metas = [np.array([nd] + geo.ravel().tolist() + pstr.tolist() + dims + [hm, hb], dtype=np.int64)
                      for hm in (0, 1) for hb in (0, 1)]
-            nw, nxp, ntile_ws, nint = _ws_sizes(C, oC, geo, pstr, metas[0][1 + 7 * nd:])
+            nw, nxp, ntile_ws, nint = _ws_sizes_host(C, oC, geo, pstr, metas[0][1 + 7 * nd:])
             # metas, then the parallel run's workspace elements (compute type, int64)
             self.meta[nth] = (metas, nw + nxp + nth * ntile_ws, nth * nint)
 

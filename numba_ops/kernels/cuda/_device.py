@@ -280,7 +280,7 @@ def _strided_get(a, i):
     return scope["impl"]
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def _pack(src, dst):
     """dst[i] = src's C-order element i: a strided device array made contiguous."""
     for i in range(cuda.grid(1), dst.shape[0], cuda.gridsize(1)):  # grid-stride, int64

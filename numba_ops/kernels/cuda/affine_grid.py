@@ -46,7 +46,7 @@ def kernels(ct, nd):
     ND = nd
     UND = np.uint64(nd)  # unsigned in the element loop: no Python floor/negative-index fix-ups
 
-    @cuda.jit
+    @cuda.jit(cache=True)
     def coords(c, D, H, W, align):
         """c[:W], c[W:W+H], c[W+H:] = base coordinates of the W, H, D axes."""
         one = ct(1)
@@ -58,7 +58,7 @@ def kernels(ct, nd):
             else:
                 c[i] = base_coord(i - W - H, D, align, one)
 
-    @cuda.jit
+    @cuda.jit(cache=True)
     def grid(theta, c, out, D, H, W):
         """out viewed as rows (n, d, h) of W * nd elements; theta flat (N*nd*(nd+1),)."""
         t = np.uint64(cuda.threadIdx.x)

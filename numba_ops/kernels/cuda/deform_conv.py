@@ -172,7 +172,7 @@ def kernel(ct, tiles, nd_max, wide):
     # budget). The simulator takes no launch bounds.
     opts = {} if _device.SIMULATOR else {"launch_bounds": (NT, 2)}
 
-    @cuda.jit(**opts)
+    @cuda.jit(cache=True, **opts)
     def deform_conv_kernel(x, w, off, mask, bias, y, geo, dims):
         # dims is a tuple: each entry a kernel parameter (constant bank), which an
         # instruction reads as an operand and ptxas reloads instead of spilling
@@ -347,7 +347,7 @@ def kernel(ct, tiles, nd_max, wide):
     return deform_conv_kernel
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def weights_by_kernel_point(w, wt, cpg, K, ocg):
     """wt[((gi*K + kidx)*cpg + c)*ocg + o] = w[((gi*ocg + o)*cpg + c)*K + kidx]: the
     weight tile of a chunk (fixed kidx, consecutive c, consecutive oc) becomes

@@ -1,0 +1,280 @@
+"""``numba_ops.warm``: compile every kernel variant into numba's on-disk cache
+(API.md, "Warm-up (JIT cache)").
+
+Each op's front end (``numba_ops/<op>.py``) lists, per float dtype name, a few
+tiny calls of its public function (``warm_calls(dtype)``: ``(args, kwargs)``
+pairs) that together reach every kernel variant its launchers compile: each
+rank, each path (direct, serial, parallel), with and without the optional
+inputs. ``warm`` makes those calls on each requested device; numba compiles
+what is not in its cache yet and saves it there, so a later process loads
+instead of compiling. The kernels are ``cache=True`` (CPU and CUDA), so a second
+``warm`` finds everything cached and only loads.
+
+What was compiled is read from numba's own dispatchers (their per-signature
+cache hit and miss counters), over every dispatcher of numba_ops' modules.
+"""
+import gc
+import importlib
+import importlib.util
+import os
+import sys
+import time
+
+from ._dispatch import DEVICES, LAUNCHERS, cuda_simulator, cuda_usable
+
+#: every op of API.md, in its order; ``warm`` takes those whose front end is installed
+ALL_OPS = ("affine_grid", "deform_conv", "grid_sample", "affine_warp")
+DTYPE_NAMES = ("float16", "bfloat16", "float32", "float64")
+
+
+def available_ops():
+    """The ops with a kernel table entry (``_dispatch.LAUNCHERS``) and a front end
+    defining ``warm_calls``, in API.md's order."""
+    ops = []
+    for op, _ in LAUNCHERS:
+        if op not in ops and importlib.util.find_spec(f"numba_ops.{op}") is not None:
+            ops.append(op)
+    return tuple(sorted(ops, key=lambda o: ALL_OPS.index(o) if o in ALL_OPS else len(ALL_OPS)))
+
+
+def _names(value, what, allowed, default):
+    """``value`` (None, one name, or an iterable of names) as a tuple of names from
+    ``allowed``, without repeats; ValueError naming ``what`` otherwise."""
+    if value is None:
+        return tuple(default)
+    if isinstance(value, str) or not hasattr(value, "__iter__"):
+        value = [value]
+    out = []
+    for v in value:
+        name = v
+        if what == "dtypes" and not isinstance(v, str):
+            import numpy as np
+            try:
+                name = np.dtype(v).name
+            except TypeError:
+                name = repr(v)
+        if not isinstance(name, str) or name not in allowed:
+            raise ValueError(f"{what} must name some of {', '.join(allowed)}; got {v!r}")
+        if name not in out:
+            out.append(name)
+    return tuple(out)
+
+
+def _check_ops(ops):
+    have = available_ops()
+    known = tuple(dict.fromkeys(ALL_OPS + have))
+    names = _names(ops, "ops", known, have)
+    missing = [op for op in names if op not in have]
+    if missing:
+        raise ValueError(f"ops: {', '.join(missing)} is not part of this numba_ops build; "
+                         f"it has {', '.join(have)}")
+    return names
+
+
+def _dispatchers():
+    """Every numba dispatcher (CPU, and CUDA once numba-cuda is loaded) whose
+    Python function lives in numba_ops, the factories' kernels included."""
+    from numba.core.dispatcher import Dispatcher
+    kinds = [Dispatcher]
+    cuda_mod = sys.modules.get("numba.cuda.dispatcher")
+    if cuda_mod is not None and hasattr(cuda_mod, "CUDADispatcher"):
+        kinds.append(cuda_mod.CUDADispatcher)
+    kinds = tuple(kinds)
+    out = []
+    for obj in gc.get_objects():
+        if isinstance(obj, kinds):
+            mod = getattr(obj.py_func, "__module__", "") or ""
+            if mod == "numba_ops" or mod.startswith("numba_ops."):
+                out.append(obj)
+    return out
+
+
+def _counts(dispatchers):
+    """{id: (dispatcher, cache misses (compiles), cache hits (loads))}."""
+    return {id(d): (d, sum(d._cache_misses.values()), sum(d._cache_hits.values())) for d in dispatchers}
+
+
+def _cache_dirs(dispatchers):
+    dirs = set()
+    for d in dispatchers:
+        path = getattr(getattr(d, "_cache", None), "cache_path", None)
+        if path:
+            dirs.add(path)
+    return sorted(dirs)
+
+
+def _cache_bytes(dirs):
+    """Bytes of numba's cache files (index ``.nbi`` and data ``.nbc``) in ``dirs``."""
+    total = 0
+    for path in dirs:
+        try:
+            entries = os.scandir(path)
+        except OSError:
+            continue
+        with entries:
+            for e in entries:
+                if e.name.endswith((".nbi", ".nbc")):
+                    try:
+                        total += e.stat().st_size
+                    except OSError:
+                        pass
+    return total
+
+
+def _label(op, dtype, device, args, kwargs):
+    """``deform_conv float32 cpu [1x2x6x6] [2x2x2x2] ...``: arrays by shape, other values as they are."""
+    def text(v):
+        if hasattr(v, "shape") and hasattr(v, "dtype"):
+            return "[" + "x".join(map(str, v.shape)) + "]"
+        return repr(tuple(v)) if isinstance(v, (list, tuple)) else repr(v)
+    parts = [text(a) for a in args] + [f"{k}={text(v)}" for k, v in kwargs.items()]
+    return f"{op} {dtype} {device} " + " ".join(parts)
+
+
+def warm(ops=None, dtypes=None, devices=None, *, progress=None, quiet=False):
+    """Compile every kernel variant of ``ops`` x ``dtypes`` x ``devices`` into
+    numba's on-disk cache, so that later processes start with no compile.
+
+    Parameters
+    ----------
+    ops : None, str or iterable of str
+        Op names ("affine_grid", "deform_conv", "grid_sample", "affine_warp");
+        default: every op of this build.
+    dtypes : None, str or iterable
+        Float dtype names ("float16", "bfloat16", "float32", "float64") or
+        dtypes; default: all four.
+    devices : None, str or iterable of str
+        "cpu" and/or "cuda"; default: the usable devices (``numba_ops.devices()``).
+        Under numba's CUDA simulator (NUMBA_ENABLE_CUDASIM=1) "cuda" is skipped:
+        the simulator runs Python and compiles nothing to cache.
+    progress : callable, optional
+        Called before each warm-up call as ``progress(i, total, label, elapsed_s)``
+        (``numba-ops warm`` prints it).
+    quiet : bool
+        False (default): print a summary (what was compiled, seconds, the cache
+        folder and its size, any failures) to stdout, besides returning it.
+
+    Returns
+    -------
+    dict
+        ``ops``, ``dtypes``, ``devices`` (those warmed), ``calls`` (calls made),
+        ``compiled`` (functions numba compiled, kernels and the jitted functions
+        they call), ``loaded`` (found in the cache), ``seconds``, ``cache_dir``
+        (the folder holding numba_ops' cache files), ``cache_dirs``,
+        ``cache_bytes`` (their size), ``failures`` (a list of dicts: op, dtype,
+        device, call, error) and ``skipped`` ({device: why}).
+
+    Raises
+    ------
+    ValueError
+        An unknown op, dtype or device name (the message lists the allowed
+        ones), or an op this build does not have.
+    RuntimeError
+        ``devices`` asks for "cuda" where no GPU (and no simulator) is usable.
+    """
+    t0 = time.perf_counter()
+    ops = _check_ops(ops)
+    dtypes = _names(dtypes, "dtypes", DTYPE_NAMES, DTYPE_NAMES)
+    usable = ("cpu", "cuda") if cuda_usable() else ("cpu",)
+    devices = _names(devices, "devices", DEVICES, usable)
+    if "cuda" in devices and "cuda" not in usable:
+        raise RuntimeError("devices asks for 'cuda' but no CUDA GPU is usable here "
+                           "(install numba-cuda and a driver)")
+    skipped = {}
+    if "cuda" in devices and cuda_simulator():
+        skipped["cuda"] = ("numba's CUDA simulator (NUMBA_ENABLE_CUDASIM=1) runs Python: "
+                           "it compiles nothing to cache")
+        devices = tuple(d for d in devices if d != "cuda")
+
+    plan = []
+    for op in ops:
+        front = importlib.import_module(f"numba_ops.{op}")
+        public = getattr(front, op)
+        for dtype in dtypes:
+            for args, kwargs in front.warm_calls(dtype):
+                for device in devices:
+                    plan.append((op, dtype, device, public, args, kwargs))
+    # the kernel modules, so that their dispatchers are counted from the start
+    for op in ops:
+        for device in devices:
+            importlib.import_module(LAUNCHERS[op, device])
+
+    before = _counts(_dispatchers())
+    failures = []
+    for i, (op, dtype, device, public, args, kwargs) in enumerate(plan):
+        label = _label(op, dtype, device, args, kwargs)
+        if progress is not None:
+            progress(i, len(plan), label, time.perf_counter() - t0)
+        try:
+            public(*args, **kwargs, device=device)
+        except Exception as exc:  # report every failure, keep warming the rest
+            failures.append({"op": op, "dtype": dtype, "device": device, "call": label,
+                             "error": f"{type(exc).__name__}: {exc}"})
+    found = _dispatchers()
+    after = _counts(found)
+    compiled = loaded = 0
+    for key, (_, misses, hits) in after.items():
+        _, m0, h0 = before.get(key, (None, 0, 0))
+        compiled += misses - m0
+        loaded += hits - h0
+    dirs = _cache_dirs(found)
+    seconds = time.perf_counter() - t0
+    if progress is not None:
+        progress(len(plan), len(plan), "done", seconds)
+    result = {
+        "ops": list(ops), "dtypes": list(dtypes), "devices": list(devices),
+        "calls": len(plan), "compiled": compiled, "loaded": loaded, "seconds": seconds,
+        "cache_dir": os.path.commonpath(dirs) if dirs else None, "cache_dirs": dirs,
+        "cache_bytes": _cache_bytes(dirs), "failures": failures, "skipped": skipped,
+    }
+    if not quiet:
+        summary(result)
+    return result
+
+
+def summary(r, out=None):
+    """Print ``warm``'s result ``r`` as a few lines (to stdout by default)."""
+    out = sys.stdout if out is None else out
+    for dev, why in r["skipped"].items():
+        print(f"skipped {dev}: {why}", file=out)
+    print(f"warmed {', '.join(r['ops'])} x {', '.join(r['dtypes'])} on {', '.join(r['devices']) or 'no device'}: "
+          f"{r['calls']} calls, {r['compiled']} functions compiled, {r['loaded']} loaded from the cache, "
+          f"{r['seconds']:.1f} s", file=out)
+    where = "NUMBA_CACHE_DIR" if os.environ.get("NUMBA_CACHE_DIR") else "beside the kernels; NUMBA_CACHE_DIR moves it"
+    print(f"cache: {r['cache_dir']} ({_size_text(r['cache_bytes'])}; {where})", file=out)
+    for f in r["failures"]:
+        print(f"FAILED {f['call']}: {f['error']}", file=out)
+    if r["failures"]:
+        print(f"{len(r['failures'])} of {r['calls']} calls failed", file=out)
+
+
+def _size_text(n):
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+
+
+def main(ops=None, dtypes=None, devices=None, out=None):
+    """``numba-ops warm``: ``warm`` with a progress line per call (which call, how
+    many left, seconds so far) and a summary; returns the exit status: 0, 1 when
+    a call failed (a kernel that does not compile), 2 for bad arguments."""
+    out = sys.stdout if out is None else out
+    tty = out.isatty()
+
+    def progress(i, total, label, elapsed):
+        if label == "done":
+            if tty:
+                out.write("\r\033[K")
+            return
+        line = f"[{i + 1:>{len(str(total))}}/{total}] {elapsed:6.1f} s  {total - i - 1} left  {label}"
+        out.write(("\r\033[K" + line) if tty else line + "\n")
+        out.flush()
+
+    try:
+        r = warm(ops, dtypes, devices, progress=progress, quiet=True)
+    except (ValueError, RuntimeError) as exc:
+        print(f"numba-ops warm: error: {exc}", file=sys.stderr)
+        return 2
+    summary(r, out)
+    return 1 if r["failures"] else 0

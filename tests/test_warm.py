@@ -1,0 +1,208 @@
+"""numba_ops.warm / ``numba-ops warm`` (API.md, "Warm-up (JIT cache)"): after a
+warm-up into an empty cache, a fresh process calls every op x dtype x rank
+without numba compiling anything, and a second warm-up compiles nothing.
+
+The full check uses one dtype on the CPU (each dtype compiles its own kernels;
+one keeps CI short) in fresh processes with their own empty NUMBA_CACHE_DIR.
+"""
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import numba_ops
+from numba_ops import _warm
+
+ROOT = Path(__file__).resolve().parents[1]
+DTYPE = "float32"
+
+# Calls of every op x rank x path (direct / serial / parallel, with and without B and
+# mask), shaped independently of the ops' warm_calls; numba's "numba:compile" event
+# fires for every function it compiles (loads from the cache fire none).
+CALLS = r"""
+import json, sys
+import numpy as np
+from numba.core import event
+from numba_ops._cases import np_dtype
+
+compiles = event.RecordingListener()
+event.register("numba:compile", compiles)
+import numba_ops
+dt = np_dtype(sys.argv[1])
+rng = np.random.default_rng(0)
+
+def r(*shape):
+    return rng.standard_normal(shape).astype(dt)
+
+done = []
+for size in [(2, 3, 5, 7), (1, 1, 300, 300), (1, 2, 3, 4, 5), (2, 1, 20, 40, 50)]:
+    nd = len(size) - 2
+    numba_ops.affine_grid(r(size[0], nd, nd + 1), size, align_corners=len(done) % 2)
+    done.append(("affine_grid", size))
+for nd, sides in [(1, (3, 20, 2500)), (2, (3, 8, 45)), (3, (3, 5, 14))]:
+    for s in sides:
+        big = s > 3
+        N, C, oC, g, og = (2, 4, 6, 2, 2) if big else (1, 1, 1, 1, 1)
+        k, K = (3, 3 ** nd) if big else (2, 2 ** nd)
+        o = s - k + 1
+        for extra in (False, True):
+            x, w, off = r(N, C, *(s,) * nd), r(oC, C // g, *(k,) * nd), r(N, og * K * nd, *(o,) * nd)
+            b, m = (r(oC), r(N, og * K, *(o,) * nd)) if extra else (None, None)
+            numba_ops.deform_conv(x, w, off, b, m, group=g, offset_group=og)
+            done.append(("deform_conv", x.shape, extra))
+names = sorted({d.py_func.__module__ + "." + d.py_func.__qualname__
+                for _, e in compiles.buffer if e.is_start for d in [e.data["dispatcher"]]})
+print(json.dumps({"calls": len(done), "compiled": names}))
+"""
+
+
+def _env(cache):
+    env = dict(os.environ)
+    env["NUMBA_CACHE_DIR"] = str(cache)
+    env.pop("NUMBA_ENABLE_CUDASIM", None)
+    return env
+
+
+def _cli(*args, env=None, timeout=900):
+    p = subprocess.run([sys.executable, "-m", "numba_ops", "warm", *args], capture_output=True, text=True,
+                       cwd=ROOT, env=env, timeout=timeout)
+    return p.returncode, p.stdout, p.stderr
+
+
+def _compiled(out):
+    m = re.search(r"(\d+) functions compiled, (\d+) loaded from the cache", out)
+    assert m, out
+    return int(m.group(1)), int(m.group(2))
+
+
+def test_warm_leaves_nothing_to_compile(tmp_path):
+    cache = tmp_path / "jit"
+    env = _env(cache)
+    rc, out, err = _cli("--dtype", DTYPE, "--device", "cpu", env=env)
+    assert rc == 0, out + err
+    compiled, _ = _compiled(out)
+    assert compiled > 0
+    assert f"cache: {cache}" in out
+    assert re.search(r"\[\d+/\d+\] +[\d.]+ s +\d+ left +deform_conv float32 cpu", out)  # progress lines
+    # a fresh process: every op x rank x path, and numba compiles nothing
+    p = subprocess.run([sys.executable, "-c", CALLS, DTYPE], capture_output=True, text=True, cwd=ROOT,
+                       env=env, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = json.loads(p.stdout.strip().splitlines()[-1])
+    assert got["calls"] == 4 + 3 * 3 * 2
+    assert got["compiled"] == [], f"compiled after warm: {got['compiled']}"
+    # warm again: everything is in the cache
+    rc, out, err = _cli("--dtype", DTYPE, "--device", "cpu", env=env)
+    assert rc == 0, out + err
+    compiled, loaded = _compiled(out)
+    assert compiled == 0 and loaded > 0, out
+
+
+def test_warm_result(capsys):
+    calls = len(__import__("numba_ops.affine_grid", fromlist=["warm_calls"]).warm_calls(DTYPE))
+    seen = []
+    r = numba_ops.warm("affine_grid", [np.float32], "cpu", progress=lambda *a: seen.append(a))
+    printed = capsys.readouterr().out  # API.md: warm returns and prints what it did
+    assert f"{r['compiled']} functions compiled" in printed and str(r["cache_dir"]) in printed
+    assert r["ops"] == ["affine_grid"] and r["dtypes"] == [DTYPE] and r["devices"] == ["cpu"]
+    assert r["calls"] == calls and r["failures"] == [] and r["skipped"] == {}
+    assert r["compiled"] + r["loaded"] > 0
+    assert r["seconds"] > 0 and os.path.isdir(r["cache_dir"]) and r["cache_bytes"] > 0
+    assert [a[:2] for a in seen] == [(i, calls) for i in range(calls + 1)]
+
+
+@pytest.mark.parametrize("kw, word", [
+    ({"ops": "affine"}, "ops"), ({"ops": ["affine_grid", 3]}, "ops"),
+    ({"dtypes": "int8"}, "dtypes"), ({"dtypes": [np.float32, np.int32]}, "dtypes"),
+    ({"devices": "tpu"}, "devices"), ({"devices": ["cpu", None]}, "devices"),
+])
+def test_bad_names(kw, word):
+    with pytest.raises(ValueError, match=word) as e:
+        numba_ops.warm(**kw)
+    assert "affine_grid" in str(e.value) or "float32" in str(e.value) or "cpu" in str(e.value)
+
+
+def test_an_op_missing_from_the_build(monkeypatch):
+    monkeypatch.setattr(_warm, "available_ops", lambda: ("affine_grid",))
+    with pytest.raises(ValueError, match="deform_conv is not part of this numba_ops build"):
+        numba_ops.warm(ops="deform_conv")
+    assert _warm._check_ops(None) == ("affine_grid",)
+
+
+def test_default_ops_are_the_installed_ones():
+    have = _warm.available_ops()
+    assert {"affine_grid", "deform_conv"} <= set(have)
+    for op in have:
+        assert callable(__import__(f"numba_ops.{op}", fromlist=["warm_calls"]).warm_calls)
+
+
+def test_cuda_unusable_or_simulated(monkeypatch):
+    monkeypatch.setattr(_warm, "cuda_usable", lambda: False)
+    with pytest.raises(RuntimeError, match="no CUDA GPU is usable"):
+        numba_ops.warm(ops="affine_grid", dtypes="float32", devices="cuda", quiet=True)
+    monkeypatch.setattr(_warm, "cuda_usable", lambda: True)
+    monkeypatch.setattr(_warm, "cuda_simulator", lambda: True)
+    r = numba_ops.warm(ops="affine_grid", dtypes="float32", devices="cuda", quiet=True)
+    assert r["calls"] == 0 and r["devices"] == [] and "simulator" in r["skipped"]["cuda"]
+
+
+def test_cli_exit_codes(tmp_path):
+    env = dict(os.environ)
+    rc, out, err = _cli("--op", "nosuch", env=env, timeout=120)
+    assert rc == 2 and "ops must name some of affine_grid" in err
+    rc, out, err = _cli("--dtype", "int8", env=env, timeout=120)
+    assert rc == 2 and "--dtype" in err
+    # a call that fails (as a kernel that does not compile would): exit 1, the failure named
+    script = tmp_path / "broken_warm.py"
+    script.write_text(textwrap.dedent("""
+        import sys
+        import numba_ops.kernels.cpu.affine_grid as k
+        def broken(*args):
+            raise RuntimeError("injected compile failure")
+        k.launch = broken
+        from numba_ops.cli import main
+        sys.exit(main(sys.argv[1:]))
+    """))
+    p = subprocess.run([sys.executable, str(script), "warm", "--op", "affine_grid", "--dtype", "float32",
+                        "--device", "cpu"], capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert "FAILED affine_grid float32 cpu" in p.stdout and "injected compile failure" in p.stdout
+
+
+def test_import_loads_only_what_is_used():
+    """``import numba_ops`` loads neither numba nor ml_dtypes (ml_dtypes alone takes
+    ~0.4 s); a float32 call loads numba but not ml_dtypes; bfloat16 arrays still work."""
+    code = textwrap.dedent("""
+        import sys
+        import numpy as np
+        import numba_ops
+        print(sorted(m for m in ("numba", "ml_dtypes", "numba.cuda", "scipy") if m in sys.modules))
+        numba_ops.affine_grid(np.zeros((1, 2, 3), np.float32), (1, 1, 2, 2))
+        print(sorted(m for m in ("numba", "ml_dtypes") if m in sys.modules))
+        import ml_dtypes
+        print(numba_ops.affine_grid(np.zeros((1, 2, 3), ml_dtypes.bfloat16), (1, 1, 2, 2)).dtype)
+    """)
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.split("\n")[:3] == ["[]", "['numba']", "bfloat16"]
+
+
+@pytest.mark.skipif(os.environ.get("NUMBA_ENABLE_CUDASIM", "0") not in ("", "0"),
+                    reason="the simulator's kernels are Python: nothing to cache")
+def test_cuda_kernels_cache_on_disk():
+    """Every CUDA kernel (each dtype, rank and variant the launchers pick) is a
+    numba-cuda dispatcher with its on-disk cache enabled (``cache=True``); the
+    save and load themselves need a GPU (warm, on the usable devices)."""
+    pytest.importorskip("numba.cuda")
+    from numba.cuda.dispatcher import CUDACache
+    from numba_ops.kernels.cuda import _device, affine_grid, deform_conv
+    jobs = [job for mod in (_device, affine_grid, deform_conv) for job in mod.compile_jobs()]
+    assert jobs
+    for label, kernel, _ in jobs:
+        assert isinstance(kernel._cache, CUDACache), label
