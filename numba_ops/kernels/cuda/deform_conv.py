@@ -383,14 +383,16 @@ def compile_jobs():
         yield f"deform_conv.weights/{dt}", weights_by_kernel_point, (arr, arr, i64, i64, i64)
 
 
-def launch(x, w, offset, b, mask, p, stream=None):
+def launch(x, w, offset, b, mask, p, stream=None, origin=None):
     """Validated inputs (NumPy or numba device arrays of one dtype) and DeformParams;
-    stream: the public ``stream=`` (``_device.as_stream``)."""
+    stream: the public ``stream=`` (``_device.as_stream``). ``origin`` (internal,
+    numba_ops.dask): see the CPU launcher; the region's first output indices, folded
+    into the pads-begin row of ``geo``."""
     with _device.launch_guard():
-        return _launch(x, w, offset, b, mask, p, _device.as_stream(stream))
+        return _launch(x, w, offset, b, mask, p, _device.as_stream(stream), origin)
 
 
-def _launch(x, w, offset, b, mask, p, stream):
+def _launch(x, w, offset, b, mask, p, stream, origin=None):
     dtype = np.dtype(x.dtype)
     st = storage(dtype)
     N, C = int(x.shape[0]), int(x.shape[1])
@@ -413,7 +415,9 @@ def _launch(x, w, offset, b, mask, p, stream):
                 wf0, wf, np.int64(C // group), np.int64(K), np.int64(oC // group))
         mf = dummy if mask is None else _device.flat(mask, stream)
         bf = dummy if b is None else _device.flat(b, stream)
-        geo = _device.int64_array([tuple(x.shape[2:]), p.kernel_shape, p.strides, p.pads_begin,
+        # a region's output o is the whole's origin + o: base (origin + o)*stride - begin
+        begin = p.pads_begin if origin is None else [pb - o * s for pb, o, s in zip(p.pads_begin, origin, p.strides)]
+        geo = _device.int64_array([tuple(x.shape[2:]), p.kernel_shape, p.strides, begin,
                                    p.dilations, p.out_spatial], stream)
         wide = max(x.size, offset.size, w.size, total) >= WIDE_FROM
         ct = compute(dtype).type
