@@ -34,7 +34,7 @@ def table(report, path):
     h = 0.8 / len(series)
     timed = [v for r in report["cases"].values() for v in r["ms"].values() if v]
     floor = min(timed) / 8 if timed else 1e-3  # a limit far below every time (dc_seed's) is cut here
-    fig, ax = plt.subplots(figsize=(9, 0.55 * len(cases) * len(series) ** 0.5 + 1.6))
+    fig, ax = plt.subplots(figsize=(9, 0.4 * len(cases) * len(series) ** 0.5 + 1.8))
     for k, s in enumerate(series):
         ys, xs = [], []
         for i, name in enumerate(cases):
@@ -64,38 +64,55 @@ def table(report, path):
 
 
 def against(report, path):
-    """Per case the ratio current / REV with its interval; the threshold band shaded."""
+    """Per case the ratio current / REV with its interval (log x, clipped to 0.4-2.5:
+    an interval beyond ends in an arrow); the threshold band shaded, colours by verdict."""
     plt = _pyplot()
+    from matplotlib.transforms import blended_transform_factory
     cases = _order(list(report["cases"]))
     t = report["threshold"]
-    fig, ax = plt.subplots(figsize=(8, 0.42 * len(cases) + 1.6))
-    ax.axvspan(1 / (1 + t), 1 + t, color="#dddddd", alpha=0.6, label=f"within the threshold ({t:.0%})")
+    lo_clip, hi_clip = 0.4, 2.5
+    fig, ax = plt.subplots(figsize=(9, 0.42 * len(cases) + 1.6))
+    ax.axvspan(1 / (1 + t), 1 + t, color="#dddddd", alpha=0.7, label=f"within the threshold ({t:.0%})")
     ax.axvline(1.0, color="k", lw=0.8)
-    lo_all, hi_all = [1 / (1 + t)], [1 + t]
+    right = blended_transform_factory(ax.transAxes, ax.transData)
+    lo_all, hi_all = [0.8], [1.25]
+    clip = (lambda v: min(max(v, lo_clip), hi_clip))
     for i, name in enumerate(cases):
         r = report["cases"][name]
         if r.get("ratio") is None:
-            ax.text(1.0, i, f"  {r['verdict']}", va="center", fontsize=8, color="#555555")
+            ax.text(1.02, i, r["verdict"], va="center", fontsize=8, color="#555555", transform=right)
             continue
         c = _VERDICT.get(r["verdict"], "k")
         if r["low"] is not None:
-            ax.plot([r["low"], r["high"]], [i, i], color=c, lw=2.5, solid_capstyle="butt")
-            lo_all.append(r["low"])
-            hi_all.append(r["high"])
-        ax.plot([r["ratio"]], [i], "o", color=c, ms=6)
-        ax.text(max(r["high"] or r["ratio"], r["ratio"]) * 1.01, i, f" {r['ratio']:.3f} {r['verdict']}",
-                va="center", fontsize=8, color=c)
-        lo_all.append(r["ratio"])
-        hi_all.append(r["ratio"])
-    ax.set_xlim(min(lo_all) - 0.05, max(hi_all) + 0.25 * (max(hi_all) - min(lo_all) + 0.2))
+            a, b = clip(r["low"]), clip(r["high"])
+            ax.plot([a, b], [i, i], color=c, lw=2.5, solid_capstyle="butt")
+            if r["low"] < lo_clip:
+                ax.plot([a], [i], marker="<", color=c, ms=7)
+            if r["high"] > hi_clip:
+                ax.plot([b], [i], marker=">", color=c, ms=7)
+            lo_all.append(a)
+            hi_all.append(b)
+            ci = f" [{r['low']:.2f}, {r['high']:.2f}]"
+        else:
+            ci = ""
+        ax.plot([clip(r["ratio"])], [i], "o", color=c, ms=6)
+        lo_all.append(clip(r["ratio"]))
+        hi_all.append(clip(r["ratio"]))
+        ax.text(1.02, i, f"{r['ratio']:.3f}{ci} {r['verdict']}", va="center", fontsize=8, color=c, transform=right)
+    ax.set_xscale("log")
+    ax.set_xlim(min(lo_all) / 1.08, max(hi_all) * 1.08)
+    ticks = [v for v in (0.4, 0.5, 0.67, 0.8, 0.91, 1.0, 1.1, 1.25, 1.5, 2.0, 2.5)
+             if ax.get_xlim()[0] <= v <= ax.get_xlim()[1]]
+    ax.set_xticks(ticks, [f"{v:g}" for v in ticks])
+    ax.minorticks_off()
     ax.set_yticks(range(len(cases)), cases)
-    ax.invert_yaxis()
+    ax.set_ylim(len(cases) - 0.5, -0.5)
     pct = int(round(100 * report["confidence"]))
-    ax.set_xlabel(f"time ratio current / REV (dot), {pct}% interval (bar); right of 1: slower")
+    ax.set_xlabel(f"time ratio current / REV (dot) and its {pct}% interval (bar), log scale; right of 1: slower")
     ax.set_title(f"numba-ops bench --against {report['rev']} ({report['sha'][:10]}): "
                  f"{report['rounds']} rounds{', quick' if report.get('quick') else ''}", fontsize=10)
-    ax.legend(fontsize=8, loc="lower right")
-    ax.grid(axis="x", alpha=0.25)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.13 - 0.4 / len(cases)), frameon=False)
+    ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
