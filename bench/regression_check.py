@@ -59,7 +59,7 @@ def _runs(tree, rev, n, only, label, extra_env=None):
     out = []
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(n):
-            path = os.path.join(tmp, f"{label}{i}.json")
+            path = os.path.join(tmp, f"{label.replace('/', '')}{i}.json")
             cmd = [sys.executable, "-m", "numba_ops", "bench", "--quick", "--against", rev, "--json", path]
             if only:
                 cmd += ["--only", only]

@@ -212,7 +212,9 @@ def test_bench_worker_times_the_cuda_kernels():
 def test_bench_bad_options_fail_fast(tmp_path):
     """Bad files and counts are refused before anything is measured, in one line."""
     for args in (["--repeat", "0"], ["--repeat", "abc"], ["--load", str(tmp_path / "missing.json")],
-                 ["--compare", str(tmp_path / "missing.json")], ["--json", str(tmp_path / "no" / "x.json")]):
+                 ["--compare", str(tmp_path / "missing.json")], ["--json", str(tmp_path / "no" / "x.json")],
+                 ["--plot", str(tmp_path / "no" / "x.png")], ["--threshold", "0"], ["--threshold", "ten"],
+                 ["--against", "no-such-revision-xyz"], ["--against", "HEAD", "--compare", str(SAVED_RUN)]):
         rc, _, err = run("bench", "--peers", "none", "--only", "ag2d_small", *args, timeout=120)
         assert rc != 0 and "Traceback" not in err and err.strip(), (args, err)
         assert "_positive_int" not in err, err
