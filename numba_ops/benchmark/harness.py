@@ -595,6 +595,16 @@ def _plot(path, report):
         print(f"wrote {path}")
 
 
+def _timeable(device):
+    """False (having said why on stderr) for CUDA on numba's simulator."""
+    from .._dispatch import cuda_simulator
+    if device == "cuda" and cuda_simulator():
+        print("numba-ops bench: NUMBA_ENABLE_CUDASIM=1 runs the CUDA kernels in numba's simulator, "
+              "which is for correctness, not timing; unset it to time a GPU", file=sys.stderr)
+        return False
+    return True
+
+
 def main_against(args):
     """``numba-ops bench --against REV``: exit 0 (no regression), 1 (a case slower
     beyond the threshold), 2 (the check could not be made)."""
@@ -604,6 +614,8 @@ def main_against(args):
     _check_out_path(args.json, "--json")
     _check_out_path(args.plot, "--plot")
     _need_matplotlib(args.plot)
+    if not _timeable(args.device or "cpu"):
+        return 2
     meta = machine.collect()
     print(f"numba-ops bench --against {args.against}: the current source tree against REV, "
           f"{'quick, ' if args.quick else ''}threshold {args.threshold:.0%}", flush=True)
@@ -649,10 +661,7 @@ def main(args):
                              f"({type(exc).__name__}: {exc})") from None
     else:
         device = args.device or "cpu"
-        from .._dispatch import cuda_simulator
-        if device == "cuda" and cuda_simulator():
-            print("numba-ops bench: NUMBA_ENABLE_CUDASIM=1 runs the CUDA kernels in numba's simulator, "
-                  "which is for correctness, not timing; unset it to time a GPU", file=sys.stderr)
+        if not _timeable(device):
             return 2
         cases = _select(args.only)
         if args.peers is None:
