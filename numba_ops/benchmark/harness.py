@@ -595,6 +595,17 @@ def _plot(path, report):
         print(f"wrote {path}")
 
 
+def _load_note():
+    """A line when the machine is busy before the run (load average above its CPUs), else None."""
+    if not hasattr(os, "getloadavg"):
+        return None
+    load, cpus = os.getloadavg()[0], os.cpu_count() or 1
+    if load > cpus:
+        return (f"note: load average {load:.1f} on {cpus} CPUs: other processes compete for the cores; "
+                "timings will be noisier (more cases undecided)")
+    return None
+
+
 def _timeable(device):
     """False (having said why on stderr) for CUDA on numba's simulator."""
     from .._dispatch import cuda_simulator
@@ -617,9 +628,13 @@ def main_against(args):
     if not _timeable(args.device or "cpu"):
         return 2
     meta = machine.collect()
+    load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     print(f"numba-ops bench --against {args.against}: the current source tree against REV, "
           f"{'quick, ' if args.quick else ''}threshold {args.threshold:.0%}", flush=True)
     machine_header(meta, measure_pin=False)
+    load = _load_note()
+    if load:
+        print(load, flush=True)
     try:
         report = against.run(args.against, repo=args.repo, cases_module=args.cases or against.CASES_MODULE,
                              only=args.only, quick=args.quick, threshold=args.threshold, dtype=args.dtype,
@@ -629,7 +644,11 @@ def main_against(args):
         print(f"numba-ops bench --against: {exc}", file=sys.stderr)
         return 2
     report["machine"] = meta
+    report["load_average"] = {"before": load_before, "after": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
     against.print_report(report)
+    if report["load_average"]["after"] and report["load_average"]["after"] > 1.5 * meta["cpus"]:
+        print(f"note: load average {report['load_average']['after']:.1f} on {meta['cpus']} CPUs during the run: "
+              "other processes competed for the cores, so more cases are undecided than on a quiet machine")
     if args.json:
         _write_json(args.json, report)
     _plot(args.plot, report)
