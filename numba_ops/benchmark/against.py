@@ -15,7 +15,6 @@ after a pause in which the other side's thread pool stops spinning. Every timed
 call is kept; ``stats`` turns the rounds into a ratio, an interval and a verdict.
 """
 import contextlib
-import fcntl
 import hashlib
 import json
 import os
@@ -27,6 +26,11 @@ import tempfile
 import time
 
 from . import stats
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: no lock, so every run works in a place of its own
+    fcntl = None
 
 #: per mode: rounds, and per turn: seconds of warm-up calls, seconds of timed calls,
 #: at least / at most this many timed calls. --quick: ~9 s a round for 8 cases here.
@@ -46,7 +50,10 @@ class AgainstError(Exception):
 
 
 def _git(repo, *args):
-    p = subprocess.run(["git", "-C", repo, *args], capture_output=True, text=True)
+    try:
+        p = subprocess.run(["git", "-C", repo, *args], capture_output=True, text=True)
+    except OSError as exc:
+        raise AgainstError(f"cannot run git ({exc}): --against needs git") from None
     if p.returncode != 0:
         raise AgainstError(f"git {' '.join(args)} failed in {repo}: {p.stderr.strip() or p.stdout.strip()}")
     return p.stdout.strip()
@@ -89,6 +96,8 @@ class RevTree:
         os.makedirs(self.home, exist_ok=True)
         self._lock = open(os.path.join(self.home, "lock"), "w")
         try:
+            if fcntl is None:
+                raise OSError("no file locks here")
             fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
             home = self.home
         except OSError:  # another run holds it: work in a place of our own, with a cold cache
