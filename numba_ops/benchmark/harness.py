@@ -437,6 +437,10 @@ def figures(row):
     return out
 
 
+#: the limit of each op's cases (``_Limits.case``); an op without one has no "% of limit"
+_LIMIT_KIND = {"affine_grid": "alloc+fill floor", "deform_conv": "GEMM-bound time"}
+
+
 def _table(results, cases):
     table = {}
     lim = results.pop("limits", {})
@@ -446,7 +450,7 @@ def _table(results, cases):
         cold = {impl: results[impl][name]["cold_ms"] for impl in ms}
         best = {impl: results[impl][name]["best_ms"] for impl in ms}
         bound = lim.get(name, {}).get("bound_ms")
-        what = lim.get(name, {}).get("limit") or ("alloc+fill floor" if op == "affine_grid" else "GEMM-bound time")
+        what = lim.get(name, {}).get("limit") or _LIMIT_KIND.get(op)
         row = {"op": op, "ms": ms, "best_ms": best, "cold_ms": cold, "bound_ms": bound, "limit": what}
         row["figures"] = figures(row)
         table[name] = row
