@@ -1,48 +1,25 @@
-"""The ``numba-ops`` command (also ``python -m numba_ops``).
+"""The ``numba-ops`` command (also ``python -m numba_ops``): argument parsing and dispatch.
 
-    numba-ops info                         versions, devices, threads, JIT cache
+    numba-ops info                         versions, devices, threads, BLAS, JIT cache
     numba-ops info --cuda                  CUDA kernels' registers, spills, occupancy (ptxas)
     numba-ops check [--device D]           ONNX conformance cases of both ops, pass/fail
-    numba-ops bench [--device D] [--dtype T] [--quick] [--json FILE] [--compare BASELINE]
+    numba-ops bench [--device D] [--dtype T] [--quick] [--json FILE] [--compare FILE] [--plot PNG]
+    numba-ops bench --against REV [--quick] [--only NAMES] [--threshold F]
     numba-ops warm [--op OP ...] [--dtype T ...] [--device D ...]   compile every kernel into the JIT cache
 
-``bench`` times every case of ``numba_ops._cases`` (the case names of the shared
-peer benchmark) with numba_ops and with each installed peer (onnxruntime,
-PyTorch/torchvision), each implementation in a process of its own so that the
-runtimes' thread pools do not fight over the cores. A case is timed warm (median
-of back-to-back calls) and cold (median of calls made after 200 ms idle, as a
-program calls an op between other work). The machine's limits are measured in
-the same run, in a process of their own: write bandwidth (a numba ``prange``
-fill), then per case the alloc+fill floor of an AffineGrid output or the GEMM
-rate (NumPy's, or PyTorch's where faster) that bounds a DeformConv. The
-processes take turns case by case (the limit, then each implementation), so load
-from elsewhere on a shared machine falls on all of a case's figures alike.
-
-Two machine-independent figures per case feed the regression gate
-(``--compare``): the fraction of the limit reached (limit time / our time) and
-the speed relative to each peer (peer time / our time), both from the fastest
-warm call of each implementation and the fastest run of each limit (noise on a
-shared machine only adds time). A case fails the gate when a figure falls more
-than 15 % below the baseline's.
+The benchmark itself (workers, timing, limits, statistics, tables, plots) lives
+in ``numba_ops.benchmark``.
 """
 import argparse
 import importlib.metadata
-import importlib.util
 import json
 import os
-import statistics
-import subprocess
 import sys
 import time
 
 import numpy as np
-from numba import prange
 
 from . import _cases
-
-PEERS = ("onnxruntime", "torch")
-REGRESSION = 0.15  # a figure more than 15 % below the baseline fails the gate
-_MARK = "@@numba-ops "  # prefix of the worker's result lines on stdout
 
 
 # --------------------------------------------------------------------------
@@ -107,9 +84,14 @@ def cmd_info(args):
     rows.append(("threading layer", f"{layer} (configured: {configured}; parallel above "
                                     f"{_runtime.PARALLEL_MIN_WORK} elements of work)"))
     rows.append(("JIT cache", _cache_location()))
+    from .benchmark import machine
+    rows.append(("BLAS", machine.blas_text(machine.blas_info())))
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
+    warning = machine.coretype_warning()
+    if warning:
+        print(f"WARNING: {warning}")
     return 0
 
 
@@ -141,13 +123,6 @@ def _usable(device, command):
     print(f"numba-ops {command}: device {device!r} is not usable here (usable: {', '.join(numba_ops.devices())})",
           file=sys.stderr)
     return False
-
-
-def _gemm_text(limits, sep):
-    """The GEMM rate of a limits record, as the tables print it ("" if it has none)."""
-    if "gemm_GFLOPs" not in limits:
-        return ""
-    return f"{sep}GEMM {limits['gemm_GFLOPs']:.1f} GFLOP/s ({limits['gemm_by']}, {limits['gemm_dtype']})"
 
 
 def _check_one(case, device):
@@ -197,546 +172,14 @@ def cmd_check(args):
 
 
 # --------------------------------------------------------------------------
-# bench: workers (one process per implementation)
+# bench (numba_ops.benchmark)
 # --------------------------------------------------------------------------
-
-def _timing(quick, repeat):
-    """(warm repeats, warmup calls, seconds budget per case, cold repeats)."""
-    if repeat is not None:
-        return repeat, 1, 60.0, repeat
-    return (7, 2, 2.0, 2) if quick else (9, 2, 15.0, 5)
-
-
-#: warm-up lasts at least this long: after idle (another implementation's turn) this
-#: VM runs the first ~10 ms of calls up to 2x slower, whatever the code (a prange fill too)
-WARMUP_S = 0.05
-
-
-def time_runs(fn, repeat, warmup, budget_s):
-    """Seconds of each of ``repeat`` back-to-back calls, after ``warmup`` calls
-    (compilation included there) and at least ``WARMUP_S`` of calls; stops early
-    past ``budget_s`` once 3 are in."""
-    t_warm = time.perf_counter() + WARMUP_S
-    for _ in range(warmup):
-        fn()
-    while time.perf_counter() < t_warm:
-        fn()
-    ts = []
-    t_end = time.perf_counter() + budget_s
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-        if len(ts) >= 3 and time.perf_counter() > t_end:
-            break
-    return ts
-
-
-def time_best(fn, repeat, warmup, budget_s):
-    """Fastest of back-to-back calls: what the machine can do, as noise only adds time."""
-    return min(time_runs(fn, repeat, warmup, budget_s))
-
-
-def time_cold(fn, repeat, idle_s=0.2):
-    """Median seconds of a call made after ``idle_s`` of sleep, as a program calls
-    an op between other work (caches cooled, thread pools asleep)."""
-    ts = []
-    for _ in range(repeat):
-        time.sleep(idle_s)
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
-
-
-def _emit(obj):
-    print(_MARK + json.dumps(obj), flush=True)
-
-
-def _ort_session(op, named, attrs, opset, device):
-    import onnxruntime as ort
-    from onnx import TensorProto, helper
-
-    vi = [helper.make_tensor_value_info(
-        n, TensorProto.INT64 if v.dtype == np.int64 else helper.np_dtype_to_tensor_dtype(v.dtype), list(v.shape))
-        for n, v in named]
-    node = helper.make_node(op, [n for n, _ in named], ["y"], **attrs)
-    out_t = helper.np_dtype_to_tensor_dtype(named[0][1].dtype)
-    g = helper.make_graph([node], "g", vi, [helper.make_tensor_value_info("y", out_t, None)])
-    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)])
-    providers = ["CUDAExecutionProvider"] if device == "cuda" else ["CPUExecutionProvider"]
-    s = ort.InferenceSession(m.SerializeToString(), providers=providers)
-    feed = dict(named)
-    return lambda: s.run(None, feed)[0]
-
-
-def _peer_fn(impl, name, device):
-    """A zero-argument call of peer ``impl`` on case ``name`` (float32, as the peers
-    are timed), or a string saying why the peer has no such case."""
-    op, args, kw, _ = _cases.inputs(name, "float32")
-    if impl == "onnxruntime":
-        if device == "cuda":
-            import onnxruntime as ort
-            if "CUDAExecutionProvider" not in ort.get_available_providers():
-                return "this onnxruntime has no CUDAExecutionProvider"
-        if op == "affine_grid":
-            theta, size = args
-            return _ort_session("AffineGrid", [("theta", theta), ("size", size)],
-                                {"align_corners": kw["align_corners"]}, 20, device)
-        named = [(n, a) for n, a in zip(("X", "W", "offset", "B", "mask"), args) if a is not None]
-        return _ort_session("DeformConv", named, kw, 22, device)
-    if impl == "torch":
-        import torch
-        dev = "cuda" if device == "cuda" else "cpu"
-        if dev == "cuda" and not torch.cuda.is_available():
-            return "PyTorch has no CUDA here"
-        sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
-        if op == "affine_grid":
-            import torch.nn.functional as F
-            theta, size = args
-            tt = torch.from_numpy(theta).to(dev)
-            shape = [int(s) for s in size]
-            align = bool(kw["align_corners"])
-            return lambda: (F.affine_grid(tt, shape, align_corners=align), sync())
-        import torchvision.ops as tvo  # infers group and offset_group from W's and offset's shapes, as ONNX does
-        X, W, off, B, mask = (None if a is None else torch.from_numpy(a).to(dev) for a in args)
-        return lambda: (tvo.deform_conv2d(X, off, W, B, stride=kw["strides"], padding=kw["pads"][:2],
-                                          dilation=kw["dilations"], mask=mask), sync())
-    raise ValueError(f"unknown implementation {impl!r}")
-
-
-def _ours_fn(name, dtype, device):
-    if device != "cuda":
-        return _cases.call(name, dtype, device=device)
-    from numba import cuda
-    op, args, kw, _ = _cases.inputs(name, dtype)
-    import numba_ops
-    dargs = [None if a is None or a.dtype == np.int64 else cuda.to_device(a) for a in args]
-    if op == "affine_grid":
-        theta, size = dargs[0], args[1]
-        return lambda: (numba_ops.affine_grid(theta, size, device="cuda", **kw), cuda.synchronize())
-    return lambda: (numba_ops.deform_conv(*dargs, device="cuda", **kw), cuda.synchronize())
-
-
-def _fill_parallel(a, v):
-    for i in prange(a.size):
-        a[i] = v
-
-
-def _fill_serial(a, v):
-    for i in range(a.size):
-        a[i] = v
-
-
-class _Limits:
-    """This machine's limits, measured in the limits worker: write bandwidth and the
-    GEMM rate (in the accumulation dtype) once at the start, then, case by case
-    beside the implementations' timings, the limit time of each case: the
-    alloc+fill floor of an AffineGrid output, or a DeformConv's dense-conv FLOPs
-    at the GEMM rate measured again then. All from fastest runs."""
-
-    def __init__(self, cfg):
-        from numba import njit
-
-        self.cfg = cfg
-        self.reps = 1 if cfg["repeat"] == 1 else 3 if cfg["quick"] else 5
-        self.acc = np.float64 if cfg["dtype"] == "float64" else np.float32
-        if cfg["device"] == "cuda":
-            from numba import cuda
-
-            @cuda.jit
-            def fill(a, v):
-                for i in range(cuda.grid(1), a.size, cuda.gridsize(1)):
-                    a[i] = v
-
-            def pfill(a, v):
-                fill[256, 256](a, v)
-                cuda.synchronize()
-            self.empty, self.fills = cuda.device_array, (pfill,)
-        else:
-            from .kernels.cpu import _runtime  # noqa: F401  (numba_ops' threading layer, before the pool starts)
-            self.empty = np.empty
-            self.fills = (njit(cache=True)(_fill_serial), njit(parallel=True, cache=True)(_fill_parallel))
-        self.m = np.random.default_rng(0).standard_normal((2048, 2048)).astype(self.acc)
-        self.tm = None
-        if "torch" in cfg["peers"]:
-            try:
-                import torch
-                if cfg["device"] != "cuda" or torch.cuda.is_available():
-                    self.tm = torch.from_numpy(self.m).to(cfg["device"])
-                    self.sync = torch.cuda.synchronize if cfg["device"] == "cuda" else (lambda: None)
-            except ImportError:
-                pass
-
-    def gemm(self):
-        """{by: GFLOP/s} of a 2048² GEMM, NumPy's (CPU) and PyTorch's (if a peer)."""
-        out = {}
-        flops = 2 * 2048 ** 3
-        if self.cfg["device"] != "cuda":
-            out["numpy"] = flops / time_best(lambda: self.m @ self.m, self.reps, 1, 20.0) / 1e9
-        if self.tm is not None:
-            out["torch"] = flops / time_best(lambda: (self.tm @ self.tm, self.sync()), self.reps, 1, 20.0) / 1e9
-        return out
-
-    def overall(self):
-        pfill = self.fills[-1]
-        a = self.empty(64 * 2 ** 20, dtype=np.float32)  # 256 MiB
-        pfill(a, 0.0)
-        out = {"write_GBps": a.nbytes / time_best(lambda: pfill(a, 1.0), self.reps, 1, 10.0) / 1e9}
-        if self.cfg["device"] != "cuda":
-            out["write_GBps_numpy_fill"] = a.nbytes / time_best(lambda: a.fill(1.0), self.reps, 1, 10.0) / 1e9
-        del a
-        gemm = self.gemm()
-        for k, v in gemm.items():
-            out[f"gemm_GFLOPs_{k}"] = v
-        if gemm:
-            best = max(gemm, key=gemm.get)
-            out["gemm_GFLOPs"], out["gemm_by"] = gemm[best], best
-        out["gemm_dtype"] = np.dtype(self.acc).name
-        return out
-
-    def case(self, name):
-        """{"case", "bound_ms", "limit"} for one case, measured now."""
-        if _cases.op_of(name) == "affine_grid":
-            # allocate the output and write every element once, serially or in
-            # parallel, whichever is faster for that size
-            store = {2: np.uint16, 4: np.float32, 8: np.float64}[_cases.np_dtype(self.cfg["dtype"]).itemsize]
-            n = _cases.inputs(name, self.cfg["dtype"])[3] // np.dtype(store).itemsize
-            r = 1 if self.cfg["repeat"] == 1 else max(self.reps, 5)
-            zero = store(0)
-            ms = 1e3 * min(time_best(lambda f=f: f(self.empty(n, store), zero), r, 1, 5.0) for f in self.fills)
-            return {"case": name, "bound_ms": ms, "limit": "alloc+fill floor"}
-        gemm = self.gemm()
-        if not gemm:
-            return {"case": name, "skip": "no GEMM to measure on this device"}
-        rate = max(gemm.values())
-        flops = _cases.inputs(name, self.cfg["dtype"])[3]
-        return {"case": name, "bound_ms": flops / (rate * 1e9) * 1e3, "limit": "GEMM-bound time",
-                "gemm_GFLOPs": rate}
-
-
-def _time_case(impl, name, cfg):
-    warm, warmup, budget, cold = _timing(cfg["quick"], cfg["repeat"])
-    try:
-        if impl == "numba_ops":
-            fn = _ours_fn(name, cfg["dtype"], cfg["device"])
-        else:
-            fn = _peer_fn(impl, name, cfg["device"])
-        if isinstance(fn, str):
-            return {"case": name, "skip": fn}
-        ts = time_runs(fn, warm, warmup, budget)
-        cold_ms = 1e3 * time_cold(fn, cold)
-        return {"case": name, "ms": 1e3 * statistics.median(ts), "best_ms": 1e3 * min(ts), "cold_ms": cold_ms}
-    except Exception as exc:  # one failing case must not hide the others
-        return {"case": name, "error": f"{type(exc).__name__}: {exc}"[:300]}
-
-
-_PRELOAD = {"numba_ops": ("numba_ops",), "onnxruntime": ("onnx", "onnxruntime"), "torch": ("torch", "torchvision")}
-
-
-def _worker(cfg):
-    """A worker process: import the implementation (the limits worker measures the
-    overall limits), report ready, then time (or bound) each case named on stdin,
-    one per line."""
-    impl = cfg["impl"]
-    limits = None
-    try:  # imports now, so that they never overlap another implementation's timing
-        for mod in _PRELOAD.get(impl, ()):
-            importlib.import_module(mod)
-        if impl == "limits":
-            limits = _Limits(cfg)
-            ready = {"ready": impl, "limits": limits.overall()}
-        else:
-            ready = {"ready": impl}
-    except ImportError as exc:
-        _emit({"ready": impl, "error": f"{type(exc).__name__}: {exc}"})
-        return 0
-    _emit(ready)
-    for line in sys.stdin:
-        name = line.strip()
-        if name:
-            _emit(limits.case(name) if limits else _time_case(impl, name, cfg))
-    return 0
-
-
-# --------------------------------------------------------------------------
-# bench: driver, table, gate
-# --------------------------------------------------------------------------
-
-def _installed_peers():
-    have = []
-    if importlib.util.find_spec("onnxruntime") and importlib.util.find_spec("onnx"):
-        have.append("onnxruntime")
-    if importlib.util.find_spec("torch") and importlib.util.find_spec("torchvision"):
-        have.append("torch")
-    return have
-
-
-def _worker_argv():
-    """The command line that starts a worker process (``main(["_worker", cfg])``)."""
-    return [sys.executable, "-m", "numba_ops.cli"]
-
-
-class _Worker:
-    """One implementation in a process of its own, timing the cases it is sent."""
-
-    def __init__(self, cfg):
-        self.impl, self.tail = cfg["impl"], []
-        # stderr joins stdout: a chatty worker cannot fill an unread pipe and stall
-        self.p = subprocess.Popen(_worker_argv() + ["_worker", json.dumps(cfg)], stdin=subprocess.PIPE,
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
-
-    def next_event(self):
-        for line in self.p.stdout:
-            if line.startswith(_MARK):
-                return json.loads(line[len(_MARK):])
-            self.tail = (self.tail + [line])[-40:]
-        return None
-
-    def died(self):
-        return f"the {self.impl} process exited: {''.join(self.tail).strip()[-1500:]}"
-
-    def ask(self, name):
-        try:
-            self.p.stdin.write(name + "\n")
-            self.p.stdin.flush()
-        except OSError:
-            return {"case": name, "error": self.died()}
-        return self.next_event() or {"case": name, "error": self.died()}
-
-    def close(self):
-        try:
-            self.p.stdin.close()
-        except OSError:
-            pass
-        try:
-            self.p.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.p.kill()
-            self.p.wait()
-
-
-#: idle time before each turn of the bench (longer than any peer's spin-wait after a call)
-_SETTLE_S = 0.3
-
-
-def _measure(impls, cases, base_cfg, log):
-    """{impl: {case: event}} and the overall limits. Every implementation's process,
-    and the limits', starts and imports first; then the cases are timed case by
-    case, the limit first and the implementations taking turns, so that a burst of
-    load on a shared machine falls on all of a case's figures alike."""
-    workers, results, limits = {}, {}, {}
-    try:
-        for impl in ["limits"] + impls:  # one at a time: no import overlaps the limits' measurement
-            w = _Worker(dict(base_cfg, impl=impl))
-            ev = w.next_event()
-            if ev is None or "error" in ev:
-                log(f"  [{impl}] not timed: {ev['error'] if ev else w.died()}")
-                w.close()
-                continue
-            workers[impl], results[impl] = w, {}
-            if impl == "limits":
-                limits = ev["limits"]
-                log(f"  [limits] write {limits['write_GBps']:.2f} GB/s{_gemm_text(limits, ', ')}")
-        for name in cases:
-            for impl, w in workers.items():
-                # the previous turn's thread pool may still spin (numba_ops' libgomp ~0.1 s after a
-                # call, onnxruntime's and PyTorch's a while too): on a few cores it would steal this
-                # turn's, so each turn starts once the last one's spinning is over
-                time.sleep(_SETTLE_S)
-                ev = w.ask(name)
-                results[impl][name] = ev
-                if "bound_ms" in ev:
-                    log(f"  [limits] {name}: {ev['limit']} {ev['bound_ms']:.3f} ms")
-                elif "ms" in ev:
-                    log(f"  [{impl}] {name}: {ev['ms']:.3f} ms warm, {ev['cold_ms']:.3f} ms cold")
-                else:
-                    log(f"  [{impl}] {name}: " + ("skipped: " + ev["skip"] if "skip" in ev else "ERROR " + ev["error"]))
-    finally:
-        for w in workers.values():
-            w.close()
-    return results, limits
-
-
-def figures(row):
-    """The machine-independent figures of one case row: fraction of the machine's
-    limit reached, and speed relative to each peer (peer time / our time).
-
-    They use each implementation's fastest warm call (``best_ms``), as the limits
-    use the fastest run of theirs: on a shared machine noise only adds time, so
-    the fastest call is the steadiest estimate of what the code can do.
-    """
-    t = row.get("best_ms") or row["ms"]
-    ours = t.get("numba_ops")
-    out = {}
-    if not ours:
-        return out
-    if row.get("bound_ms"):
-        out["fraction_of_limit"] = row["bound_ms"] / ours
-    for peer in PEERS:
-        if t.get(peer):
-            out["speed_vs_" + peer] = t[peer] / ours
-    return out
-
-
-def _table(results, cases):
-    table = {}
-    lim = results.pop("limits", {})
-    for name in cases:
-        op = _cases.op_of(name)
-        ms = {impl: results[impl][name]["ms"] for impl in results if "ms" in results[impl].get(name, {})}
-        cold = {impl: results[impl][name]["cold_ms"] for impl in ms}
-        best = {impl: results[impl][name]["best_ms"] for impl in ms}
-        bound = lim.get(name, {}).get("bound_ms")
-        what = "alloc+fill floor" if op == "affine_grid" else "GEMM-bound time"
-        row = {"op": op, "ms": ms, "best_ms": best, "cold_ms": cold, "bound_ms": bound, "limit": what}
-        row["figures"] = figures(row)
-        table[name] = row
-    return table
-
-
-def _fmt_ms(v):
-    return "-" if v is None else f"{v:.3f}" if v < 10 else f"{v:.1f}"
-
-
-def print_table(report, out=print):
-    cases = report["cases"]
-    peers = [p for p in PEERS if any(p in r["ms"] for r in cases.values())]
-    lim = report.get("limits", {})
-    out("")
-    out(f"numba-ops bench: device {report['device']}, dtype {report['dtype']} (peers float32), "
-        f"{report['threads']} threads on {report['cpus']} CPUs{', quick' if report['quick'] else ''}")
-    if lim:
-        out(f"limits: write bandwidth {lim['write_GBps']:.2f} GB/s (numba prange fill){_gemm_text(lim, '; ')}")
-    head = ["case", "numba_ops ms", "cold ms"] + [f"{p} ms" for p in peers] + ["ours/best peer", "% of limit", "limit ms"]
-    rows = []
-    for name, r in cases.items():
-        ours = r["ms"].get("numba_ops")
-        best = min((r["ms"][p], p) for p in peers if p in r["ms"]) if any(p in r["ms"] for p in peers) else None
-        ratio = f"{ours / best[0]:.2f}x {best[1]}" if ours and best else "-"
-        frac = r["figures"].get("fraction_of_limit")
-        rows.append([name, _fmt_ms(ours), _fmt_ms(r["cold_ms"].get("numba_ops"))]
-                    + [_fmt_ms(r["ms"].get(p)) for p in peers]
-                    + [ratio, "-" if frac is None else f"{100 * frac:.3g}%", _fmt_ms(r["bound_ms"])])
-    widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
-    for i, line in enumerate([head] + rows):
-        out("  ".join(str(c).ljust(w) if j == 0 else str(c).rjust(w) for j, (c, w) in enumerate(zip(line, widths))))
-    out("ms: warm medians. ours/best peer: our median over the fastest peer's (below 1: faster). "
-        "% of limit: the limit's time over our fastest call (AffineGrid: alloc+fill floor; "
-        "DeformConv: dense-conv FLOPs at the GEMM rate); the regression gate compares these "
-        "fastest-call figures.")
-
-
-def compare(report, baseline, threshold=REGRESSION, out=print):
-    """Regression gate: every machine-independent figure of every case in both
-    reports must be at least (1 - threshold) of the baseline's. Returns the failures."""
-    for key in ("device", "dtype"):
-        if report.get(key) != baseline.get(key):
-            raise ValueError(f"the baseline was measured with {key}={baseline.get(key)!r}, "
-                             f"this run with {key}={report.get(key)!r}")
-    failures = []
-    out("")
-    out(f"regression gate: a figure more than {threshold:.0%} below the baseline fails")
-    for name, base in baseline["cases"].items():
-        row = report["cases"].get(name)
-        if row is None:
-            out(f"  {name}: not run")
-            continue
-        now, was = figures(row), figures(base)
-        for fig in sorted(set(now) & set(was)):
-            rel = now[fig] / was[fig]
-            bad = rel < 1 - threshold
-            if bad:
-                failures.append((name, fig, rel))
-            out(f"  {'REGRESSION' if bad else 'ok':<10} {name} {fig}: {now[fig]:.3g} vs baseline "
-                f"{was[fig]:.3g} ({rel - 1:+.0%})")
-    out(f"regression gate: {'FAILED, ' + str(len(failures)) + ' figure(s) regressed' if failures else 'passed'}")
-    return failures
-
-
-def _select(only):
-    names = [n for _, n in _cases.CASES]
-    if not only:
-        return names
-    keys = [k for k in only.split(",") if k]
-    picked = [n for n in names if any(k in n for k in keys)]
-    if not picked:
-        raise SystemExit(f"numba-ops bench: --only {only!r} matches no case; cases: {', '.join(names)}")
-    return picked
-
-
-def _read_json(path, what):
-    """A JSON file named on the command line, or a one-line error."""
-    try:
-        with open(path) as fh:
-            return json.load(fh)
-    except (OSError, ValueError) as exc:
-        raise SystemExit(f"numba-ops bench: cannot read {what} {path!r}: {exc}") from None
-
 
 def cmd_bench(args):
-    import numba
-
-    import numba_ops
-    # files first: a bad path fails now, not after the measurements
-    baseline = _read_json(args.compare, "--compare baseline") if args.compare else None
-    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
-        raise SystemExit(f"numba-ops bench: --json {args.json!r}: no such directory")
-    if args.load:
-        report = _read_json(args.load, "--load report")
-        try:
-            for row in report["cases"].values():
-                row["figures"] = figures(row)
-        except (KeyError, TypeError, AttributeError) as exc:
-            raise SystemExit(f"numba-ops bench: {args.load!r} is not a numba-ops bench --json report "
-                             f"({type(exc).__name__}: {exc})") from None
-    else:
-        device = args.device or "cpu"
-        if not _usable(device, "bench"):
-            return 2
-        from ._dispatch import cuda_simulator
-        if device == "cuda" and cuda_simulator():
-            print("numba-ops bench: NUMBA_ENABLE_CUDASIM=1 runs the CUDA kernels in numba's simulator, "
-                  "which is for correctness, not timing; unset it to time a GPU", file=sys.stderr)
-            return 2
-        cases = _select(args.only)
-        if args.peers is None:
-            peers = _installed_peers()
-        else:
-            peers = [p for p in args.peers.split(",") if p and p != "none"]
-            unknown = set(peers) - set(PEERS)
-            if unknown:
-                print(f"numba-ops bench: unknown peer(s) {sorted(unknown)}; known: {', '.join(PEERS)}", file=sys.stderr)
-                return 2
-        impls = ["numba_ops"] + peers
-        print(f"numba-ops bench: {len(cases)} cases x {len(impls)} implementations "
-              f"({', '.join(impls)}), each in its own process; device {device}, dtype {args.dtype}"
-              f"{', quick' if args.quick else ''}", flush=True)
-        t0 = time.perf_counter()
-        cfg = {"cases": cases, "dtype": args.dtype, "device": device, "quick": args.quick,
-               "repeat": args.repeat, "peers": peers}
-        results, limits = _measure(impls, cases, cfg, lambda line: print(line, flush=True))
-        report = {"tool": "numba-ops bench", "version": numba_ops.__version__, "device": device,
-                  "dtype": args.dtype, "quick": bool(args.quick), "threads": numba.config.NUMBA_NUM_THREADS,
-                  "cpus": os.cpu_count(), "peers": peers, "seconds": round(time.perf_counter() - t0, 1),
-                  "limits": limits, "cases": _table(results, cases)}
-    print_table(report)
-    if args.json:
-        try:
-            with open(args.json, "w") as fh:
-                json.dump(report, fh, indent=1, sort_keys=True)
-                fh.write("\n")
-        except OSError as exc:
-            raise SystemExit(f"numba-ops bench: cannot write --json {args.json!r}: {exc}") from None
-        print(f"wrote {args.json}")
-    if baseline is not None:
-        try:
-            failures = compare(report, baseline)
-        except ValueError as exc:
-            print(f"numba-ops bench --compare: {exc}", file=sys.stderr)
-            return 2
-        return 1 if failures else 0
-    return 0
+    from .benchmark import harness
+    if not args.load and not _usable(args.device or "cpu", "bench"):
+        return 2
+    return harness.main(args)
 
 
 # --------------------------------------------------------------------------
@@ -751,7 +194,19 @@ def _positive_int(text):
     return n
 
 
+def _threshold(text):
+    try:
+        f = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number such as 0.1; got {text!r}") from None
+    if not 0 < f < 10:
+        raise argparse.ArgumentTypeError(f"must be a fraction > 0 such as 0.1 (10 %); got {text}")
+    return f
+
+
 def _parser():
+    from .benchmark.against import THRESHOLD
+    from .benchmark.harness import PEERS, REGRESSION
     ap = argparse.ArgumentParser(prog="numba-ops", description="numba_ops: ONNX AffineGrid and DeformConv in Numba.")
     sub = ap.add_subparsers(dest="command", required=True)
     p = sub.add_parser("info", help="versions, devices, threads, threading layer, JIT cache location")
@@ -760,20 +215,34 @@ def _parser():
                         "sm_80 (A100) and sm_90 (H100/H200), from ptxas (no GPU needed)")
     p = sub.add_parser("check", help="run the ONNX conformance cases of both ops; exit 1 on any failure")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cpu")
-    p = sub.add_parser("bench", help="the benchmark table against the installed peers")
+    p = sub.add_parser("bench", help="the benchmark table against the installed peers, or the regression "
+                                     "check against a git revision (--against REV)")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cpu")
     p.add_argument("--dtype", choices=_cases.DTYPE_NAMES, default="float32",
                    help="numba_ops' input dtype (peers stay float32); default float32")
     p.add_argument("--quick", action="store_true", help="fewer repeats: about a minute")
     p.add_argument("--json", metavar="FILE", help="write the results (and figures) as JSON")
-    p.add_argument("--compare", metavar="BASELINE",
-                   help=f"regression gate: exit 1 when a case's figure falls more than {REGRESSION * 100:.0f}%% "
-                        "below BASELINE's (a --json file, e.g. bench/baseline.json)")
+    p.add_argument("--compare", metavar="FILE",
+                   help=f"compare with a saved run (a --json file): exit 1 when a case's figure falls more than "
+                        f"{REGRESSION * 100:.0f}%% below FILE's, if FILE comes from this machine and package "
+                        "versions; from another, print what differs and exit 0 with a warning")
+    p.add_argument("--against", metavar="REV",
+                   help="regression check: time the current source tree against git revision REV (checked out "
+                        "in a temporary worktree), alternating, over several rounds; exit 1 when a case is slower "
+                        "by more than --threshold with statistical confidence")
+    p.add_argument("--threshold", type=_threshold, default=THRESHOLD, metavar="F",
+                   help=f"with --against: the slowdown that fails, as a fraction (default {THRESHOLD})")
+    p.add_argument("--plot", metavar="FILE.png",
+                   help="draw the table (or --against's ratios) to a PNG (needs matplotlib: numba_ops[plot])")
     p.add_argument("--only", metavar="NAMES", help="comma-separated substrings of case names to run")
     p.add_argument("--peers", metavar="LIST",
                    help=f"comma-separated peers to time ({', '.join(PEERS)}, or none); default: those installed")
     p.add_argument("--repeat", type=_positive_int, metavar="N", help="timed calls per case (overrides --quick's)")
     p.add_argument("--load", metavar="FILE", help="show (and --compare) a saved --json report instead of measuring")
+    # internal, for tests and tools: another repository, case module, round count for --against
+    p.add_argument("--repo", help=argparse.SUPPRESS)
+    p.add_argument("--cases", help=argparse.SUPPRESS)
+    p.add_argument("--rounds", type=_positive_int, help=argparse.SUPPRESS)
     p = sub.add_parser("warm", help="compile every kernel variant into numba's on-disk cache; exit 1 on a failure")
     p.add_argument("--op", action="extend", nargs="+", metavar="OP",
                    help="affine_grid, deform_conv, grid_sample, affine_warp; default: all")
@@ -791,8 +260,9 @@ def cmd_warm(args):
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["_worker"]:  # internal: one implementation's process, see _Worker
-        return _worker(json.loads(argv[1]))
+    if argv[:1] == ["_worker"]:  # internal: one implementation's process, see benchmark.harness
+        from .benchmark import harness
+        return harness.worker(json.loads(argv[1]))
     args = _parser().parse_args(argv)
     try:
         return {"info": cmd_info, "check": cmd_check, "bench": cmd_bench, "warm": cmd_warm}[args.command](args)

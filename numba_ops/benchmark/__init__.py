@@ -1,0 +1,15 @@
+"""The benchmark behind ``numba-ops bench`` (``numba_ops.cli`` parses and dispatches).
+
+- ``harness``: the table: one worker process per implementation (numba_ops and
+  the peers) plus one for the machine's limits, warm and cold timings, the
+  figures, the table and ``--compare`` with a saved run;
+- ``against``: ``--against REV``, the current tree against a git revision in a
+  temporary worktree, rounds of fresh paired worker processes (``abworker.py``,
+  a self-contained script, times both sides);
+- ``stats``: the ratio of two versions with its confidence interval, and the verdict;
+- ``machine``: the machine's metadata saved with each run, the BLAS and the
+  ``OPENBLAS_CORETYPE`` warning;
+- ``plot``: ``--plot FILE.png`` (matplotlib).
+
+Every part is driven by the case table, ``numba_ops._cases``.
+"""

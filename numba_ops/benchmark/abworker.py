@@ -1,0 +1,101 @@
+"""The timing worker of ``numba-ops bench --against``, run as a script:
+
+    python abworker.py TREE CONFIG_JSON
+
+It is self-contained (standard library only) and always comes from the *current*
+source tree, for both sides of the comparison; from ``TREE`` (the current tree or
+REV's worktree) it imports only the case module (``numba_ops._cases`` unless the
+config names another), whose ``CASES`` lists (op, name) pairs and whose
+``call(name, dtype, device=...)`` returns a zero-argument function that runs a
+case. So an old REV, whose harness differed or did not exist, is timed by the
+same code as the current tree.
+
+Protocol: one JSON line per event on stdout, prefixed by ``@@ab ``: first
+{"ready", "cases", "file"} (or {"error"}), then one {"case", "samples"} per case
+name read from stdin (seconds of each timed call), or {"case", "missing"} /
+{"case", "error"}.
+"""
+import importlib
+import json
+import os
+import sys
+import time
+
+MARK = "@@ab "
+
+
+def _emit(obj):
+    sys.stdout.write(MARK + json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def _case_names(mod):
+    return [c if isinstance(c, str) else c[1] for c in mod.CASES]
+
+
+def _make(mod, name, cfg):
+    try:
+        fn = mod.call(name, cfg["dtype"], device=cfg["device"])
+    except TypeError:  # an older case table without device=
+        fn = mod.call(name, cfg["dtype"])
+    if cfg["device"] == "cuda":
+        from numba import cuda
+        call = fn
+        fn = lambda: (call(), cuda.synchronize())  # noqa: E731
+    return fn
+
+
+def time_turn(fn, cfg):
+    """Seconds of each timed call of one turn: a first call (JIT load or compile)
+    and ``warmup_s`` of calls untimed (after idle, this VM runs the first ~10 ms of
+    any code up to 2x slower), then calls until ``turn_s`` has passed and at least
+    ``min_calls`` are in, at most ``max_calls``."""
+    fn()
+    t_warm = time.perf_counter() + cfg["warmup_s"]
+    while time.perf_counter() < t_warm:
+        fn()
+    samples = []
+    t_end = time.perf_counter() + cfg["turn_s"]
+    while len(samples) < cfg["max_calls"]:
+        t0 = time.perf_counter()
+        fn()
+        t1 = time.perf_counter()
+        samples.append(t1 - t0)
+        if len(samples) >= cfg["min_calls"] and t1 > t_end:
+            break
+    return samples
+
+
+def main(argv):
+    tree, cfg = os.path.abspath(argv[0]), json.loads(argv[1])
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:] = [tree] + [p for p in sys.path if p and os.path.abspath(p) not in (here, tree)]
+    try:
+        mod = importlib.import_module(cfg["cases_module"])
+        where = os.path.abspath(mod.__file__)
+        if not where.startswith(tree + os.sep):
+            raise ImportError(f"{cfg['cases_module']} came from {where}, not from {tree}")
+        names = _case_names(mod)
+    except Exception as exc:  # the tree cannot be timed at all: say why
+        _emit({"error": f"{type(exc).__name__}: {exc}"[:500]})
+        return 0
+    _emit({"ready": True, "cases": names, "file": where})
+    fns = {}
+    for line in sys.stdin:
+        name = line.strip()
+        if not name:
+            continue
+        if name not in names:
+            _emit({"case": name, "missing": True})
+            continue
+        try:
+            if name not in fns:
+                fns[name] = _make(mod, name, cfg)
+            _emit({"case": name, "samples": time_turn(fns[name], cfg)})
+        except Exception as exc:  # one failing case must not hide the others
+            _emit({"case": name, "error": f"{type(exc).__name__}: {exc}"[:300]})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
