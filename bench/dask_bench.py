@@ -82,13 +82,18 @@ def main(argv=None):
                                              da.from_array(B, chunks=-1)])
         wait([xc, oc, mc, wc, bc])
 
+        # every round's graph has the same keys (dask's names are deterministic): each run
+        # cancels its result, so that the next one computes instead of finding it
         def cluster_persist():
             y = client.persist(lazy(xc, oc, mc, wc, bc))
             wait(y)
-            del y
+            client.cancel(y)
 
         def cluster_compute():
-            return client.compute(lazy(xc, oc, mc, wc, bc)).result()
+            f = client.compute(lazy(xc, oc, mc, wc, bc))
+            y = f.result()
+            client.cancel(f)
+            return y
 
         # warm-up: JIT (or the cache) in every process, and a check of the results
         np.testing.assert_allclose(threaded(), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
@@ -97,11 +102,20 @@ def main(argv=None):
         runs = {"one call": one_call, "threaded": threaded, "cluster persist": cluster_persist,
                 "cluster compute": cluster_compute}
         times = {k: [] for k in runs}
+        cpu = {k: [] for k in runs}
         for _ in range(a.rounds):
             for k, fn in runs.items():
+                # libgomp's threads spin ~0.1 s after a parallel call (numba_ops/kernels/cpu/_runtime.py):
+                # let them stop, so that no run pays for the previous one's spin
+                time.sleep(0.3)
+                w0 = client.run(time.process_time) if k.startswith("cluster") else {}
+                c0 = time.process_time()
                 t = time.perf_counter()
                 fn()
                 times[k].append(time.perf_counter() - t)
+                c1 = time.process_time()
+                w1 = client.run(time.process_time) if w0 else {}
+                cpu[k].append(c1 - c0 + sum(w1[w] - w0[w] for w in w0))
 
         # per-task overhead: a graph of `n` no-op tasks on one-element blocks
         n = 400
@@ -119,15 +133,19 @@ def main(argv=None):
     print(f"{a.case} x {a.images} images, {ntasks} tasks of {a.chunk} image(s); {cores} cores, "
           f"numba threads: one call {numba.get_num_threads()}, "
           f"cluster workers {sorted(worker_threads.values())} (at start; tasks set their share)")
-    print(f"{'run':<18}{'median s':>10}{'GFLOP/s':>10}{'vs one call':>13}")
+    cmed = {k: statistics.median(v) for k, v in cpu.items()}
+    print(f"{'run':<18}{'median s':>10}{'GFLOP/s':>10}{'vs one call':>13}{'CPU s':>9}{'CPU vs one call':>17}")
     for k, t in med.items():
-        print(f"{k:<18}{t:>10.4f}{flops / t / 1e9:>10.1f}{base / t:>12.2f}x")
+        print(f"{k:<18}{t:>10.4f}{flops / t / 1e9:>10.1f}{base / t:>12.2f}x{cmed[k]:>9.3f}"
+              f"{cmed['one call'] / cmed[k]:>16.2f}x")
+    print("(CPU s: CPU time of the client process and, for the cluster, of both workers; its ratio is "
+          "the throughput ratio a dedicated machine would show where every run keeps the cores busy)")
     print(f"per-task overhead (no-op tasks): threaded {overhead['threaded'] * 1e6:.0f} us, "
           f"LocalCluster {overhead['cluster'] * 1e6:.0f} us; one image of this case: {base / a.images * 1e3:.1f} ms")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"case": a.case, "images": a.images, "chunk": a.chunk, "cores": cores, "times": times,
-                       "median": med, "ratio": {k: base / t for k, t in med.items()},
+                       "median": med, "cpu": cpu, "cpu_median": cmed, "ratio": {k: base / t for k, t in med.items()},
                        "task_overhead_s": overhead, "dask": dask.__version__}, f, indent=1)
 
 
