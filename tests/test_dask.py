@@ -20,6 +20,7 @@ from reference import assert_api_close, deform_conv_ref
 
 da = pytest.importorskip("dask.array")
 import numba_ops.dask as nd  # noqa: E402
+from dask.array.core import normalize_chunks  # noqa: E402
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 DTYPES = [np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.float16), BF16]
@@ -378,3 +379,96 @@ def test_launch_origin(case, blk, device, path, monkeypatch):
         pb = p._replace(out_spatial=tuple(s.stop - s.start for s in sl[2:]))
         y = run(x, w, np.ascontiguousarray(off[sl]), b, np.ascontiguousarray(m[sl]), pb, origin=org)
         assert_api_close(y, whole[sl], np.float64)
+
+
+# --- grid_sample and affine_warp ---------------------------------------------------------------
+
+def _grid(rng, N, outs, dtype):
+    return (1.2 * rng.uniform(-1, 1, (N,) + tuple(outs) + (len(outs),))).astype(dtype)
+
+
+def _x(rng, shape, dtype):
+    if np.dtype(dtype) == np.uint8:
+        return rng.integers(0, 256, shape).astype(np.uint8)
+    return rng.standard_normal(shape).astype(dtype)
+
+
+def _assert_same(got, want):
+    if want.dtype == np.uint8:
+        np.testing.assert_array_equal(got, want)
+    else:
+        assert_api_close(got, want, want.dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES + [np.dtype(np.uint8)], ids=str)
+@pytest.mark.parametrize("spatial,outs,gchunks,kw", [
+    ((7,), (5,), (2,), dict(mode="cubic", padding_mode="reflection")),
+    ((5, 6), (4, 7), (3, 4), dict(mode="linear", padding_mode="zeros", align_corners=True)),
+    ((3, 4, 5), (2, 3, 4), (1, 3, 2), dict(mode="nearest", padding_mode="border")),
+], ids=["1d", "2d", "3d"])
+def test_grid_sample(spatial, outs, gchunks, kw, dtype, run):
+    rng = np.random.default_rng(11)
+    x = _x(rng, (5, 3) + spatial, dtype)
+    g = _grid(rng, 5, outs, np.float32 if dtype == np.uint8 else dtype)
+    want = numba_ops.grid_sample(x, g, **kw)
+    # x chunked along N and C (joined), the grid along N and its output axes
+    y = nd.grid_sample(dask_of(x, (2, 2) + spatial), dask_of(g, ((1, 3, 1),) + gchunks + (1,)), **kw)
+    assert y.shape == want.shape and y.dtype == want.dtype and isinstance(y._meta, np.ndarray)
+    assert y.chunks[:2] == ((2, 2, 1), (3,)) and y.chunks[2:] == normalize_chunks(gchunks, outs)
+    _assert_same(run(y), want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES + [np.dtype(np.uint8)], ids=str)
+@pytest.mark.parametrize("shape,size", [((5, 2, 6, 7), None), ((5, 2, 6, 7), (5, 2, 4, 9)),
+                                        ((5, 2, 3, 4, 5), (5, 2, 4, 3, 2))], ids=["2d-same", "2d", "3d"])
+def test_affine_warp(shape, size, dtype, run):
+    rng = np.random.default_rng(12)
+    r = len(shape) - 2
+    x = _x(rng, shape, dtype)
+    theta = (np.eye(r, r + 1) + 0.3 * rng.standard_normal((5, r, r + 1))).astype(
+        np.float32 if dtype == np.uint8 else dtype)
+    kw = dict(mode="linear", padding_mode="border", align_corners=False)
+    want = numba_ops.affine_warp(x, theta, size, **kw)
+    y = nd.affine_warp(dask_of(x, (2, 1) + shape[2:]), dask_of(theta, (3, 1, r + 1)), size, **kw)
+    assert y.shape == want.shape and y.dtype == want.dtype
+    assert y.chunks == ((2, 2, 1),) + tuple((s,) for s in want.shape[1:])
+    _assert_same(run(y), want)
+
+
+SAMPLING_BAD = [
+    ("grid_sample", dict(mode="bicubic")),
+    ("grid_sample", dict(padding_mode="wrap")),
+    ("grid_sample", dict(align_corners=3)),
+    ("grid_sample", dict(device="tpu")),
+    ("grid_sample", dict(grid=lambda x, g: g[:3])),
+    ("grid_sample", dict(grid=lambda x, g: g[..., :1])),
+    ("grid_sample", dict(grid=lambda x, g: g.astype(np.float32))),
+    ("grid_sample", dict(x=lambda x, g: x[:, :, :0])),
+    ("grid_sample", dict(x=lambda x, g: x.astype(np.int16))),
+    ("affine_warp", dict(size=(4, 2, 3, 3))),
+    ("affine_warp", dict(size=(5, 3, 3, 3))),
+    ("affine_warp", dict(size=(5, 2, 3))),
+    ("affine_warp", dict(size=(5, 2, 3, 3.5))),
+    ("affine_warp", dict(theta=lambda x, t: t[:, :, :2])),
+    ("affine_warp", dict(theta=lambda x, t: t[:4])),
+    ("affine_warp", dict(mode="area")),
+]
+
+
+@pytest.mark.parametrize("op,bad", SAMPLING_BAD, ids=lambda v: v if isinstance(v, str) else ",".join(v))
+def test_sampling_bad_arguments(op, bad):
+    rng = np.random.default_rng(13)
+    x = rng.standard_normal((5, 2, 4, 5))
+    other = _grid(rng, 5, (3, 3), np.float64) if op == "grid_sample" else np.ones((5, 2, 3))
+    args, kw = [x, other], {}
+    for k, v in bad.items():
+        if k in ("x", "grid", "theta"):
+            i = 0 if k == "x" else 1
+            args[i] = v(*args)
+        else:
+            kw[k] = v
+    with pytest.raises((ValueError, TypeError)) as one:
+        getattr(numba_ops, op)(*args, **kw)
+    with pytest.raises(one.type) as lazy_err:
+        getattr(nd, op)(*(da.from_array(a, chunks=2) for a in args), **kw)
+    assert str(lazy_err.value) == str(one.value)
