@@ -127,6 +127,11 @@ def main(argv=None):
             "cluster": _median_time(lambda: wait(client.persist(tiny_c.map_blocks(_noop))), 5) / n,
         }
         worker_threads = client.run(numba.get_num_threads)
+        # the workers' background CPU (heartbeats, system monitor) per second of wall time, idle
+        w0, t0 = client.run(time.process_time), time.perf_counter()
+        time.sleep(2.0)
+        w1, t1 = client.run(time.process_time), time.perf_counter()
+        idle_rate = sum(w1[w] - w0[w] for w in w0) / (t1 - t0)
 
     med = {k: statistics.median(v) for k, v in times.items()}
     base = med["one call"]
@@ -138,14 +143,19 @@ def main(argv=None):
     for k, t in med.items():
         print(f"{k:<18}{t:>10.4f}{flops / t / 1e9:>10.1f}{base / t:>12.2f}x{cmed[k]:>9.3f}"
               f"{cmed['one call'] / cmed[k]:>16.2f}x")
-    print("(CPU s: CPU time of the client process and, for the cluster, of both workers; its ratio is "
-          "the throughput ratio a dedicated machine would show where every run keeps the cores busy)")
+    print("(CPU s: CPU time of the client process (the LocalCluster's scheduler runs there too) and, for the "
+          "cluster, of both workers; its ratio is the throughput ratio a dedicated machine would show where "
+          "every run keeps the cores busy)")
+    print(f"workers' idle background: {idle_rate * 1e3:.1f} ms CPU per s of wall time (both together); "
+          "without it, cluster persist: CPU "
+          f"{cmed['cluster persist'] - idle_rate * med['cluster persist']:.3f} s, "
+          f"{cmed['one call'] / (cmed['cluster persist'] - idle_rate * med['cluster persist']):.2f}x the one call's")
     print(f"per-task overhead (no-op tasks): threaded {overhead['threaded'] * 1e6:.0f} us, "
           f"LocalCluster {overhead['cluster'] * 1e6:.0f} us; one image of this case: {base / a.images * 1e3:.1f} ms")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"case": a.case, "images": a.images, "chunk": a.chunk, "cores": cores, "times": times,
-                       "median": med, "cpu": cpu, "cpu_median": cmed, "ratio": {k: base / t for k, t in med.items()},
+                       "median": med, "cpu": cpu, "cpu_median": cmed, "idle_cpu_per_s": idle_rate, "ratio": {k: base / t for k, t in med.items()},
                        "task_overhead_s": overhead, "dask": dask.__version__}, f, indent=1)
 
 
