@@ -38,6 +38,14 @@ def _noop(b):
     return b
 
 
+def _task_threads():
+    import numba
+
+    import numba_ops.dask as nd
+    nd._share_threads()
+    return numba.get_num_threads()
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--case", default="dc_r50_c64_56")
@@ -126,7 +134,9 @@ def main(argv=None):
             "threaded": _median_time(lambda: tiny.map_blocks(_noop).compute(scheduler="threads"), 5) / n,
             "cluster": _median_time(lambda: wait(client.persist(tiny_c.map_blocks(_noop))), 5) / n,
         }
-        worker_threads = client.run(numba.get_num_threads)
+        # numba's threads as a task sees them (each task sets its worker's share)
+        worker_threads = {w: client.submit(_task_threads, pure=False, workers=[w]).result()
+                          for w in client.scheduler_info()["workers"]}
         # the workers' background CPU (heartbeats, system monitor) per second of wall time, idle
         w0, t0 = client.run(time.process_time), time.perf_counter()
         time.sleep(2.0)
@@ -137,7 +147,7 @@ def main(argv=None):
     base = med["one call"]
     print(f"{a.case} x {a.images} images, {ntasks} tasks of {a.chunk} image(s); {cores} cores, "
           f"numba threads: one call {numba.get_num_threads()}, "
-          f"cluster workers {sorted(worker_threads.values())} (at start; tasks set their share)")
+          f"in the cluster's tasks {sorted(worker_threads.values())}")
     cmed = {k: statistics.median(v) for k, v in cpu.items()}
     print(f"{'run':<18}{'median s':>10}{'GFLOP/s':>10}{'vs one call':>13}{'CPU s':>9}{'CPU vs one call':>17}")
     for k, t in med.items():
