@@ -472,3 +472,27 @@ def test_sampling_bad_arguments(op, bad):
     with pytest.raises(one.type) as lazy_err:
         getattr(nd, op)(*(da.from_array(a, chunks=2) for a in args), **kw)
     assert str(lazy_err.value) == str(one.value)
+
+
+def test_launch_origin_32bit_limit():
+    """A region is planned in 32 bits only when the whole output's positions fit there
+    (its end, origin + size, decides, not its size): a stride of 2**28 on a padded axis
+    puts the second output's positions at 2**28 and more, past the 2**29 bound the 32-bit
+    plans keep for the kernels' positions."""
+    rng = np.random.default_rng(14)
+    x = rng.standard_normal((1, 2, 4, 8))
+    w = rng.standard_normal((2, 2, 2, 2))
+    s = 1 << 28
+    p = _params(x, w, None, [1, s], [0, 0, 0, s], None, 1, 1)
+    assert p.out_spatial == (3, 2) and p.strides == (1, s)
+    off = 0.7 * rng.standard_normal((1, 8, 3, 2))
+    whole = numba_ops.deform_conv(x, w, off, strides=[1, s], pads=[0, 0, 0, s])
+    fast = lambda st: st.meta[1][0][0][1 + 7 * 2 + 7]  # noqa: E731  (dims[7]: the 32-bit plans' rank, or 0)
+    pb = p._replace(out_spatial=(1, 1))
+    assert fast(cpu_dc._State(x, w, pb, (0, 1))) == 0  # ends at output 2: 2 * 2**28
+    q = _params(x, w, None, [1, 2], [0, 0, 0, 2], None, 1, 1)
+    assert fast(cpu_dc._State(x, w, q._replace(out_spatial=(1, 1)), (0, 1))) == 2
+    run = launcher("deform_conv", "cpu", x.dtype)
+    for h in range(3):
+        y = run(x, w, np.ascontiguousarray(off[:, :, h:h + 1, 1:]), None, None, pb, origin=(h, 1))
+        assert_api_close(y, whole[:, :, h:h + 1, 1:], np.float64)
