@@ -304,6 +304,20 @@ def test_cluster_threads_share_the_cores(client):
     assert got == [want, want]
 
 
+def test_in_process_workers_share_one_pool():
+    """Workers in one process (processes=False) share numba's one pool: together they
+    get the machine's cores."""
+    import numba
+    distributed = pytest.importorskip("distributed")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=False,
+                                  dashboard_address=None) as cluster, \
+            distributed.Client(cluster, set_as_default=False) as c:
+        workers = list(c.scheduler_info()["workers"])
+        got = [c.submit(_threads_in_task, pure=False, workers=[w]).result() for w in workers]
+    assert got == [max(1, min(numba.config.NUMBA_NUM_THREADS, cores))] * 2
+
+
 def test_threaded_scheduler_leaves_threads_alone():
     import numba
     before = numba.get_num_threads()
