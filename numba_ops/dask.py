@@ -22,8 +22,10 @@ threads, processes, or a ``dask.distributed`` cluster of many machines.
   machine's cores, ``cores * worker threads // all worker threads on its host``
   (the scheduler is asked once a minute). numba_ops runs one parallel kernel
   per process at a time, so the worker's tasks take turns on that share and the
-  workers of a host together use its cores, not a multiple of them. Outside a
-  worker (threaded or synchronous scheduler) numba's setting is left alone.
+  workers of a host together use its cores, not a multiple of them (workers that
+  share a process, ``LocalCluster(processes=False)``, share one pool: their
+  threads count together). Outside a worker (threaded or synchronous scheduler)
+  numba's setting is left alone.
 
 This module imports dask; ``import numba_ops`` never does (install the extra
 ``numba_ops[dask]``).
@@ -176,7 +178,10 @@ def _worker_threads():
     if hit is not None and now - hit[0] < _SHARE_TTL:
         return hit[1]
     import numba
-    own = max(1, int(worker.state.nthreads))
+    # numba_ops runs one parallel kernel per process at a time: the share is the process's,
+    # whose workers (one, or several for LocalCluster(processes=False)) hold its threads
+    peers = [w for w in getattr(type(worker), "_instances", ()) if w.status.name not in ("closed", "closing")]
+    own = max(1, sum(_nthreads(w) for w in peers) if worker in peers else _nthreads(worker))
     host = own
     try:
         from distributed.utils import sync
@@ -188,6 +193,11 @@ def _worker_threads():
     n = max(1, min(numba.config.NUMBA_NUM_THREADS, _cores() * own // max(own, host)))
     _SHARES[worker.address] = (now, n)
     return n
+
+
+def _nthreads(worker):
+    state = getattr(worker, "state", None)
+    return int(getattr(state, "nthreads", None) or getattr(worker, "nthreads", 1))
 
 
 def _share_threads():
