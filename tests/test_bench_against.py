@@ -79,6 +79,8 @@ def test_2ms_against_1ms_is_flagged(repo, tmp_path):
 
 
 def test_1ms_against_1ms_passes_and_a_new_case_is_reported(repo, tmp_path):
+    (repo / "fakecases.py").write_text(CASES.format(delay=0.001, extra='\nCASES.append(("spin", "spin_old"))'))
+    _git(repo, "commit", "-q", "-am", "a case the working tree will drop")
     (repo / "fakecases.py").write_text(CASES.format(delay=0.001, extra='\nCASES.append(("spin", "spin_new"))'))
     rc, out, report = against(repo, tmp_path, "--plot", str(tmp_path / "ab.png"))
     assert rc == 0, out
@@ -86,6 +88,7 @@ def test_1ms_against_1ms_passes_and_a_new_case_is_reported(repo, tmp_path):
     assert 0.9 < report["cases"]["spin_a"]["ratio"] < 1.1
     assert report["cases"]["spin_new"]["verdict"] == "missing in REV"
     assert "missing in REV" in out and "passed" in out
+    assert report["rev_only_cases"] == ["spin_old"] and "cases only in REV (not timed): spin_old" in out
     assert (tmp_path / "ab.png").read_bytes()[:4] == b"\x89PNG"
     assert _no_worktree_left(repo)
 
