@@ -203,7 +203,7 @@ def run(rev, *, repo=None, cases_module=CASES_MODULE, only=None, quick=False, th
         if rt.note:
             log(f"note: {rt.note}")
         sides = {"current": (top, _env(top)), "rev": (rt.path, _env(rt.path, rt.cache))}
-        samples, info, names, rev_names = {}, {}, None, None
+        samples, info, names, rev_names, cur_names = {}, {}, None, None, set()
         for r in range(mode["rounds"]):
             workers = {}
             try:
@@ -217,6 +217,7 @@ def run(rev, *, repo=None, cases_module=CASES_MODULE, only=None, quick=False, th
                     workers[side] = w
                     info[side] = ready["file"]
                     if side == "current" and names is None:
+                        cur_names = set(ready["cases"])
                         names = _select(ready["cases"], only)
                         samples = {n: {"current": [], "rev": []} for n in names}
                     if side == "rev":
@@ -263,7 +264,7 @@ def run(rev, *, repo=None, cases_module=CASES_MODULE, only=None, quick=False, th
             "rev_files": info.get("rev"), "current_files": info.get("current"), "cases_module": cases_module,
             "dtype": dtype, "device": device, "quick": bool(quick), "threshold": threshold,
             "confidence": stats.CONFIDENCE, "settle_s": SETTLE_S, **mode,
-            "rev_only_cases": sorted((rev_names or set()) - set(names or [])),
+            "rev_only_cases": sorted((rev_names or set()) - cur_names),
             "seconds": round(time.perf_counter() - t_start, 1), "cases": cases}
 
 
