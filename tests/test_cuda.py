@@ -586,6 +586,35 @@ def test_size_on_the_device():
         np.testing.assert_array_equal(got.copy_to_host(), want)
 
 
+def test_await_producers_syncs_only_foreign_exporter_streams():
+    """CUDA array interface v3: an imported array's exporter stream is synchronised
+    before a call on another stream reads it, never before a call on that stream;
+    numba's own arrays (streams not imported) are left alone."""
+    from numba_ops.kernels.cuda._device import await_producers
+
+    class Stream:
+        def __init__(self, handle, external=True):
+            self.handle, self.external, self.waits = handle, external, 0
+
+        def __int__(self):
+            return self.handle
+
+        def synchronize(self):
+            self.waits += 1
+
+    class Arr:
+        def __init__(self, stream):
+            self.stream = stream
+    cupy_s, own_s = Stream(77), Stream(5, external=False)
+    ours = Stream(77, external=False)
+    await_producers([Arr(cupy_s), Arr(own_s), None, np.zeros(2), Arr(0)], ours)
+    assert cupy_s.waits == 0 and own_s.waits == 0  # same stream as the call's: no wait
+    await_producers([Arr(cupy_s), Arr(own_s)], 0)
+    assert cupy_s.waits == 1 and own_s.waits == 0
+    await_producers([Arr(cupy_s)], Stream(78))
+    assert cupy_s.waits == 2
+
+
 def test_malformed_or_masked_interfaces_name_the_input():
     from numba_ops.kernels.cuda._device import interface_desc
 

@@ -129,6 +129,7 @@ def launch_into(theta, size, align, out, stream=None):
 
 
 def _launch(theta, size, align, stream, out=None):
+    _device.await_producers((theta,), stream)
     dtype = np.dtype(theta.dtype)
     nd = len(size) - 2
     shape = (size[0],) + tuple(size[2:]) + (nd,)

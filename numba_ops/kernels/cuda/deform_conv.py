@@ -391,6 +391,7 @@ def launch(x, w, offset, b, mask, p, stream=None):
 
 
 def _launch(x, w, offset, b, mask, p, stream):
+    _device.await_producers((x, w, offset, b, mask), stream)
     dtype = np.dtype(x.dtype)
     st = storage(dtype)
     N, C = int(x.shape[0]), int(x.shape[1])
