@@ -366,7 +366,7 @@ def report(argv=()):
     """Print the report (``numba-ops info --cuda``); 0 on success, 1 if nothing can be measured."""
     if simulator_on():  # the simulator replaces numba-cuda's compiler here: a fresh process without it
         env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0")
-        return subprocess.run([sys.executable, "-m", __name__, *argv], env=env).returncode
+        return subprocess.run([sys.executable, "-m", f"{__package__}.resources", *argv], env=env).returncode
     try:
         from numba.cuda.cudadrv import nvvm
         nvvm.NVVM()
