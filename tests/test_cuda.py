@@ -586,6 +586,20 @@ def test_size_on_the_device():
         np.testing.assert_array_equal(got.copy_to_host(), want)
 
 
+def test_one_definition_of_a_device_array():
+    """_dispatch and kernels/cuda/_device both take it from numba_ops/_arrays.py, and
+    _device imports nothing from _dispatch (no import circle)."""
+    import ast
+
+    from numba_ops import _arrays
+    from numba_ops.kernels.cuda import _device
+    assert _dispatch.on_device is _arrays.on_device
+    assert _device.is_numba_device_array is _arrays.is_numba_device_array
+    tree = ast.parse(open(_device.__file__).read())
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    assert not any("_dispatch" in m for m in imported), imported
+
+
 def test_await_producers_syncs_only_foreign_exporter_streams():
     """CUDA array interface v3: an imported array's exporter stream is synchronised
     before a call on another stream reads it, never before a call on that stream;
