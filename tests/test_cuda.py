@@ -54,20 +54,19 @@ def compile_kernels(which, cc):
     stand-in reporting ``cc`` (see ``_pretend_device``): the PTX produced is the
     same as on a GPU of that capability.
     """
-    from numba import cuda
     from numba.cuda.cudadrv import nvvm
     try:
         nvvm.NVVM()
     except Exception as exc:  # loud: without NVVM nothing here type-checks
         raise AssertionError(f"libNVVM is missing, so the CUDA kernels cannot be compiled or type-checked: {exc}")
-    from numba_ops.kernels.cuda import _device, affine_grid, deform_conv
+    from numba_ops.kernels.cuda import _device, affine_grid, deform_conv, resources
     module = {"affine_grid": affine_grid, "deform_conv": deform_conv, "pack": _device}[which]
     jobs = list(module.compile_jobs())
     assert jobs, which
     sizes = {}
     for label, kern, sig in jobs:
-        ptx, _ = cuda.compile_ptx(kern.py_func, sig, cc=cc,
-                                  launch_bounds=getattr(kern, "targetoptions", {}).get("launch_bounds"))
+        # at its launch bounds; memoised, so test_resources.py's spill check reuses it
+        ptx = resources.ptx_of(kern, sig, cc)
         assert f".target sm_{cc[0]}{cc[1]}" in ptx, label
         sizes[label] = len(ptx)
     return sizes
@@ -584,6 +583,49 @@ def test_size_on_the_device():
         got = numba_ops.affine_grid(theta, dsize, device=device)
         assert not isinstance(got, np.ndarray)
         np.testing.assert_array_equal(got.copy_to_host(), want)
+
+
+def test_one_definition_of_a_device_array():
+    """_dispatch and kernels/cuda/_device both take it from numba_ops/_arrays.py, and
+    _device imports nothing from _dispatch (no import circle)."""
+    import ast
+
+    from numba_ops import _arrays
+    from numba_ops.kernels.cuda import _device
+    assert _dispatch.on_device is _arrays.on_device
+    assert _device.is_numba_device_array is _arrays.is_numba_device_array
+    tree = ast.parse(open(_device.__file__).read())
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    assert not any("_dispatch" in m for m in imported), imported
+
+
+def test_await_producers_syncs_only_foreign_exporter_streams():
+    """CUDA array interface v3: an imported array's exporter stream is synchronised
+    before a call on another stream reads it, never before a call on that stream;
+    numba's own arrays (streams not imported) are left alone."""
+    from numba_ops.kernels.cuda._device import await_producers
+
+    class Stream:
+        def __init__(self, handle, external=True):
+            self.handle, self.external, self.waits = handle, external, 0
+
+        def __int__(self):
+            return self.handle
+
+        def synchronize(self):
+            self.waits += 1
+
+    class Arr:
+        def __init__(self, stream):
+            self.stream = stream
+    cupy_s, own_s = Stream(77), Stream(5, external=False)
+    ours = Stream(77, external=False)
+    await_producers([Arr(cupy_s), Arr(own_s), None, np.zeros(2), Arr(0)], ours)
+    assert cupy_s.waits == 0 and own_s.waits == 0  # same stream as the call's: no wait
+    await_producers([Arr(cupy_s), Arr(own_s)], 0)
+    assert cupy_s.waits == 1 and own_s.waits == 0
+    await_producers([Arr(cupy_s)], Stream(78))
+    assert cupy_s.waits == 2
 
 
 def test_malformed_or_masked_interfaces_name_the_input():

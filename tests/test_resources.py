@@ -84,7 +84,9 @@ def test_info_cuda_calls_the_report(monkeypatch):
 def test_report_table():
     """The printed report (one kernel, to stay quick): a block per architecture and
     assembler, the kernel's registers, spills and occupancy."""
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0", PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    # NUMBA_ENABLE_CUDASIM as this run has it: in the simulator pass the report
+    # re-runs itself without the simulator
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, "-m", "numba_ops.kernels.cuda.resources", "affine_grid.grid/2d/float32"],
                           capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -97,3 +99,21 @@ def test_report_table():
         threads, regs, spills = int(r[1]), int(r[2]), r[3]
         assert threads == 128 and 0 < regs <= 255 and spills == "0/0", r
     assert out.strip().endswith("with spills"), out
+
+
+def test_roofline_of_the_bench_cases():
+    """The roofline on paper (README, "GPU") covers every bench case with the case
+    table's own work figures."""
+    pytest.importorskip("numba.cuda")
+    from numba_ops import _cases
+    from numba_ops.kernels.cuda.resources import roofline
+    rows = {r["case"]: r for r in roofline()}
+    assert set(rows) == set(_cases.AFFINE) | set(_cases.DEFORM)
+    for name in _cases.AFFINE:
+        assert rows[name]["bytes"] == _cases.affine_inputs(name)[2]
+    for name in _cases.DEFORM:
+        r = rows[name]
+        assert r["gemm_flops"] == _cases.deform_inputs(name)[2]
+        assert r["flops"] >= r["gemm_flops"] and r["implied"] >= max(r["t_hbm"], r["t_lds"])
+    assert rows["dc_r50_c64_56"]["blocks"] == 49  # 1 image x 1 channel tile x ceil(56*56 / 64) position tiles
+    assert rows["dc_r50_c64_56"]["gemm_flops"] == 2 * 64 * 56 * 56 * 64 * 9

@@ -129,6 +129,7 @@ def launch_into(theta, size, align, out, stream=None):
 
 
 def _launch(theta, size, align, stream, out=None):
+    _device.await_producers((theta,), stream)
     dtype = np.dtype(theta.dtype)
     nd = len(size) - 2
     shape = (size[0],) + tuple(size[2:]) + (nd,)
@@ -142,7 +143,8 @@ def _launch(theta, size, align, stream, out=None):
         H, W = size[-2], size[-1]
         coords, grid = kernels(ct, nd)
         c = cuda.device_array(W + H + D, dtype=ct, stream=stream)
-        coords[_device.blocks_for(W + H + D), _device.THREADS, stream](c, np.int64(D), np.int64(H), np.int64(W), bool(align))
+        coords[_device.blocks_for(W + H + D), _device.THREADS, stream](
+            c, np.int64(D), np.int64(H), np.int64(W), bool(align))
         rows = total // (W * nd)
         blocks = max(1, min(rows, _device.MAX_BLOCKS))
         grid[blocks, threads(nd), stream](_device.flat(theta, stream), c, out, np.int64(D), np.int64(H), np.int64(W))

@@ -393,6 +393,7 @@ def launch(x, w, offset, b, mask, p, stream=None, origin=None):
 
 
 def _launch(x, w, offset, b, mask, p, stream, origin=None):
+    _device.await_producers((x, w, offset, b, mask), stream)
     dtype = np.dtype(x.dtype)
     st = storage(dtype)
     N, C = int(x.shape[0]), int(x.shape[1])

@@ -178,8 +178,8 @@ def parse(text, ptx):
     if m:
         smem = max(int(v) for v in m)
     else:  # static .shared declarations: ".shared .align 8 .b8 name[2048];"
-        smem = sum(int(b) * int(n) for b, n in re.findall(r"\.shared\s+(?:\.align\s+\d+\s+)?\.[bsuf](\d+)\s+\S+\[(\d+)\]", ptx))
-        smem //= 8
+        decl = r"\.shared\s+(?:\.align\s+\d+\s+)?\.[bsuf](\d+)\s+\S+\[(\d+)\]"
+        smem = sum(int(b) * int(n) for b, n in re.findall(decl, ptx)) // 8
     return max(regs), st, ld, stack, smem
 
 
@@ -231,9 +231,21 @@ def threads_per_block(mod, label, kern):
     return THREADS
 
 
+_PTX = {}  # (kernel, argument types, cc) -> PTX: the compile_ptx test and the report share it
+
+
+def ptx_of(kern, sig, cc):
+    """``compile_ptx`` of the kernel ``kern`` for ``sig`` and ``cc`` at its launch bounds
+    (under ``pretend_device(cc)`` where no GPU is), memoised per process."""
+    from numba import cuda
+    key = (kern, tuple(sig), tuple(cc))
+    if key not in _PTX:
+        _PTX[key] = cuda.compile_ptx(kern.py_func, sig, cc=cc, launch_bounds=launch_bounds(kern))[0]
+    return _PTX[key]
+
+
 def measure(ccs=CCS, tools=None, only=None):
     """[Usage] of every kernel specialisation for every cc and assembler."""
-    from numba import cuda
     tools = assemblers() if tools is None else tools
     if not tools:
         raise RuntimeError("no PTX assembler here: neither ptxas (CUDA toolkit or the nvidia-cuda-nvcc wheel) "
@@ -243,7 +255,7 @@ def measure(ccs=CCS, tools=None, only=None):
     for cc in ccs:
         with pretend_device(cc):
             for mod, label, kern, sig in jobs:
-                ptx, _ = cuda.compile_ptx(kern.py_func, sig, cc=cc, launch_bounds=launch_bounds(kern))
+                ptx = ptx_of(kern, sig, cc)
                 nt = threads_per_block(mod, label, kern)
                 for name, assemble in tools.items():
                     regs, st, ld, stack, smem = parse(assemble(ptx, cc), ptx)
@@ -265,7 +277,8 @@ def table(rows):
             w = max(len(r.label) for r in sel)
             out.append(f"  {'kernel':<{w}}  threads  regs  spill st/ld  stack   smem  blocks  warps  occupancy  limit")
             for r in sel:
-                out.append(f"  {r.label:<{w}}  {r.threads:7d}  {r.registers:4d}  {r.spill_stores:5d}/{r.spill_loads:<5d}"
+                out.append(f"  {r.label:<{w}}  {r.threads:7d}  {r.registers:4d}  "
+                           f"{r.spill_stores:5d}/{r.spill_loads:<5d}"
                            f"  {r.stack:5d}  {r.smem:5d}  {r.blocks:6d}  {r.warps:5d}  {r.warps / WARPS_PER_SM:8.0%}   "
                            f"{r.limiter}")
             out.append("")
@@ -332,15 +345,18 @@ def roofline(gpu=H200):
         out.append(dict(case=name, op="deform_conv", flops=flops, gemm_flops=gemm, bytes=nbytes,
                         t_flop=flops / gpu["fp32"], t_lds=ntiles * flops_tile / (gpu["fp32"] * frac), t_hbm=t_hbm,
                         blocks=ntiles, threads=tiles.TY * tiles.TX, implied=max(t_tiles, t_hbm),
-                        bound="tiles < SMs" if ntiles < gpu["sms"] else ("shared loads" if t_tiles >= t_hbm else "HBM")))
+                        bound=("tiles < SMs" if ntiles < gpu["sms"]
+                               else "shared loads" if t_tiles >= t_hbm else "HBM")))
     return out
 
 
 def roofline_table(gpu=H200):
+    """``roofline``'s rows as the text ``numba-ops info --cuda`` prints."""
+    from .deform_conv import GPU_TILES
     rows = roofline(gpu)
     out = [f"Roofline on paper, float32, H200 ({gpu['sms']} SMs, FP32 FFMA {gpu['fp32'] / 1e12:.0f} TFLOP/s, "
            f"HBM {gpu['hbm'] / 1e12:.1f} TB/s; DeformConv's 4x4 register blocks reach "
-           f"{_gemm_fraction(__import__('numba_ops.kernels.cuda.deform_conv', fromlist=['x']).GPU_TILES):.0%} "
+           f"{_gemm_fraction(GPU_TILES):.0%} "
            "of FFMA peak, bound by shared loads). Kernel time only: launches, copies and numba's host "
            "overhead (~10-20 us per launch) come on top. Unmeasured: bench/gpu_bench.py measures on a GPU.",
            f"  {'case':<14} {'GFLOP':>8} {'MB':>8} {'FFMA us':>8} {'LDS us':>8} {'HBM us':>8} {'blocks':>7} "
@@ -348,7 +364,8 @@ def roofline_table(gpu=H200):
     for r in rows:
         lds = f"{r['t_lds'] * 1e6:8.2f}" if "t_lds" in r else f"{'-':>8}"
         out.append(f"  {r['case']:<14} {r['flops'] / 1e9:8.3f} {r['bytes'] / 1e6:8.2f} {r['t_flop'] * 1e6:8.2f} {lds} "
-                   f"{r['t_hbm'] * 1e6:8.2f} {r['blocks']:7d} {r['threads']:7d} {r['implied'] * 1e6:10.2f}  {r['bound']}")
+                   f"{r['t_hbm'] * 1e6:8.2f} {r['blocks']:7d} {r['threads']:7d} {r['implied'] * 1e6:10.2f}  "
+                   f"{r['bound']}")
     return "\n".join(out)
 
 
@@ -361,7 +378,7 @@ def report(argv=()):
     """Print the report (``numba-ops info --cuda``); 0 on success, 1 if nothing can be measured."""
     if simulator_on():  # the simulator replaces numba-cuda's compiler here: a fresh process without it
         env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0")
-        return subprocess.run([sys.executable, "-m", __name__, *argv], env=env).returncode
+        return subprocess.run([sys.executable, "-m", f"{__package__}.resources", *argv], env=env).returncode
     try:
         from numba.cuda.cudadrv import nvvm
         nvvm.NVVM()
