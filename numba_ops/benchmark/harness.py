@@ -105,21 +105,42 @@ def _emit(obj):
     print(_MARK + json.dumps(obj), flush=True)
 
 
-def _ort_session(op, named, attrs, opset, device):
+def _ort_session(op, named, attrs, opset, device, nodes=None):
+    """A zero-argument onnxruntime call of one ``op`` node on the inputs ``named``
+    ([(name, array)]), or of the graph ``nodes`` (ending in output "y") when given."""
     import onnxruntime as ort
     from onnx import TensorProto, helper
 
     vi = [helper.make_tensor_value_info(
         n, TensorProto.INT64 if v.dtype == np.int64 else helper.np_dtype_to_tensor_dtype(v.dtype), list(v.shape))
         for n, v in named]
-    node = helper.make_node(op, [n for n, _ in named], ["y"], **attrs)
+    if nodes is None:
+        nodes = [helper.make_node(op, [n for n, _ in named], ["y"], **attrs)]
     out_t = helper.np_dtype_to_tensor_dtype(named[0][1].dtype)
-    g = helper.make_graph([node], "g", vi, [helper.make_tensor_value_info("y", out_t, None)])
+    g = helper.make_graph(nodes, "g", vi, [helper.make_tensor_value_info("y", out_t, None)])
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)])
     providers = ["CUDAExecutionProvider"] if device == "cuda" else ["CPUExecutionProvider"]
     s = ort.InferenceSession(m.SerializeToString(), providers=providers)
     feed = dict(named)
     return lambda: s.run(None, feed)[0]
+
+
+def _ort_sample(op, args, kw, device):
+    """onnxruntime's GridSample (opset 20) for a grid_sample case, AffineGrid then
+    GridSample for an affine_warp case; x in float32 (the peers' dtype, also for uint8 x)."""
+    from onnx import helper
+    x = args[0].astype(np.float32)
+    attrs = {"mode": kw["mode"], "padding_mode": kw["padding_mode"], "align_corners": int(kw["align_corners"])}
+    if op == "grid_sample":
+        return _ort_session("GridSample", [("X", x), ("grid", args[1])], attrs, 20, device)
+    theta, size = args[1], np.asarray(args[2], dtype=np.int64)
+    nodes = [helper.make_node("AffineGrid", ["theta", "size"], ["grid"], align_corners=attrs["align_corners"]),
+             helper.make_node("GridSample", ["X", "grid"], ["y"], **attrs)]
+    return _ort_session(None, [("X", x), ("theta", theta), ("size", size)], None, 20, device, nodes)
+
+
+#: numba_ops' sampling modes by PyTorch's names (PyTorch's "bilinear" is n-linear)
+_TORCH_MODE = {"linear": "bilinear", "nearest": "nearest", "cubic": "bicubic"}
 
 
 def _peer_fn(impl, name, device):
@@ -138,6 +159,8 @@ def _peer_fn(impl, name, device):
         if op == "deform_conv":
             named = [(n, a) for n, a in zip(("X", "W", "offset", "B", "mask"), args) if a is not None]
             return _ort_session("DeformConv", named, kw, 22, device)
+        if op in ("grid_sample", "affine_warp"):
+            return _ort_sample(op, args, kw, device)
         return f"no onnxruntime counterpart of {op} in the bench"
     if impl == "torch":
         import torch
@@ -152,6 +175,20 @@ def _peer_fn(impl, name, device):
             shape = [int(s) for s in size]
             align = bool(kw["align_corners"])
             return lambda: (F.affine_grid(tt, shape, align_corners=align), sync())
+        if op in ("grid_sample", "affine_warp"):
+            import torch.nn.functional as F
+            x = torch.from_numpy(args[0].astype(np.float32)).to(dev)
+            if kw["mode"] == "cubic" and x.ndim != 4:
+                return "PyTorch has no cubic grid_sample beyond 2-D"
+            opts = dict(mode=_TORCH_MODE[kw["mode"]], padding_mode=kw["padding_mode"],
+                        align_corners=bool(kw["align_corners"]))
+            if op == "grid_sample":
+                grid = torch.from_numpy(args[1]).to(dev)
+                return lambda: (F.grid_sample(x, grid, **opts), sync())
+            theta = torch.from_numpy(args[1]).to(dev)
+            shape = [int(s) for s in args[2]]
+            return lambda: (F.grid_sample(x, F.affine_grid(theta, shape, align_corners=opts["align_corners"]),
+                                          **opts), sync())
         if op != "deform_conv":
             return f"no PyTorch counterpart of {op} in the bench"
         import torchvision.ops as tvo  # infers group and offset_group from W's and offset's shapes, as ONNX does
@@ -238,6 +275,7 @@ class _Limits:
         a = self.empty(64 * 2 ** 20, dtype=np.float32)  # 256 MiB
         pfill(a, 0.0)
         out = {"write_GBps": a.nbytes / time_best(lambda: pfill(a, 1.0), self.reps, 1, 10.0) / 1e9}
+        self.write_GBps = out["write_GBps"]
         if self.cfg["device"] != "cuda":
             out["write_GBps_numpy_fill"] = a.nbytes / time_best(lambda: a.fill(1.0), self.reps, 1, 10.0) / 1e9
         del a
@@ -262,6 +300,10 @@ class _Limits:
             zero = store(0)
             ms = 1e3 * min(time_best(lambda f=f: f(self.empty(n, store), zero), r, 1, 5.0) for f in self.fills)
             return {"case": name, "bound_ms": ms, "limit": "alloc+fill floor"}
+        if op in ("grid_sample", "affine_warp"):
+            # the bytes read (x, grid or theta) and written, at the write bandwidth
+            nbytes = _cases.inputs(name, self.cfg["dtype"])[3]
+            return {"case": name, "bound_ms": nbytes / (self.write_GBps * 1e9) * 1e3, "limit": _LIMIT_KIND[op]}
         if op != "deform_conv":
             return {"case": name, "skip": f"no limit defined for {op}"}
         gemm = self.gemm()
@@ -438,7 +480,8 @@ def figures(row):
 
 
 #: the limit of each op's cases (``_Limits.case``); an op without one has no "% of limit"
-_LIMIT_KIND = {"affine_grid": "alloc+fill floor", "deform_conv": "GEMM-bound time"}
+_LIMIT_KIND = {"affine_grid": "alloc+fill floor", "deform_conv": "GEMM-bound time",
+               "grid_sample": "bytes at write bandwidth", "affine_warp": "bytes at write bandwidth"}
 
 
 def _table(results, cases):
@@ -485,7 +528,8 @@ def print_table(report, out=print):
         out("  ".join(str(c).ljust(w) if j == 0 else str(c).rjust(w) for j, (c, w) in enumerate(zip(line, widths))))
     out("ms: warm medians. ours/best peer: our median over the fastest peer's (below 1: faster). "
         "% of limit: the limit's time over our fastest call (AffineGrid: alloc+fill floor; "
-        "DeformConv: dense-conv FLOPs at the GEMM rate); --compare compares these "
+        "DeformConv: dense-conv FLOPs at the GEMM rate; GridSample, affine_warp: bytes read and "
+        "written at the write bandwidth); --compare compares these "
         "fastest-call figures.")
 
 
