@@ -170,7 +170,8 @@ def test_bad_input(rng):
     with pytest.raises(TypeError, match="X"):
         aw(x.astype(np.int32), theta)
     with pytest.raises(ValueError, match="X"):
-        aw(np.zeros((2, 3, 0, 5), np.float32), theta)
+        aw(np.zeros((2, 3, 0, 5), np.float32), theta, (2, 3, 4, 5))  # nothing to sample from
+    assert aw(np.zeros((2, 3, 0, 5), np.float32), theta).shape == (2, 3, 0, 5)  # nothing to sample
 
 
 @pytest.mark.parametrize("dtype", ["float64", "bfloat16"])
