@@ -144,6 +144,26 @@ def test_coordinates_not_rounded_to_float32(mode, padding, align, dev, rng):
     assert_api_close(gs(x, grid, dev, **attrs), want, np.float64)
 
 
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("padding", PADS)
+def test_nonfinite_x(mode, padding, dev, rng):
+    """Inf/NaN in x reach only the samples whose taps read them: a zeros-padded tap
+    outside counts an exact 0 even where its clamped index holds an Inf, and a
+    position wholly outside is 0."""
+    x = rng.standard_normal((1, 2, 4, 5))
+    x[0, 0, 0, :] = np.inf  # the first row: where clamped taps above the image read
+    x[0, 1, :, -1] = np.nan  # the last column: where clamped taps right of it read
+    grid = _grid(rng, 1, (6, 7), 2, np.float64, spread=1.5)
+    attrs = dict(mode=mode, padding_mode=padding)
+    with np.errstate(invalid="ignore"):
+        want = grid_sample_ref(x, grid, **attrs)
+    got = gs(x, grid, dev, **attrs)
+    assert_api_close(got, want, np.float64)
+    if padding == "zeros":
+        far = gs(x, np.full((1, 1, 1, 2), 5.0), dev, **attrs)
+        assert (far == 0).all()
+
+
 # --- special positions ---------------------------------------------------------------------
 
 SPECIALS = [np.nan, np.inf, -np.inf, 1e30, -1e30, 3e38, -3e38, 2.0 ** 63, -(2.0 ** 62), 1.0, -1.0, 0.0,
