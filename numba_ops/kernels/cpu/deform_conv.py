@@ -590,10 +590,15 @@ def _ws_sizes_host(C, oC, geo, pstr, dims):
         ncols + nout + npw + npm, nidx
 
 
-def _geometry(x3shape, p):
-    """geo rows: 0 sizes, 1 kernel, 2 strides, 3 pads begin, 4 dilations, 5 outputs."""
+def _geometry(x3shape, p, origin=None):
+    """geo rows: 0 sizes, 1 kernel, 2 strides, 3 pads begin, 4 dilations, 5 outputs.
+
+    ``origin`` (a region's first output index per axis, see ``launch``) is folded into
+    row 3: output ``o`` of the region is output ``origin + o`` of the whole, whose
+    position base ``(origin + o) * stride - begin`` is ``o * stride - (begin - origin * stride)``."""
     nd = p.nd
-    geo = np.array([x3shape, p.kernel_shape, p.strides, p.pads_begin, p.dilations, p.out_spatial],
+    begin = p.pads_begin if origin is None else [pb - o * s for pb, o, s in zip(p.pads_begin, origin, p.strides)]
+    geo = np.array([x3shape, p.kernel_shape, p.strides, begin, p.dilations, p.out_spatial],
                    dtype=np.int64).reshape(6, nd)
     pstr = np.ones(nd, np.int64)  # padded site strides
     for ax in range(nd - 2, -1, -1):
@@ -924,18 +929,19 @@ def _plan_sizes(N, C, K, oC, P, group, og, nd, S, item, nth):
 
 class _State:
     """Everything ``launch`` derives from a call's geometry, kept per geometry."""
-    __slots__ = ("p", "xshape", "dtype", "oC", "yshape", "view", "empty", "small", "nob", "meta", "ctype")
+    __slots__ = ("p", "origin", "xshape", "dtype", "oC", "yshape", "view", "empty", "small", "nob", "meta",
+                 "ctype")
 
-    def __init__(self, x, w, p):
+    def __init__(self, x, w, p, origin=None):
         N, C = x.shape[0], x.shape[1]
         oC = w.shape[0]
         nd, K, group = p.nd, p.K, p.group
         P = 1
         for o in p.out_spatial:
             P *= o
-        geo, pstr = _geometry(x.shape[2:], p)
+        geo, pstr = _geometry(x.shape[2:], p, origin)
         _, S, tail = _padded_extent.py_func(geo, pstr)  # sites of a padded image, its zero tail
-        self.p, self.xshape, self.dtype, self.oC = p, x.shape, x.dtype, oC
+        self.p, self.origin, self.xshape, self.dtype, self.oC = p, origin, x.shape, x.dtype, oC
         self.yshape = (N, oC) + tuple(p.out_spatial)
         view = storage(x.dtype)
         self.view = view if view != x.dtype else None  # 16-bit: their bit patterns
@@ -949,9 +955,11 @@ class _State:
             self.small = _direct if dwork <= _DIRECT_MAX else _serial
         self.ctype = compute(x.dtype)
         item = self.ctype.itemsize
-        # 2-D and 3-D plans compute sites and positions in 32 bits: only when they fit
+        # 2-D and 3-D plans compute sites and positions in 32 bits: only when they fit (a
+        # region's positions are those of the whole output up to origin + out_spatial)
+        ends = p.out_spatial if origin is None else [o0 + o for o0, o in zip(origin, p.out_spatial)]
         fits = (S < _I32 and max(x.shape[2:], default=0) < _I32 and max(p.pads_begin) < _I32
-                and max(p.out_spatial) * max(p.strides) + max(p.kernel_shape) * max(p.dilations) < _I32)
+                and max(ends) * max(p.strides) + max(p.kernel_shape) * max(p.dilations) < _I32)
         fast = nd if (fits and nd in (2, 3)) else 0
         self.meta = {}
         for nth in {1, _runtime.num_threads()}:
@@ -982,14 +990,20 @@ _STATES = {}
 _STATES_MAX = 256
 
 
-def launch(x, w, offset, b, mask, p):
-    """Compute DeformConv for validated inputs (see numba_ops.deform_conv)."""
-    st = _STATES.get(id(p))
-    if st is None or st.p is not p or st.xshape != x.shape or st.dtype is not x.dtype or st.oC != w.shape[0]:
-        st = _State(x, w, p)  # the state holds p, so its id is not reused while it lives
+def launch(x, w, offset, b, mask, p, origin=None):
+    """Compute DeformConv for validated inputs (see numba_ops.deform_conv).
+
+    ``origin`` (internal, numba_ops.dask): a tuple of first output indices per spatial
+    axis; the call then computes the region ``origin .. origin + p.out_spatial`` of
+    the whole output (``offset``/``mask`` hold that region only, ``x`` the whole image)."""
+    key = id(p) if origin is None else (id(p), origin)
+    st = _STATES.get(key)
+    if (st is None or st.p is not p or st.origin != origin or st.xshape != x.shape or st.dtype is not x.dtype
+            or st.oC != w.shape[0]):
+        st = _State(x, w, p, origin)  # the state holds p, so its id is not reused while it lives
         if len(_STATES) >= _STATES_MAX:
             _STATES.clear()
-        _STATES[id(p)] = st
+        _STATES[key] = st
     y = np.empty(st.yshape, x.dtype)
     if st.empty:
         return y
@@ -1011,7 +1025,7 @@ def launch(x, w, offset, b, mask, p):
     nth = _runtime.num_threads() if _runtime.pool_usable() else 1
     plan = st.meta.get(nth)
     if plan is None:  # the caller changed numba's thread count
-        plan = st.meta[nth] = _State(x, w, p).meta[nth]
+        plan = st.meta[nth] = _State(x, w, p, origin).meta[nth]
     metas, nf, ni = plan
     with _runtime.POOL_LOCK, _BLAS:
         if nth == 1:

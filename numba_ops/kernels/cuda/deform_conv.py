@@ -309,13 +309,15 @@ def compile_jobs():
         yield f"deform_conv.weights/{dt}", weights_by_kernel_point, (arr, arr, i64, i64, i64)
 
 
-def launch(x, w, offset, b, mask, p):
-    """Validated inputs (NumPy or numba device arrays of one dtype) and DeformParams."""
+def launch(x, w, offset, b, mask, p, origin=None):
+    """Validated inputs (NumPy or numba device arrays of one dtype) and DeformParams.
+    ``origin`` (internal, numba_ops.dask): see the CPU launcher; the region's first
+    output indices, folded into the pads-begin row of ``geo``."""
     with _device.launch_guard():
-        return _launch(x, w, offset, b, mask, p)
+        return _launch(x, w, offset, b, mask, p, origin)
 
 
-def _launch(x, w, offset, b, mask, p):
+def _launch(x, w, offset, b, mask, p, origin=None):
     dtype = np.dtype(x.dtype)
     st = storage(dtype)
     N, C = int(x.shape[0]), int(x.shape[1])
@@ -338,7 +340,9 @@ def _launch(x, w, offset, b, mask, p):
                 wf0, wf, np.int64(C // group), np.int64(K), np.int64(oC // group))
         mf = dummy if mask is None else _device.flat(mask)
         bf = dummy if b is None else _device.flat(b)
-        geo = _device.int64_array([tuple(x.shape[2:]), p.kernel_shape, p.strides, p.pads_begin,
+        # a region's output o is the whole's origin + o: base (origin + o)*stride - begin
+        begin = p.pads_begin if origin is None else [pb - o * s for pb, o, s in zip(p.pads_begin, origin, p.strides)]
+        geo = _device.int64_array([tuple(x.shape[2:]), p.kernel_shape, p.strides, begin,
                                    p.dilations, p.out_spatial])
         dims = _device.int64_array([N, C, oC, group, og, K, P, S, nd, mask is not None, b is not None])
         tiles, nd_max = config(nd)

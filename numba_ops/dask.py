@@ -1,0 +1,366 @@
+"""Scale-out on Dask (API.md, "Scale-out (Dask)"): the ops on ``dask.array`` inputs.
+
+Each wrapper returns a lazy ``dask.array`` with exact metadata (shape, dtype,
+chunks, and a ``meta`` of the inputs' array type), one task per output block,
+so graphs compose without computing anything and any Dask scheduler runs them:
+threads, processes, or a ``dask.distributed`` cluster of many machines.
+
+- Arguments are validated while the graph is built, with the one-call ops' own
+  errors: the wrapper runs the op's front end on data-free stand-ins of the
+  inputs (zero-stride NumPy views of their shapes and dtypes, with N = 0 so that
+  nothing is computed), so nothing fails later inside a worker for a reason
+  knowable up front.
+- Inputs are chunked along N; their other axes are joined (rechunked to one
+  chunk) where a block needs them whole. ``w`` and ``b`` (NumPy or dask) enter
+  the graph once, as one single-chunk key that every task names; an ``x`` block
+  is one key, however many output blocks read it.
+- Blocks holding CuPy arrays (any ``__cuda_array_interface__`` exporter) run on
+  the GPU, as the one-call ops' ``device=None`` does; their results are CuPy
+  arrays and the result's ``meta`` is a CuPy array then.
+- Threads: on a ``dask.distributed`` worker every task first sets numba's thread
+  count (thread-local, so it holds for the task) to the worker's share of the
+  machine's cores, ``cores * worker threads // all worker threads on its host``
+  (the scheduler is asked once a minute). numba_ops runs one parallel kernel
+  per process at a time, so the worker's tasks take turns on that share and the
+  workers of a host together use its cores, not a multiple of them. Outside a
+  worker (threaded or synchronous scheduler) numba's setting is left alone.
+
+This module imports dask; ``import numba_ops`` never does (install the extra
+``numba_ops[dask]``).
+"""
+import functools
+import math
+import os
+import sys
+import time
+
+import dask.array as da
+import numpy as np
+from dask.array.core import normalize_chunks
+from dask.array.utils import meta_from_array
+from dask.base import tokenize
+from dask.highlevelgraph import HighLevelGraph
+
+from ._dispatch import as_array, check_device, launcher, on_device, resolve_device, result_for
+from ._validate import IntegerError, int_tuple
+from .affine_grid import affine_grid as _affine_grid
+from .deform_conv import _params
+from .deform_conv import deform_conv as _deform_conv
+
+__all__ = ["affine_grid", "deform_conv", "grid_sample", "affine_warp"]
+
+
+# --- inputs and their data-free stand-ins ----------------------------------------------------
+
+def _as_dask(a, name):
+    """``a`` as a dask array (NumPy and other arrays as one block); None stays None."""
+    if a is None or isinstance(a, da.Array):
+        arr = a
+    else:
+        if not hasattr(a, "shape") or not hasattr(a, "dtype"):
+            a = as_array(a, name, "cpu")  # lists and such, with the front ends' errors
+        arr = da.from_array(a, chunks=tuple(a.shape) or ())
+    if arr is not None and any(math.isnan(s) for s in arr.shape):
+        raise ValueError(f"{name} must have known chunk sizes (call compute_chunk_sizes() first); "
+                         f"got shape {arr.shape}")
+    return arr
+
+
+def _stand_in(a, n=None):
+    """A read-only zero-stride NumPy view with ``a``'s dtype and shape (N replaced by
+    ``n`` when given): what the front ends validate, without data."""
+    if a is None:
+        return None
+    shape = tuple(int(s) for s in a.shape)
+    if n is not None and shape:
+        shape = (n,) + shape[1:]
+    try:
+        dtype = np.dtype(a.dtype)
+    except TypeError:
+        dtype = np.dtype(object)
+    return np.broadcast_to(np.zeros((), dtype), shape)
+
+
+def _dry_run(op, arrays, batched, *args, **kw):
+    """Run the front end ``op`` on stand-ins of ``arrays`` ({name: dask array or None},
+    passed positionally, then ``args``), so that it raises what the one-call op
+    would raise for these shapes, dtypes and attributes, and computes nothing.
+
+    When the arrays named in ``batched`` have a leading axis of one length, their
+    stand-ins get N = 0 (an empty call validates everything else); if that call
+    fails, the full shapes run again for the one-call op's own message (a failing
+    call stops at its checks, before any kernel). Arrays that disagree on N run
+    with their full shapes at once: the front end fails on the disagreement (or on
+    an earlier error)."""
+    ns = {arrays[k].shape[0] if arrays[k].ndim else None for k in batched if arrays.get(k) is not None}
+    full = [_stand_in(a) for a in arrays.values()]
+    if len(ns) == 1 and None not in ns:
+        try:
+            return op(*[_stand_in(a, 0 if k in batched else None) for k, a in arrays.items()], *args, **kw)
+        except (ValueError, TypeError):
+            op(*full, *args, **kw)  # the message with the true shapes
+            raise
+    op(*full, *args, **kw)
+    raise AssertionError(f"{op.__name__} accepted inputs of different N")  # pragma: no cover
+
+
+def _single(a):
+    """``a`` with one chunk (weights, bias): one key that every task names."""
+    return None if a is None else a.rechunk(tuple(-1 for _ in a.shape))
+
+
+def _meta(like, ndim, dtype):
+    """An empty array of ``like``'s type (NumPy, CuPy, ...) with ``ndim`` and ``dtype``."""
+    return meta_from_array(like._meta, ndim=ndim, dtype=dtype)
+
+
+def _spatial_chunks(output_chunks, out_spatial):
+    """``output_chunks`` (None, an int for every axis, or one entry per spatial output
+    axis: an int block size, None or -1 for the whole axis, or a tuple of block sizes
+    summing to it) as dask chunks of the spatial output axes."""
+    nd = len(out_spatial)
+    if output_chunks is None:
+        return tuple((o,) for o in out_spatial)
+    entries = output_chunks
+    if isinstance(entries, (int, np.integer)) and not isinstance(entries, (bool, np.bool_)):
+        entries = (entries,) * nd
+    if not isinstance(entries, (list, tuple)) or len(entries) != nd:
+        raise ValueError(f"output_chunks must have one entry per spatial output axis ({nd}) of the output "
+                         f"{list(out_spatial)}: a block size, None or -1 (whole axis), or a tuple of block sizes; "
+                         f"got {output_chunks!r}")
+    chunks = []
+    for ax, (e, o) in enumerate(zip(entries, out_spatial)):
+        if e is None or (isinstance(e, (int, np.integer)) and not isinstance(e, (bool, np.bool_)) and e == -1):
+            chunks.append((o,))
+            continue
+        if isinstance(e, (list, tuple)):
+            sizes = int_tuple(e, f"output_chunks[{ax}]", minimum=1)
+            if sum(sizes) != o:
+                raise ValueError(f"output_chunks[{ax}] must sum to the output size {o} of spatial axis {ax}; "
+                                 f"got {list(sizes)}")
+            chunks.append(sizes)
+            continue
+        if isinstance(e, (bool, np.bool_)) or not isinstance(e, (int, np.integer)) or e < 1:
+            raise ValueError(f"output_chunks[{ax}] must be a block size >= 1, None or -1 (whole axis), or a "
+                             f"tuple of block sizes; got {e!r}")
+        chunks.append(normalize_chunks((int(e),), shape=(o,))[0])
+    return tuple(chunks)
+
+
+# --- what runs in a task ---------------------------------------------------------------------
+
+#: distributed worker address -> (time asked, numba threads for its tasks)
+_SHARES = {}
+_SHARE_TTL = 60.0
+
+
+def _cores():
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def _worker_threads():
+    """numba threads for a task on this ``dask.distributed`` worker (see the module
+    docstring), or None outside a worker."""
+    dist = sys.modules.get("distributed")
+    if dist is None:  # a worker process has imported it
+        return None
+    try:
+        worker = dist.get_worker()
+    except ValueError:
+        return None
+    now = time.monotonic()
+    hit = _SHARES.get(worker.address)
+    if hit is not None and now - hit[0] < _SHARE_TTL:
+        return hit[1]
+    import numba
+    own = max(1, int(worker.state.nthreads))
+    host = own
+    try:
+        from distributed.utils import sync
+        info = sync(worker.loop, worker.scheduler.identity, callback_timeout=10)
+        host = sum(int(w.get("nthreads", 0)) for w in info["workers"].values()
+                   if w.get("host") == worker.ip) or own
+    except Exception:  # no answer: this worker's own threads are all we know of
+        pass
+    n = max(1, min(numba.config.NUMBA_NUM_THREADS, _cores() * own // max(own, host)))
+    _SHARES[worker.address] = (now, n)
+    return n
+
+
+def _share_threads():
+    n = _worker_threads()
+    if n is not None:
+        import numba
+        from .kernels.cpu import _runtime
+        if _runtime.num_threads() != n:
+            numba.set_num_threads(n)
+
+
+def _is_cupy(a):
+    return type(a).__module__.split(".")[0] == "cupy"
+
+
+def _block_result(y, like):
+    """A task's result in the type of its input block: CuPy for CuPy blocks (the
+    front ends give numba device arrays, which CuPy takes without a copy)."""
+    if _is_cupy(like) and not _is_cupy(y) and on_device(y):
+        import cupy
+        return cupy.asarray(y)
+    return y
+
+
+def _affine_grid_block(theta, *, tail, align_corners, kw):
+    _share_threads()
+    y = _affine_grid(theta, (theta.shape[0],) + tail, align_corners, **kw)
+    return _block_result(y, theta)
+
+
+def _deform_conv_block(x, w, offset, b, mask, *, attrs):
+    _share_threads()
+    return _block_result(_deform_conv(x, w, offset, b, mask, **attrs), x)
+
+
+def _deform_conv_region(x, w, offset, b, mask, *, p, origin, device):
+    """The output region ``origin .. origin + p.out_spatial`` of ``x``'s images:
+    ``offset``/``mask`` hold that region, ``x`` whole images. The arguments passed
+    the front end's checks when the graph was built (as ``deform_conv`` does them)."""
+    _share_threads()
+    inputs = (x, w, offset, b, mask)
+    dev = resolve_device(device, inputs)
+    back = any(on_device(a) for a in inputs)
+    arrays = [as_array(a, name, dev) for a, name in zip(inputs, ("X", "W", "offset", "B", "mask"))]
+    y = launcher("deform_conv", dev, arrays[0].dtype)(*arrays, _canonical(p), origin=origin)
+    return _block_result(result_for(y, back), x)
+
+
+_CANONICAL = {}
+
+
+def _canonical(p):
+    """One object per distinct DeformParams in this process, so that the launcher's
+    per-geometry state (keyed by the object) is found again by every task."""
+    if len(_CANONICAL) > 256:
+        _CANONICAL.clear()
+    return _CANONICAL.setdefault(p, p)
+
+
+def _graph(name, tasks, deps, chunks, meta):
+    graph = HighLevelGraph.from_collections(name, tasks, dependencies=[d for d in deps if d is not None])
+    return da.Array(graph, name, chunks, meta=meta)
+
+
+def _key(a, *index):
+    return None if a is None else (a.name,) + index
+
+
+# --- the ops ---------------------------------------------------------------------------------
+
+def affine_grid(theta, size, align_corners=False, **kw):
+    """``numba_ops.affine_grid`` on a dask ``theta`` (N, 2, 3) or (N, 3, 4), chunked along N.
+
+    Returns the lazy grid (N, H, W, 2) or (N, D, H, W, 3) with ``theta``'s N chunks
+    (one task per chunk; the other axes whole). ``size`` and ``align_corners`` as
+    the one-call op; ``kw`` (``device``, ...) goes to it in each task.
+    """
+    theta = _as_dask(theta, "theta")
+    if theta is None:
+        raise ValueError("theta is required")
+    if "device" in kw:
+        check_device(kw["device"])
+    probe_kw = dict(kw, device="cpu")  # where it runs is the worker's matter
+    if on_device(size):
+        size = as_array(size, "size", "cpu")  # its values, read on the host
+    try:
+        sz = int_tuple(size, "size", length=(4, 5), minimum=0)
+    except (ValueError, IntegerError, TypeError):
+        sz = None
+    if sz is None or theta.ndim != 3 or theta.shape[0] != sz[0]:
+        # the one-call op's own error (a size of N = 0 with any theta is an empty grid)
+        _affine_grid(_stand_in(theta), size, align_corners, **probe_kw)
+        if sz is None or sz[0] != 0:  # pragma: no cover - the front end raised above
+            raise AssertionError("affine_grid accepted inconsistent arguments")
+        theta = theta[:0]
+    try:
+        _affine_grid(_stand_in(theta, 0), (0,) + sz[1:], align_corners, **probe_kw)
+    except (ValueError, TypeError):
+        _affine_grid(_stand_in(theta), size, align_corners, **probe_kw)  # the message with the true N
+        raise
+    nd = len(sz) - 2
+    per_image = math.prod(sz[2:]) * nd * theta.dtype.itemsize
+    if per_image * max(theta.chunks[0], default=0) > np.iinfo(np.intp).max:
+        raise ValueError(f"size {list(sz)} asks for grid blocks of {max(theta.chunks[0])} images, too large to "
+                         f"allocate: chunk theta finer along N")
+    theta = theta.rechunk((theta.chunks[0], -1, -1))
+    name = "affine_grid-" + tokenize(theta, sz, align_corners, kw)
+    fn = functools.partial(_affine_grid_block, tail=tuple(sz[1:]), align_corners=align_corners, kw=kw)
+    zeros = (0,) * (nd + 1)
+    tasks = {(name, i) + zeros: (fn, (theta.name, i, 0, 0)) for i in range(len(theta.chunks[0]))}
+    chunks = (theta.chunks[0],) + tuple((s,) for s in sz[2:]) + ((nd,),)
+    return _graph(name, tasks, [theta], chunks, _meta(theta, nd + 2, theta.dtype))
+
+
+_DC_ATTRS = ("kernel_shape", "strides", "pads", "dilations", "group", "offset_group")
+
+
+def deform_conv(x, w, offset, b=None, mask=None, *, output_chunks=None, **attrs):
+    """``numba_ops.deform_conv`` on dask arrays.
+
+    ``x`` (N, C, D1..Dn), ``offset`` and ``mask`` chunked along N (their other axes
+    are joined; ``offset``/``mask`` take ``x``'s N chunks); ``w`` and ``b`` NumPy or
+    dask, one chunk each (they enter the graph once). ``attrs``: the one-call op's
+    keywords (``kernel_shape``, ``strides``, ``pads``, ``dilations``, ``group``,
+    ``offset_group``, ``device``, ...).
+
+    ``output_chunks``: a block size per spatial output axis (or None / -1 for a
+    whole axis, or a tuple of block sizes); each image's output is then cut into
+    spatial blocks, every block reading its whole input image (offsets can reach
+    anywhere in it) and the offset/mask region of its own outputs. Default: whole.
+
+    Returns the lazy (N, oC, o1..on) result, chunked as ``x`` along N, whole along
+    oC and as ``output_chunks`` along the spatial axes: one task per block.
+    """
+    named = {"X": x, "W": w, "offset": offset, "B": b, "mask": mask}
+    for name in ("X", "W", "offset"):
+        if named[name] is None:
+            raise ValueError(f"{name} is required")
+    arrays = {name: _as_dask(a, name) for name, a in named.items()}
+    if "device" in attrs:
+        check_device(attrs["device"])
+    # the one-call op's errors, nothing computed ("where" it runs is the worker's matter)
+    _dry_run(_deform_conv, arrays, ("X", "offset", "mask"), **dict(attrs, device="cpu"))
+    x, w, offset, b, mask = arrays.values()
+    p = _params(_stand_in(x, 0), _stand_in(w), *(attrs.get(k, d) for k, d in
+                                                 zip(_DC_ATTRS, (None, None, None, None, 1, 1))))
+    nd = p.nd
+    spatial = _spatial_chunks(output_chunks, p.out_spatial)
+    nchunks = x.chunks[0]
+    x = x.rechunk((nchunks,) + (-1,) * (nd + 1))
+    offset = offset.rechunk((nchunks, -1) + spatial)
+    mask = None if mask is None else mask.rechunk((nchunks, -1) + spatial)
+    w, b = _single(w), _single(b)
+    whole = all(len(c) == 1 for c in spatial)
+    name = "deform_conv-" + tokenize(x, w, offset, b, mask, attrs, spatial)
+    zeros = (0,) * (nd + 1)
+    wk, bk = _key(w, *(0,) * w.ndim), _key(b, 0)
+    tasks = {}
+    if whole:
+        fn = functools.partial(_deform_conv_block, attrs=attrs)
+        for i in range(len(nchunks)):
+            tasks[(name, i) + zeros] = (fn, (x.name, i) + zeros, wk, (offset.name, i) + zeros, bk,
+                                        _key(mask, i, *zeros))
+    else:
+        starts = [np.cumsum((0,) + c[:-1]).tolist() for c in spatial]
+        fns = {}
+        for blk in np.ndindex(*(len(c) for c in spatial)):
+            origin = tuple(int(s[j]) for s, j in zip(starts, blk))
+            shape = tuple(c[j] for c, j in zip(spatial, blk))
+            pb = fns.setdefault(shape, p._replace(out_spatial=shape))
+            fn = functools.partial(_deform_conv_region, p=pb, origin=origin, device=attrs.get("device"))
+            for i in range(len(nchunks)):
+                tasks[(name, i, 0) + blk] = (fn, (x.name, i) + zeros, wk, (offset.name, i, 0) + blk, bk,
+                                             _key(mask, i, 0, *blk))
+    chunks = (nchunks, (int(w.shape[0]),)) + spatial
+    return _graph(name, tasks, [x, w, offset, b, mask], chunks, _meta(x, nd + 2, x.dtype))
