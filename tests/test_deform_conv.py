@@ -490,10 +490,10 @@ def test_zero_length_spatial_axis(device):
 def test_scratch_stays_bounded():
     """Whatever N is, the chunk of padded images and the tiles fit the budget."""
     for N in (1, 64, 10 ** 6):
-        T, nb = cpu_dc._plan_sizes(N, 64, 9, 64, 56 * 56, 1, 1, 2, 58 * 58, 4, 2)
+        T, nb, _ = cpu_dc._plan_sizes(N, 64, 9, 64, 56 * 56, 1, 1, 2, 58 * 58, 4, 2)
         scratch = nb * 58 * 58 * 64 * 4 + 2 * T * (9 * 64 + 64) * 4
         assert scratch <= 256 << 20 and T >= 1 and nb >= 1
-    T, nb = cpu_dc._plan_sizes(1, 4096, 27, 64, 10 ** 5, 1, 4096, 3, 10 ** 5, 4, 2)
+    T, nb, _ = cpu_dc._plan_sizes(1, 4096, 27, 64, 10 ** 5, 1, 4096, 3, 10 ** 5, 4, 2)
     assert 2 * T * (27 * 4096 * 4 + 4096 * 27 * 44) <= 256 << 20
 
 

@@ -71,6 +71,9 @@ _TILE_BYTES = 512 << 10
 _TILE_MIN = 256
 #: calls with at most this many (sample, output channel, corner) triples take the direct path.
 _DIRECT_MAX = 1024
+#: the parallel run's split: None chooses from the shape (``_plan_sizes``), True forces the
+#: channel split, False the position split (tests, benchmarks; plans made before keep theirs)
+_SPLIT = None
 
 
 # --- compute-type helpers -----------------------------------------------------------
@@ -476,36 +479,45 @@ def _fill_any(tok, xp, coff, pidx, pw, cols, segs, tl, K, cpg):
 
 @njit(cache=True)
 def _tile(tok, n, nl, p0, p1, xp, off3, m3, has_mask, wr, b, has_b, y3, geo, pstr, coff, segs, dims,
-          cols, outb, pidx, pw, pm):
-    """Output positions [p0, p1) of image ``n`` (``nl``: its slot in ``xp``):
-    plans, column fill, one GEMM per group, bias and rounding into ``y3``."""
+          cols, outb, pidx, pw, pm, fill, oc0, oc1):
+    """Output positions [p0, p1) of image ``n`` (``nl``: its slot in ``xp``): when
+    ``fill``, plans and column fill into ``cols`` (its row 0 is position p0); then,
+    for output channels [oc0, oc1) (global), one GEMM per group they touch, bias and
+    rounding into ``y3``. The position split calls it once per tile (fill, all
+    channels); the channel split (``_parallel``) once per thread to fill its share
+    of a tile's positions (no channels), then once per thread for its channels."""
     C, K, group, og, T = dims[0], dims[1], dims[2], dims[3], dims[4]
     oC = y3.shape[1]
     cpg, ocg = C // group, oC // group
     kc = K * cpg
     tl = p1 - p0
-    for g in range(og):
-        for kidx in range(K):
-            gk = g * K + kidx
-            _plan(tok, off3, m3, has_mask, n, geo, pstr, C, kidx, g, K, p0, p1, pidx[gk], pw[gk], pm[gk],
-                  dims[7], dims[8])
-    _fill(tok, xp[nl], coff, pidx, pw, pm, cols, segs, tl, K, cpg)
+    if fill:
+        for g in range(og):
+            for kidx in range(K):
+                gk = g * K + kidx
+                _plan(tok, off3, m3, has_mask, n, geo, pstr, C, kidx, g, K, p0, p1, pidx[gk], pw[gk], pm[gk],
+                      dims[7], dims[8])
+        _fill(tok, xp[nl], coff, pidx, pw, pm, cols, segs, tl, K, cpg)
     zero = _czero(wr)
     blk = outb[ocg * T:ocg * (T + 16)]
-    outf = outb[:tl * ocg]
-    out = outf.reshape((tl, ocg))
     yf = _flat(y3)
     P = y3.shape[2]
-    uocg = np.uint64(ocg)
     for gi in range(group):
+        lo, hi = max(oc0, gi * ocg), min(oc1, (gi + 1) * ocg)
+        if lo >= hi:
+            continue
+        ol = hi - lo
+        uol = np.uint64(ol)
+        outf = outb[:tl * ol]
+        out = outf.reshape((tl, ol))
         # out^T = cols @ W^T: BLAS runs this orientation ~15 % faster than W @ cols^T here
-        a = wr[gi * ocg * kc:(gi + 1) * ocg * kc].reshape((ocg, kc))
+        a = wr[lo * kc:hi * kc].reshape((ol, kc))
         bt = cols[gi * T * kc:gi * T * kc + tl * kc].reshape((tl, kc))
-        if ocg * tl * kc >= 16384:  # below this, BLAS's call overhead dominates
+        if ol * tl * kc >= 16384:  # below this, BLAS's call overhead dominates
             np.dot(bt, a.T, out)
         else:
             for j in range(tl):
-                for o in range(ocg):
+                for o in range(ol):
                     acc = zero
                     for k in range(kc):
                         acc += a[o, k] * bt[j, k]
@@ -516,11 +528,11 @@ def _tile(tok, n, nl, p0, p1, xp, off3, m3, has_mask, wr, b, has_b, y3, geo, pst
         for j0 in range(0, tl, 16):
             jl = np.uint64(min(tl, j0 + 16) - j0)
             for j in range(jl):
-                src = (np.uint64(j0) + j) * uocg
-                for o in range(uocg):
+                src = (np.uint64(j0) + j) * uol
+                for o in range(uol):
                     blk[o * np.uint64(16) + j] = outf[src + o]
-            for o in range(ocg):
-                oc = gi * ocg + o
+            for o in range(ol):
+                oc = lo + o
                 bias = load(b, oc) if has_b else zero
                 dst = np.uint64((n * oC + oc) * P + p0 + j0)
                 bo = np.uint64(o * 16)
@@ -794,7 +806,7 @@ def _serial(x, w, off, m, b, y, meta):
         for it in range(nc * ntile):
             nl, t = it // ntile, it % ntile
             _tile(tok, n0 + nl, nl, t * T, min(P, t * T + T), xp, off3, m3, has_mask, wr, b, has_b, y3,
-                  geo, pstr, coff, segs, dims, cols, outb, pidx, pw, pm)
+                  geo, pstr, coff, segs, dims, cols, outb, pidx, pw, pm, True, 0, oC)
 
 
 @njit(cache=True, parallel=True)
@@ -828,18 +840,49 @@ def _parallel(x, w, off, m, b, y, meta, fws, iws):
                     _pad_row(x3, n0 + i // rows, xp[i // rows], geo, i % rows)
                 else:
                     _reorder_w(w3, wr, K, i - nc * rows)
-        items = nc * ntile
-        for th in prange(nth):
-            f0 = nw + nxp + th * ntile_ws
-            cols, outb, pidx, pw, pm = _scratch(fws[f0:f0 + ntile_ws], iws[th * nint:(th + 1) * nint],
-                                                dims, nd, ocg)
-            # contiguous runs keep a thread on one image's rows (cache locality)
-            lo = th * items // nth
-            hi = (th + 1) * items // nth
-            for it in range(lo, hi):
+        if dims[11]:
+            # the channel split: per tile, the threads fill shares of its positions into
+            # one column buffer (thread 0's), then each multiplies it by its share of
+            # the output channels (rows of the weights, cut at multiples of 16 so that
+            # BLAS's panels stay whole): every weight is packed once per tile, not
+            # once per thread, and each GEMM gets the whole tile's positions
+            shared = fws[nw + nxp:nw + nxp + T * K * C]
+            u = 16 if oC >= 64 * nth else 1
+            for it in range(nc * ntile):
                 nl, t = it // ntile, it % ntile
-                _tile(tok, n0 + nl, nl, t * T, min(P, t * T + T), xp, off3, m3, has_mask, wr, b, has_b,
-                      y3, geo, pstr, coff, segs, dims, cols, outb, pidx, pw, pm)
+                p0, p1 = t * T, min(P, t * T + T)
+                for th in prange(nth):
+                    f0 = nw + nxp + th * ntile_ws
+                    cols, outb, pidx, pw, pm = _scratch(fws[f0:f0 + ntile_ws], iws[th * nint:(th + 1) * nint],
+                                                        dims, nd, ocg)
+                    q0 = p0 + th * (p1 - p0) // nth
+                    q1 = p0 + (th + 1) * (p1 - p0) // nth
+                    if q1 > q0:
+                        _tile(tok, n0 + nl, nl, q0, q1, xp, off3, m3, has_mask, wr, b, has_b, y3, geo, pstr,
+                              coff, segs, dims, shared[(q0 - p0) * (K * C // group):], outb, pidx, pw, pm,
+                              True, 0, 0)
+                for th in prange(nth):
+                    f0 = nw + nxp + th * ntile_ws
+                    cols, outb, pidx, pw, pm = _scratch(fws[f0:f0 + ntile_ws], iws[th * nint:(th + 1) * nint],
+                                                        dims, nd, ocg)
+                    o0 = min(oC, (th * oC // nth + u // 2) // u * u) if th else 0
+                    o1 = min(oC, ((th + 1) * oC // nth + u // 2) // u * u) if th < nth - 1 else oC
+                    if o1 > o0:
+                        _tile(tok, n0 + nl, nl, p0, p1, xp, off3, m3, has_mask, wr, b, has_b, y3, geo, pstr,
+                              coff, segs, dims, shared, outb, pidx, pw, pm, False, o0, o1)
+        else:
+            items = nc * ntile
+            for th in prange(nth):
+                f0 = nw + nxp + th * ntile_ws
+                cols, outb, pidx, pw, pm = _scratch(fws[f0:f0 + ntile_ws], iws[th * nint:(th + 1) * nint],
+                                                    dims, nd, ocg)
+                # contiguous runs keep a thread on one image's rows (cache locality)
+                lo = th * items // nth
+                hi = (th + 1) * items // nth
+                for it in range(lo, hi):
+                    nl, t = it // ntile, it % ntile
+                    _tile(tok, n0 + nl, nl, t * T, min(P, t * T + T), xp, off3, m3, has_mask, wr, b, has_b,
+                          y3, geo, pstr, coff, segs, dims, cols, outb, pidx, pw, pm, True, 0, oC)
 
 
 # --- SciPy's BLAS thread count ----------------------------------------------------------
@@ -900,31 +943,50 @@ _BLAS = _BlasThreads()
 _I32 = 1 << 29
 
 
-def _plan_sizes(N, C, K, oC, P, group, og, nd, S, item, nth):
-    """(tile length T, images per chunk nb) for ``S`` sites per padded image.
+def _plan_sizes(N, C, K, oC, P, group, og, nd, S, item, nth, split=None):
+    """(tile length T, images per chunk nb, channel split) for ``S`` sites per padded image.
 
     Tiles hold about ``_TILE_BYTES`` of columns (an L2 cache) but at least
     ``_TILE_MIN`` positions, as every tile's GEMM re-packs the weights; when the
     L2 target is under half that, the columns live in L3 anyway and tiles get
     ``2 * _TILE_MIN``. Tiles never take more than a quarter of
-    ``_SCRATCH_BYTES`` over all threads, and a parallel run gets a
-    multiple of ``nth`` tiles in all, so that no thread idles at the end. The
-    padded images of a chunk take the rest of the budget (at least one image)."""
+    ``_SCRATCH_BYTES`` over all threads. The padded images of a chunk take the
+    rest of the budget (at least one image).
+
+    A parallel run splits the work one of two ways. The position split gives each
+    thread whole tiles (a multiple of ``nth`` tiles in all, so that no thread idles
+    at the end); each tile's GEMM packs all the weights. The channel split fills
+    each tile's columns once (the threads share its positions), then gives each
+    thread a share of the output channels, so that each tile's weights are packed
+    once in all and each GEMM gets the whole tile. Where positions are few beside
+    the weights (deep channels at small spatial sizes: a handful of positions per
+    thread, every thread packing megabytes of weights for them) the channel split
+    wins. The choice counts the elements each thread's GEMMs pack (weights and
+    columns), the work that does not shrink with more threads: the position split
+    packs (weights + T columns) per tile, the channel split (weights / nth + T
+    columns) per tile. ``split`` (True/False) forces one way (tests, benchmarks)."""
     kc_all = max(1, K * C)
     per_pos = (kc_all + oC // group) * item + og * K * (((1 << nd) + 1) * item + 8)
     T = _TILE_BYTES // (kc_all * item)
     # columns far too wide for a cache-sized tile live in L3 anyway: fewer, bigger GEMMs win
     T = 2 * _TILE_MIN if 2 * T < _TILE_MIN else max(T, _TILE_MIN)
     T = max(1, min(P, T, (_SCRATCH_BYTES // 4 // nth) // per_pos))
+    osplit = False
     if nth > 1:
+        wts = oC * kc_all // max(1, group)
         ntile = -(-P // T)
+        To = -(-P // ntile)  # the channel split's tiles: as even as T allows
         while (N * ntile) % nth and ntile < P:
             ntile += 1
-        T = -(-P // ntile)
+        Tp = -(-P // ntile)
+        cost_p = -(-N * ntile // nth) * (wts + Tp * kc_all)
+        cost_o = N * -(-P // To) * (wts // nth + To * kc_all)
+        osplit = cost_o < cost_p if split is None else bool(split)
+        T = To if osplit else Tp
     img = max(1, S * C * item)
     budget = _SCRATCH_BYTES - nth * (T * per_pos + 16 * (oC // group) * item) - oC * kc_all * item // max(1, group)
     nb = max(1, min(N, budget // img))
-    return T, nb
+    return T, nb, osplit
 
 
 class _State:
@@ -963,10 +1025,12 @@ class _State:
         fast = nd if (fits and nd in (2, 3)) else 0
         self.meta = {}
         for nth in {1, _runtime.num_threads()}:
-            T, nb = _plan_sizes(N, C, K, oC, P, p.group, p.offset_group, nd, S + tail, item, nth)
+            T, nb, osplit = _plan_sizes(N, C, K, oC, P, p.group, p.offset_group, nd, S + tail, item, nth,
+                                        _SPLIT)
             dims = [C, K, p.group, p.offset_group, T, nb, nth, fast, S]
-            # index has_mask * 2 + has_b: dims[9] has_mask, dims[10] has_b
-            metas = [np.array([nd] + geo.ravel().tolist() + pstr.tolist() + dims + [hm, hb], dtype=np.int64)
+            # index has_mask * 2 + has_b: dims[9] has_mask, dims[10] has_b; dims[11] the channel split
+            metas = [np.array([nd] + geo.ravel().tolist() + pstr.tolist() + dims + [hm, hb, int(osplit)],
+                              dtype=np.int64)
                      for hm in (0, 1) for hb in (0, 1)]
             nw, nxp, ntile_ws, nint = _ws_sizes_host(C, oC, geo, pstr, metas[0][1 + 7 * nd:])
             # metas, then the parallel run's workspace elements (compute type, int64)
