@@ -201,6 +201,57 @@ def _reorder_w(w3, wr, K, o):
             wr[dst + c] = load(wf, src + c * uK)
 
 
+def _native(w3):
+    """True when the storage type of ``w3`` is its compute type (float32, float64): the
+    channel split then multiplies by the weights where they lie."""
+
+
+@overload(_native, jit_options={"inline": "always"})
+def _native_ol(w3):
+    if w3.dtype in (types.float32, types.float64):
+        return lambda w3: True
+    return lambda w3: False
+
+
+def _wmat(w3, wr):
+    """The weights as (oC, C/group * K) rows in (channel, kernel point) order, flat: ``w3``
+    itself for float32/float64, else ``wr`` (``_convert_w`` fills it)."""
+
+
+@overload(_wmat, jit_options={"inline": "always"})
+def _wmat_ol(w3, wr):
+    if w3.dtype in (types.float32, types.float64):
+        return lambda w3, wr: _flat(w3)
+    return lambda w3, wr: wr
+
+
+@njit(cache=True)
+def _convert_w(w3, wr, o):
+    """wr's row ``o`` = w's row in the compute type, same order (16-bit weights, channel split)."""
+    n = np.uint64(w3.shape[1] * w3.shape[2])
+    wf = _flat(w3)
+    base = np.uint64(o) * n
+    for i in range(n):
+        wr[base + i] = load(wf, base + i)
+
+
+@njit(cache=True)
+def _to_cmajor(cols, shared, j0, tl, T, K, cpg, group):
+    """Column rows 0..tl of ``cols`` ((group, T, K, cpg) order) into rows j0.. of ``shared``
+    in (group, T, cpg, K) order: the order of w's own rows, so that the channel split
+    multiplies by the weights without reordering them (the columns of a tile are far
+    fewer than the weights where the channel split runs)."""
+    kc = K * cpg
+    uK, ucpg = np.uint64(K), np.uint64(cpg)
+    for gi in range(group):
+        for j in range(tl):
+            src = np.uint64(gi * T * kc + j * kc)
+            dst = np.uint64(gi * T * kc + (j0 + j) * kc)
+            for k in range(uK):
+                for c in range(ucpg):
+                    shared[dst + c * uK + k] = cols[src + k * ucpg + c]
+
+
 # --- phase 2: sampling plans, column fill, GEMM, write-out -------------------------------
 
 @njit(cache=True)
@@ -828,25 +879,31 @@ def _parallel(x, w, off, m, b, y, meta, fws, iws):
     rows, xp, coff = _padded_setup(fws[nw:nw + nxp], x3, geo, pstr, nb)
     ntile = (P + T - 1) // T
     segs = _segments(dims)
+    csplit = dims[11] != 0
     for n0 in range(0, N, nb):
         nc = min(nb, N - n0)
         # padded rows of this chunk, and (first chunk only) the weights' rows: one pool round,
         # the items dealt out in turn (a padded row and a weight row differ several-fold in
         # work: contiguous halves would leave one thread waiting for the other)
-        wrows = oC if n0 == 0 else 0
+        # (the channel split reads float32/float64 weights where they lie: no weight rows)
+        wrows = oC if n0 == 0 and not (csplit and _native(w3)) else 0
         for th in prange(nth):
             for i in range(th, nc * rows + wrows, nth):
                 if i < nc * rows:
                     _pad_row(x3, n0 + i // rows, xp[i // rows], geo, i % rows)
+                elif csplit:
+                    _convert_w(w3, wr, i - nc * rows)
                 else:
                     _reorder_w(w3, wr, K, i - nc * rows)
-        if dims[11]:
-            # the channel split: per tile, the threads fill shares of its positions into
-            # one column buffer (thread 0's), then each multiplies it by its share of
-            # the output channels (rows of the weights, cut at multiples of 16 so that
-            # BLAS's panels stay whole): every weight is packed once per tile, not
-            # once per thread, and each GEMM gets the whole tile's positions
-            shared = fws[nw + nxp:nw + nxp + T * K * C]
+        if csplit:
+            # the channel split: per tile, the threads fill shares of its positions (each in
+            # its own column buffer, then turned into w's (channel, kernel point) order in
+            # one shared buffer), then each multiplies the shared columns by its share of
+            # the output channels (rows of w, cut at multiples of 16 so that BLAS's panels
+            # stay whole): every weight is packed once per tile, not once per thread, each
+            # GEMM gets the whole tile's positions, and the weights need no reordering
+            shared = fws[nw + nxp + nth * ntile_ws:nw + nxp + nth * ntile_ws + T * K * C]
+            wmat = _wmat(w3, wr)
             u = 16 if oC >= 64 * nth else 1
             for it in range(nc * ntile):
                 nl, t = it // ntile, it % ntile
@@ -859,8 +916,8 @@ def _parallel(x, w, off, m, b, y, meta, fws, iws):
                     q1 = p0 + (th + 1) * (p1 - p0) // nth
                     if q1 > q0:
                         _tile(tok, n0 + nl, nl, q0, q1, xp, off3, m3, has_mask, wr, b, has_b, y3, geo, pstr,
-                              coff, segs, dims, shared[(q0 - p0) * (K * C // group):], outb, pidx, pw, pm,
-                              True, 0, 0)
+                              coff, segs, dims, cols, outb, pidx, pw, pm, True, 0, 0)
+                        _to_cmajor(cols, shared, q0 - p0, q1 - q0, T, K, C // group, group)
                 for th in prange(nth):
                     f0 = nw + nxp + th * ntile_ws
                     cols, outb, pidx, pw, pm = _scratch(fws[f0:f0 + ntile_ws], iws[th * nint:(th + 1) * nint],
@@ -868,7 +925,7 @@ def _parallel(x, w, off, m, b, y, meta, fws, iws):
                     o0 = min(oC, (th * oC // nth + u // 2) // u * u) if th else 0
                     o1 = min(oC, ((th + 1) * oC // nth + u // 2) // u * u) if th < nth - 1 else oC
                     if o1 > o0:
-                        _tile(tok, n0 + nl, nl, p0, p1, xp, off3, m3, has_mask, wr, b, has_b, y3, geo, pstr,
+                        _tile(tok, n0 + nl, nl, p0, p1, xp, off3, m3, has_mask, wmat, b, has_b, y3, geo, pstr,
                               coff, segs, dims, shared, outb, pidx, pw, pm, False, o0, o1)
         else:
             items = nc * ntile
@@ -1033,8 +1090,9 @@ class _State:
                               dtype=np.int64)
                      for hm in (0, 1) for hb in (0, 1)]
             nw, nxp, ntile_ws, nint = _ws_sizes_host(C, oC, geo, pstr, metas[0][1 + 7 * nd:])
-            # metas, then the parallel run's workspace elements (compute type, int64)
-            self.meta[nth] = (metas, nw + nxp + nth * ntile_ws, nth * nint)
+            # metas, then the parallel run's workspace elements (compute type, int64); the
+            # channel split's shared columns after the threads' tile buffers
+            self.meta[nth] = (metas, nw + nxp + nth * ntile_ws + (T * K * C if osplit else 0), nth * nint)
 
 
 _WORKSPACE = {}
