@@ -267,18 +267,20 @@ def test_channel_split_vs_reference(i, dtype, monkeypatch):
 
 @pytest.mark.parametrize("name, split", [
     ("dc_c512_7", True), ("dc_c1024_7", True), ("dc_c512_14", True), ("dc_c256_14", True),
-    ("dc_b2_c512_14", False), ("dc_c512_25x42", False),
+    ("dc_b2_c512_14", True), ("dc_c512_25x42", False), ("dc3d_c256_8x14", False),
     ("dc_r50_c64_56", False), ("dc_b8_c32_32", False), ("dc_c256_28", False), ("dc_s2_g2", False)])
 def test_split_choice(name, split):
-    """The cost model: the channel split where a thread's positions are few beside the
-    weights, the position split elsewhere (the existing bench cases keep theirs); one
-    thread never splits."""
+    """The cost model (float32): the channel split where a thread's positions are few
+    beside the weights, the position split elsewhere (the existing bench cases keep
+    theirs); one thread never splits. 16-bit weights (converted either way) move
+    the 2 x 512 x 14 x 14 case to the position split."""
     N, C, spatial, oC, k, pad, stride, dil, group, og, _ = _cases.deform_params(name)
     P = int(np.prod([(s + 2 * pad - dil * (k - 1) - 1) // stride + 1 for s in spatial]))
     S = int(np.prod([s + 2 for s in spatial]))
     args = (N, C, k ** len(spatial), oC, P, group, og, len(spatial), S, 4)
-    T, nb, osplit = cpu_dc._plan_sizes(*args, 2)
+    T, nb, osplit = cpu_dc._plan_sizes(*args, 2, None, True)
     assert osplit == split and 1 <= T <= P and nb >= 1
+    assert cpu_dc._plan_sizes(*args, 2, None, False)[2] == (split and name != "dc_b2_c512_14")
     assert cpu_dc._plan_sizes(*args, 1)[2] is False
     assert cpu_dc._plan_sizes(*args, 2, True)[2] is True and cpu_dc._plan_sizes(*args, 2, False)[2] is False
 

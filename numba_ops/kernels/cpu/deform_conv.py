@@ -32,6 +32,14 @@ Algorithm, per image (images go in chunks so that scratch stays within
    cores). Bias and the one rounding to the output dtype happen when the GEMM
    tile is written out.
 
+A parallel run gives each thread whole tiles (the position split), or, where the
+positions are few beside the weights (deep channels at small spatial sizes), splits
+each tile by output channels (the channel split): the threads fill shares of its
+positions, the columns are turned into w's own (channel, kernel point) order, and
+each thread multiplies them by its share of w's rows, read where they lie (no
+reorder pass) and packed by BLAS once per tile in all instead of once per thread.
+``_plan_sizes`` chooses from the elements each thread's GEMMs pack.
+
 Calls too small for the pool run on the caller's thread (``_serial``), and
 tiny ones (the seed example) skip the scratch and BLAS altogether
 (``_direct``: each output straight from the definition). Accumulation is
@@ -1000,7 +1008,7 @@ _BLAS = _BlasThreads()
 _I32 = 1 << 29
 
 
-def _plan_sizes(N, C, K, oC, P, group, og, nd, S, item, nth, split=None):
+def _plan_sizes(N, C, K, oC, P, group, og, nd, S, item, nth, split=None, native=False):
     """(tile length T, images per chunk nb, channel split) for ``S`` sites per padded image.
 
     Tiles hold about ``_TILE_BYTES`` of columns (an L2 cache) but at least
@@ -1021,7 +1029,9 @@ def _plan_sizes(N, C, K, oC, P, group, og, nd, S, item, nth, split=None):
     wins. The choice counts the elements each thread's GEMMs pack (weights and
     columns), the work that does not shrink with more threads: the position split
     packs (weights + T columns) per tile, the channel split (weights / nth + T
-    columns) per tile. ``split`` (True/False) forces one way (tests, benchmarks)."""
+    columns) per tile; with ``native`` weights (float32/float64: the channel split
+    reads them where they lie) the position split also reorders them once per call
+    (weights / nth). ``split`` (True/False) forces one way (tests, benchmarks)."""
     kc_all = max(1, K * C)
     per_pos = (kc_all + oC // group) * item + og * K * (((1 << nd) + 1) * item + 8)
     T = _TILE_BYTES // (kc_all * item)
@@ -1036,7 +1046,7 @@ def _plan_sizes(N, C, K, oC, P, group, og, nd, S, item, nth, split=None):
         while (N * ntile) % nth and ntile < P:
             ntile += 1
         Tp = -(-P // ntile)
-        cost_p = -(-N * ntile // nth) * (wts + Tp * kc_all)
+        cost_p = -(-N * ntile // nth) * (wts + Tp * kc_all) + (wts // nth if native else 0)
         cost_o = N * -(-P // To) * (wts // nth + To * kc_all)
         osplit = cost_o < cost_p if split is None else bool(split)
         T = To if osplit else Tp
@@ -1083,7 +1093,7 @@ class _State:
         self.meta = {}
         for nth in {1, _runtime.num_threads()}:
             T, nb, osplit = _plan_sizes(N, C, K, oC, P, p.group, p.offset_group, nd, S + tail, item, nth,
-                                        _SPLIT)
+                                        _SPLIT, self.view is None)
             dims = [C, K, p.group, p.offset_group, T, nb, nth, fast, S]
             # index has_mask * 2 + has_b: dims[9] has_mask, dims[10] has_b; dims[11] the channel split
             metas = [np.array([nd] + geo.ravel().tolist() + pstr.tolist() + dims + [hm, hb, int(osplit)],
