@@ -64,6 +64,7 @@ import threading
 import numpy as np
 from numba import njit, prange, types
 from numba.core import cgutils
+from numba.core.imputils import impl_ret_borrowed
 from numba.extending import intrinsic, overload
 
 from ..._dtypes import compute, storage
@@ -140,6 +141,19 @@ def _flat(typingctx, a):
         res = out._getvalue()
         context.nrt.incref(builder, rt, res)
         return res
+    return rt(a), codegen
+
+
+@intrinsic
+def _mutable(typingctx, a):
+    """``a`` typed writable: a read-only caller's array (never written) then has the type
+    of a workspace slice, so that one call site takes either."""
+    if not isinstance(a, types.Array):
+        return None
+    rt = a.copy(readonly=False)
+
+    def codegen(context, builder, sig, args):
+        return impl_ret_borrowed(context, builder, rt, args[0])
     return rt(a), codegen
 
 
@@ -888,6 +902,9 @@ def _parallel(x, w, off, m, b, y, meta, fws, iws):
     ntile = (P + T - 1) // T
     segs = _segments(dims)
     csplit = dims[11] != 0
+    shared = fws[nw + nxp + nth * ntile_ws:nw + nxp + nth * ntile_ws + T * K * C]  # (channel split only)
+    wmat = _mutable(_wmat(w3, wr))
+    u = 16 if oC >= 64 * nth else 1
     for n0 in range(0, N, nb):
         nc = min(nb, N - n0)
         # padded rows of this chunk, and (first chunk only) the weights' rows: one pool round,
@@ -903,51 +920,40 @@ def _parallel(x, w, off, m, b, y, meta, fws, iws):
                     _convert_w(w3, wr, i - nc * rows)
                 else:
                     _reorder_w(w3, wr, K, i - nc * rows)
-        if csplit:
-            # the channel split: per tile, the threads fill shares of its positions (each in
-            # its own column buffer, then turned into w's (channel, kernel point) order in
-            # one shared buffer), then each multiplies the shared columns by its share of
-            # the output channels (rows of w, cut at multiples of 16 so that BLAS's panels
-            # stay whole): every weight is packed once per tile, not once per thread, each
-            # GEMM gets the whole tile's positions, and the weights need no reordering
-            shared = fws[nw + nxp + nth * ntile_ws:nw + nxp + nth * ntile_ws + T * K * C]
-            wmat = _wmat(w3, wr)
-            u = 16 if oC >= 64 * nth else 1
-            for it in range(nc * ntile):
-                nl, t = it // ntile, it % ntile
-                p0, p1 = t * T, min(P, t * T + T)
-                for th in prange(nth):
-                    f0 = nw + nxp + th * ntile_ws
-                    cols, outb, pidx, pw, pm = _scratch(fws[f0:f0 + ntile_ws], iws[th * nint:(th + 1) * nint],
-                                                        dims, nd, ocg)
-                    q0 = p0 + th * (p1 - p0) // nth
-                    q1 = p0 + (th + 1) * (p1 - p0) // nth
-                    if q1 > q0:
-                        _tile(tok, n0 + nl, nl, q0, q1, xp, off3, m3, has_mask, wr, b, has_b, y3, geo, pstr,
-                              coff, segs, dims, cols, outb, pidx, pw, pm, True, 0, 0)
-                        _to_cmajor(cols, shared, q0 - p0, q1 - q0, T, K, C // group, group)
-                for th in prange(nth):
-                    f0 = nw + nxp + th * ntile_ws
-                    cols, outb, pidx, pw, pm = _scratch(fws[f0:f0 + ntile_ws], iws[th * nint:(th + 1) * nint],
-                                                        dims, nd, ocg)
-                    o0 = min(oC, (th * oC // nth + u // 2) // u * u) if th else 0
-                    o1 = min(oC, ((th + 1) * oC // nth + u // 2) // u * u) if th < nth - 1 else oC
-                    if o1 > o0:
-                        _tile(tok, n0 + nl, nl, p0, p1, xp, off3, m3, has_mask, wmat, b, has_b, y3, geo, pstr,
-                              coff, segs, dims, shared, outb, pidx, pw, pm, False, o0, o1)
-        else:
-            items = nc * ntile
+        # the tiles, in rounds: the position split runs one round (each thread a contiguous run
+        # of tiles: one image's rows stay in its cache); the channel split two per tile: the
+        # threads fill shares of its positions (each in its own column buffer, then turned into
+        # w's (channel, kernel point) order in the shared one), then each multiplies the shared
+        # columns by its share of the output channels (rows of w, cut at multiples of 16 so
+        # that BLAS's panels stay whole): every weight is packed once per tile, not once per
+        # thread, each GEMM gets the whole tile's positions, and the weights are not reordered.
+        # One prange loop and one _tile call for both (each loop body is a function of its own
+        # that numba optimises again with all it calls: compile time)
+        items = nc * ntile
+        for rd in range(2 * items if csplit else 1):
             for th in prange(nth):
                 f0 = nw + nxp + th * ntile_ws
                 cols, outb, pidx, pw, pm = _scratch(fws[f0:f0 + ntile_ws], iws[th * nint:(th + 1) * nint],
                                                     dims, nd, ocg)
-                # contiguous runs keep a thread on one image's rows (cache locality)
                 lo = th * items // nth
                 hi = (th + 1) * items // nth
+                if csplit:
+                    lo, hi = rd // 2, rd // 2 + 1
                 for it in range(lo, hi):
                     nl, t = it // ntile, it % ntile
-                    _tile(tok, n0 + nl, nl, t * T, min(P, t * T + T), xp, off3, m3, has_mask, wr, b, has_b,
-                          y3, geo, pstr, coff, segs, dims, cols, outb, pidx, pw, pm, True, 0, oC)
+                    p0, p1 = t * T, min(P, t * T + T)
+                    buf, wm, fill, o0, o1 = cols, wr, True, 0, oC
+                    if csplit and rd % 2 == 0:  # this thread's share of the positions
+                        p0, p1, o1 = p0 + th * (p1 - p0) // nth, p0 + (th + 1) * (p1 - p0) // nth, 0
+                    elif csplit:  # this thread's share of the output channels
+                        buf, wm, fill = shared, wmat, False
+                        o0 = min(oC, (th * oC // nth + u // 2) // u * u) if th else 0
+                        o1 = min(oC, ((th + 1) * oC // nth + u // 2) // u * u) if th < nth - 1 else oC
+                    if p1 > p0 and (fill or o1 > o0):
+                        _tile(tok, n0 + nl, nl, p0, p1, xp, off3, m3, has_mask, wm, b, has_b, y3, geo, pstr,
+                              coff, segs, dims, buf, outb, pidx, pw, pm, fill, o0, o1)
+                        if csplit and fill:
+                            _to_cmajor(cols, shared, p0 - t * T, p1 - p0, T, K, C // group, group)
 
 
 # --- SciPy's BLAS thread count ----------------------------------------------------------
