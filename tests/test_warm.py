@@ -118,6 +118,18 @@ def test_warm_result(capsys):
     assert [a[:2] for a in seen] == [(i, calls) for i in range(calls + 1)]
 
 
+def test_warm_in_worker_processes():
+    """jobs=2: each (op, dtype, device) in a worker process, then one pass in this one."""
+    seen = []
+    r = numba_ops.warm("affine_grid", ["float32", "float64"], "cpu", jobs=2, quiet=True,
+                       progress=lambda *a: seen.append(a[2]))
+    assert r["failures"] == [] and r["calls"] == 2 * len(
+        __import__("numba_ops.affine_grid", fromlist=["warm_calls"]).warm_calls(DTYPE))
+    done = sorted(x for x in seen if ": done (" in x)
+    assert [x.split(":")[0] for x in done] == ["affine_grid float32 cpu", "affine_grid float64 cpu"]
+    assert all(re.search(r"done \(\d+ compiled\)$", x) for x in done), done  # no worker failed
+
+
 @pytest.mark.parametrize("kw, word", [
     ({"ops": "affine"}, "ops"), ({"ops": ["affine_grid", 3]}, "ops"),
     ({"dtypes": "int8"}, "dtypes"), ({"dtypes": [np.float32, np.int32]}, "dtypes"),
