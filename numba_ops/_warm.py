@@ -28,8 +28,8 @@ DTYPE_NAMES = ("float16", "bfloat16", "float32", "float64")
 
 
 def available_ops():
-    """The ops with a kernel table entry (``_dispatch.LAUNCHERS``) and a front end
-    defining ``warm_calls``, in API.md's order."""
+    """The ops with a kernel table entry (``_dispatch.LAUNCHERS``) whose front end
+    (``numba_ops/<op>.py``, defining ``warm_calls``) is installed, in API.md's order."""
     ops = []
     for op, _ in LAUNCHERS:
         if op not in ops and importlib.util.find_spec(f"numba_ops.{op}") is not None:
@@ -182,9 +182,12 @@ def warm(ops=None, dtypes=None, devices=None, *, jobs=1, progress=None, quiet=Fa
     t0 = time.perf_counter()
     ops = _check_ops(ops)
     dtypes = _names(dtypes, "dtypes", DTYPE_NAMES, DTYPE_NAMES)
-    usable = ("cpu", "cuda") if cuda_usable() else ("cpu",)
-    devices = _names(devices, "devices", DEVICES, usable)
-    if "cuda" in devices and "cuda" not in usable:
+    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
+        raise ValueError(f"jobs must be an integer >= 1; got {jobs!r}")
+    if devices is None:
+        devices = ("cpu", "cuda") if cuda_usable() else ("cpu",)  # numba_ops.devices()
+    devices = _names(devices, "devices", DEVICES, ())
+    if "cuda" in devices and not cuda_usable():
         raise RuntimeError("devices asks for 'cuda' but no CUDA GPU is usable here "
                            "(install numba-cuda and a driver)")
     skipped = {}
