@@ -204,16 +204,22 @@ def warm(ops=None, dtypes=None, devices=None, *, jobs=1, progress=None, quiet=Fa
             for args, kwargs in front.warm_calls(dtype):
                 for device in devices:
                     plan.append((op, dtype, device, public, args, kwargs))
-    compiled = 0
-    groups = list(dict.fromkeys((op, dtype, device) for op, dtype, device, *_ in plan))
-    if jobs > 1 and len(groups) > 1:
-        compiled += _in_workers(groups, jobs, progress, t0)
     # the kernel modules, so that their dispatchers are counted from the start
     for op in ops:
         for device in devices:
             importlib.import_module(LAUNCHERS[op, device])
-
     before = _counts(_dispatchers())
+    compiled = 0
+    groups = list(dict.fromkeys((op, dtype, device) for op, dtype, device, *_ in plan))
+    probe_loads = 0
+    if jobs > 1 and len(groups) > 1:
+        todo = _uncached(plan, groups)
+        # the probe's aborted compiles count as cache misses: count from here on
+        mid = _counts(_dispatchers())
+        probe_loads = sum(h - before.get(k, (None, 0, 0))[2] for k, (_, _, h) in mid.items())
+        before = mid
+        if len(todo) > 1:
+            compiled += _in_workers(todo, jobs, progress, t0)
     failures = []
     for i, (op, dtype, device, public, args, kwargs) in enumerate(plan):
         label = _label(op, dtype, device, args, kwargs)
@@ -226,7 +232,7 @@ def warm(ops=None, dtypes=None, devices=None, *, jobs=1, progress=None, quiet=Fa
                              "error": f"{type(exc).__name__}: {exc}"})
     found = _dispatchers()
     after = _counts(found)
-    loaded = 0
+    loaded = probe_loads
     for key, (_, misses, hits) in after.items():
         _, m0, h0 = before.get(key, (None, 0, 0))
         compiled += misses - m0
@@ -244,6 +250,39 @@ def warm(ops=None, dtypes=None, devices=None, *, jobs=1, progress=None, quiet=Fa
     if not quiet:
         summary(result)
     return result
+
+
+class _Uncached(Exception):
+    pass
+
+
+def _uncached(plan, groups):
+    """The groups (op, dtype, device) of ``plan`` that need a compile. Each CPU
+    group's calls are tried here with a listener on numba's "numba:compile" event
+    (fired after a cache miss, before any compiling) that aborts a numba_ops
+    compile: what the cache holds loads, anything else fails at once. CUDA groups
+    (their kernels are made per call by factories) always count as uncached."""
+    from numba.core import event
+
+    class Abort(event.Listener):
+        def on_start(self, ev):
+            if (getattr(ev.data["dispatcher"].py_func, "__module__", "") or "").startswith("numba_ops"):
+                raise _Uncached()
+
+        def on_end(self, ev):
+            pass
+
+    cpu = {g for g in groups if g[2] == "cpu"}
+    todo = {g for g in groups if g[2] != "cpu"}
+    with event.install_listener("numba:compile", Abort()):
+        for op, dtype, device, public, args, kwargs in plan:
+            g = (op, dtype, device)
+            if g in cpu and g not in todo:
+                try:
+                    public(*args, **kwargs, device=device)
+                except Exception:  # not in the cache (or failing: the last pass says)
+                    todo.add(g)
+    return [g for g in groups if g in todo]
 
 
 _WORKER = """
