@@ -118,16 +118,35 @@ def test_warm_result(capsys):
     assert [a[:2] for a in seen] == [(i, calls) for i in range(calls + 1)]
 
 
-def test_warm_in_worker_processes():
-    """jobs=2: each (op, dtype, device) in a worker process, then one pass in this one."""
-    seen = []
-    r = numba_ops.warm("affine_grid", ["float32", "float64"], "cpu", jobs=2, quiet=True,
-                       progress=lambda *a: seen.append(a[2]))
-    assert r["failures"] == [] and r["calls"] == 2 * len(
-        __import__("numba_ops.affine_grid", fromlist=["warm_calls"]).warm_calls(DTYPE))
+JOBS = r"""
+import json
+import numba_ops
+seen = []
+r = numba_ops.warm("affine_grid", ["float32", "float64"], "cpu", jobs=2, quiet=True,
+                   progress=lambda *a: seen.append(a[2]))
+print("@@" + json.dumps({"r": r, "seen": seen}))
+"""
+
+
+def test_warm_in_worker_processes(tmp_path):
+    """jobs=2 into an empty cache: a worker process per (op, dtype, device), none
+    failing, then the pass in this process loads; run again, no worker starts."""
+    def run():
+        p = subprocess.run([sys.executable, "-c", JOBS], capture_output=True, text=True, cwd=ROOT,
+                           env=_env(tmp_path / "jit"), timeout=600)
+        assert p.returncode == 0, p.stderr[-3000:]
+        return json.loads(p.stdout.split("@@")[-1])
+
+    got = run()
+    r, seen = got["r"], got["seen"]
+    calls = 2 * len(__import__("numba_ops.affine_grid", fromlist=["warm_calls"]).warm_calls(DTYPE))
+    assert r["failures"] == [] and r["calls"] == calls and r["compiled"] > 0
     done = sorted(x for x in seen if ": done (" in x)
     assert [x.split(":")[0] for x in done] == ["affine_grid float32 cpu", "affine_grid float64 cpu"]
     assert all(re.search(r"done \(\d+ compiled\)$", x) for x in done), done  # no worker failed
+    got = run()
+    assert got["r"]["compiled"] == 0 and got["r"]["loaded"] > 0
+    assert not [x for x in got["seen"] if "worker" in x]
 
 
 @pytest.mark.parametrize("kw, word", [
