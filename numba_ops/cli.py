@@ -3,7 +3,7 @@
     numba-ops info                         versions, devices, threads, JIT cache
     numba-ops check [--device D]           ONNX conformance cases of both ops, pass/fail
     numba-ops bench [--device D] [--dtype T] [--quick] [--json FILE] [--compare BASELINE]
-    numba-ops warm [--op OP ...] [--dtype T ...] [--device D ...]   compile every kernel into the JIT cache
+    numba-ops warm [--op OP ...] [--dtype T ...] [--device D ...] [--jobs N]   every kernel into the JIT cache
 
 ``bench`` times every case of ``numba_ops._cases`` (the case names of the shared
 peer benchmark) with numba_ops and with each installed peer (onnxruntime,
@@ -776,12 +776,14 @@ def _parser():
                    help="default: all four")
     p.add_argument("--device", action="extend", nargs="+", metavar="D", choices=("cpu", "cuda"),
                    help="default: the usable devices")
+    p.add_argument("--jobs", type=_positive_int, default=min(8, os.cpu_count() or 1), metavar="N",
+                   help="processes compiling at once; default: the CPU count (at most 8)")
     return ap
 
 
 def cmd_warm(args):
     from ._warm import main as warm_main
-    return warm_main(args.op, args.dtype, args.device)
+    return warm_main(args.op, args.dtype, args.device, args.jobs)
 
 
 def main(argv=None):

@@ -708,8 +708,11 @@ def _padded_buffer(buf, nb, sites, tail, C):
 @njit(cache=True, inline="always")
 def _corner_offsets(pstr, C):
     nd = pstr.shape[0]
-    coff = np.zeros(1 << nd, np.int64)
+    # np.empty and a loop, not np.zeros: inlined into the parallel entry, np.zeros
+    # would become a parfor of its own (another parallel function to compile)
+    coff = np.empty(1 << nd, np.int64)
     for cr in range(1 << nd):
+        coff[cr] = 0
         for ax in range(nd):
             if (cr >> (nd - 1 - ax)) & 1:
                 coff[cr] += pstr[ax] * C
