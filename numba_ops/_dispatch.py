@@ -23,6 +23,8 @@ LAUNCHERS = {
     ("affine_grid", "cuda"): "numba_ops.kernels.cuda.affine_grid",
     ("deform_conv", "cpu"): "numba_ops.kernels.cpu.deform_conv",
     ("deform_conv", "cuda"): "numba_ops.kernels.cuda.deform_conv",
+    ("grid_sample", "cpu"): "numba_ops.kernels.cpu.grid_sample",
+    ("affine_warp", "cpu"): "numba_ops.kernels.cpu.affine_warp",
 }
 
 

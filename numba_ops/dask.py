@@ -22,8 +22,10 @@ threads, processes, or a ``dask.distributed`` cluster of many machines.
   machine's cores, ``cores * worker threads // all worker threads on its host``
   (the scheduler is asked once a minute). numba_ops runs one parallel kernel
   per process at a time, so the worker's tasks take turns on that share and the
-  workers of a host together use its cores, not a multiple of them. Outside a
-  worker (threaded or synchronous scheduler) numba's setting is left alone.
+  workers of a host together use its cores, not a multiple of them (workers that
+  share a process, ``LocalCluster(processes=False)``, share one pool: their
+  threads count together). Outside a worker (threaded or synchronous scheduler)
+  numba's setting is left alone.
 
 This module imports dask; ``import numba_ops`` never does (install the extra
 ``numba_ops[dask]``).
@@ -176,7 +178,10 @@ def _worker_threads():
     if hit is not None and now - hit[0] < _SHARE_TTL:
         return hit[1]
     import numba
-    own = max(1, int(worker.state.nthreads))
+    # numba_ops runs one parallel kernel per process at a time: the share is the process's,
+    # whose workers (one, or several for LocalCluster(processes=False)) hold its threads
+    peers = [w for w in getattr(type(worker), "_instances", ()) if w.status.name not in ("closed", "closing")]
+    own = max(1, sum(_nthreads(w) for w in peers) if worker in peers else _nthreads(worker))
     host = own
     try:
         from distributed.utils import sync
@@ -188,6 +193,11 @@ def _worker_threads():
     n = max(1, min(numba.config.NUMBA_NUM_THREADS, _cores() * own // max(own, host)))
     _SHARES[worker.address] = (now, n)
     return n
+
+
+def _nthreads(worker):
+    state = getattr(worker, "state", None)
+    return int(getattr(state, "nthreads", None) or getattr(worker, "nthreads", 1))
 
 
 def _share_threads():
@@ -364,3 +374,110 @@ def deform_conv(x, w, offset, b=None, mask=None, *, output_chunks=None, **attrs)
                                              _key(mask, i, 0, *blk))
     chunks = (nchunks, (int(w.shape[0]),)) + spatial
     return _graph(name, tasks, [x, w, offset, b, mask], chunks, _meta(x, nd + 2, x.dtype))
+
+
+# --- grid_sample and affine_warp -------------------------------------------------------------
+
+def _sampling_front(op):
+    """The front end ``op`` ("grid_sample", "affine_warp") and its module's
+    ``check_input_sizes`` (the one check an N = 0 stand-in skips)."""
+    import importlib
+    mod = importlib.import_module(f"numba_ops.{op}")
+    checks = importlib.import_module("numba_ops.grid_sample")
+    return getattr(mod, op), checks.check_input_sizes
+
+
+def _required(named):
+    for name, a in named.items():
+        if a is None:
+            raise ValueError(f"{name} is required")
+
+
+def grid_sample(x, grid, **kw):
+    """``numba_ops.grid_sample`` on dask arrays.
+
+    ``x`` (N, C, D1..Dr) chunked along N (its other axes are joined); ``grid``
+    (N, O1..Or, r) takes ``x``'s N chunks and may be chunked along its output axes
+    O1..Or too (its last axis is joined): each grid block gives the output block of
+    its positions over all channels. ``kw``: the one-call op's keywords (``mode``,
+    ``padding_mode``, ``align_corners``, ``device``, ...).
+
+    Returns the lazy (N, C, O1..Or) result, chunked as ``x`` along N, whole along C
+    and as ``grid`` along O1..Or: one task per block.
+    """
+    _required({"X": x, "grid": grid})
+    arrays = {"X": _as_dask(x, "X"), "grid": _as_dask(grid, "grid")}
+    if "device" in kw:
+        check_device(kw["device"])
+    op, check_input_sizes = _sampling_front("grid_sample")
+    _dry_run(op, arrays, ("X", "grid"), **dict(kw, device="cpu"))
+    x, grid = arrays.values()
+    r = x.ndim - 2
+    check_input_sizes(_stand_in(x), tuple(x.shape[:2]) + tuple(grid.shape[1:-1]))
+    nchunks = x.chunks[0]
+    x = x.rechunk((nchunks,) + (-1,) * (r + 1))
+    grid = grid.rechunk((nchunks,) + grid.chunks[1:-1] + (-1,))
+    name = "grid_sample-" + tokenize(x, grid, kw)
+    fn = functools.partial(_sample_block, op="grid_sample", kw=kw)
+    tasks = {}
+    for i in range(len(nchunks)):
+        for blk in np.ndindex(*(len(c) for c in grid.chunks[1:-1])):
+            tasks[(name, i, 0) + blk] = (fn, (x.name, i) + (0,) * (r + 1), (grid.name, i) + blk + (0,))
+    chunks = (nchunks, (int(x.shape[1]),)) + grid.chunks[1:-1]
+    return _graph(name, tasks, [x, grid], chunks, _meta(x, r + 2, x.dtype))
+
+
+def affine_warp(x, theta, size=None, **kw):
+    """``numba_ops.affine_warp`` on dask arrays.
+
+    ``x`` (N, C, H, W) or (N, C, D, H, W) chunked along N (its other axes are
+    joined); ``theta`` (N, 2, 3) or (N, 3, 4) takes ``x``'s N chunks. ``size`` as the
+    one-call op (default ``x.shape``; N and C must be ``x``'s). ``kw``: the one-call
+    op's keywords.
+
+    Returns the lazy result of shape ``size``, chunked as ``x`` along N and whole
+    along the other axes: one task per N chunk.
+    """
+    _required({"X": x, "theta": theta})
+    arrays = {"X": _as_dask(x, "X"), "theta": _as_dask(theta, "theta")}
+    if "device" in kw:
+        check_device(kw["device"])
+    op, check_input_sizes = _sampling_front("affine_warp")
+    x, theta = arrays.values()
+    probe_kw = dict(kw, device="cpu")
+    if on_device(size):
+        size = as_array(size, "size", "cpu")
+    sz = None
+    if size is not None:
+        try:
+            sz = int_tuple(size, "size")
+        except (ValueError, IntegerError, TypeError):
+            sz = ()
+    if sz is not None and (not sz or not x.ndim or sz[0] != x.shape[0]):
+        # a size the one-call op refuses: its own error, with the true shapes
+        op(_stand_in(x), _stand_in(theta), size, **probe_kw)
+        raise AssertionError("affine_warp accepted a size without X's N")  # pragma: no cover
+    small = None if sz is None else (0,) + sz[1:]
+    _dry_run(lambda xs, ts: op(xs, ts, small if xs.shape[:1] == (0,) else size, **probe_kw),
+             arrays, ("X", "theta"))
+    out = tuple(int(s) for s in (x.shape if sz is None else sz))
+    check_input_sizes(_stand_in(x), out)
+    nchunks = x.chunks[0]
+    x = x.rechunk((nchunks,) + (-1,) * (x.ndim - 1))
+    theta = theta.rechunk((nchunks, -1, -1))
+    name = "affine_warp-" + tokenize(x, theta, out, kw)
+    fn = functools.partial(_sample_block, op="affine_warp", kw=kw, tail=None if sz is None else out[1:])
+    zeros = (0,) * (x.ndim - 1)
+    tasks = {(name, i) + zeros: (fn, (x.name, i) + zeros, (theta.name, i, 0, 0)) for i in range(len(nchunks))}
+    chunks = (nchunks,) + tuple((s,) for s in out[1:])
+    return _graph(name, tasks, [x, theta], chunks, _meta(x, len(out), x.dtype))
+
+
+def _sample_block(x, other, *, op, kw, tail=None):
+    _share_threads()
+    fn = _sampling_front(op)[0]
+    if op == "affine_warp":
+        y = fn(x, other, None if tail is None else (x.shape[0],) + tail, **kw)
+    else:
+        y = fn(x, other, **kw)
+    return _block_result(y, x)

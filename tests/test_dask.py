@@ -20,6 +20,7 @@ from reference import assert_api_close, deform_conv_ref
 
 da = pytest.importorskip("dask.array")
 import numba_ops.dask as nd  # noqa: E402
+from dask.array.core import normalize_chunks  # noqa: E402
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 DTYPES = [np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.float16), BF16]
@@ -303,6 +304,20 @@ def test_cluster_threads_share_the_cores(client):
     assert got == [want, want]
 
 
+def test_in_process_workers_share_one_pool():
+    """Workers in one process (processes=False) share numba's one pool: together they
+    get the machine's cores."""
+    import numba
+    distributed = pytest.importorskip("distributed")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=False,
+                                  dashboard_address=None) as cluster, \
+            distributed.Client(cluster, set_as_default=False) as c:
+        workers = list(c.scheduler_info()["workers"])
+        got = [c.submit(_threads_in_task, pure=False, workers=[w]).result() for w in workers]
+    assert got == [max(1, min(numba.config.NUMBA_NUM_THREADS, cores))] * 2
+
+
 def test_threaded_scheduler_leaves_threads_alone():
     import numba
     before = numba.get_num_threads()
@@ -378,3 +393,120 @@ def test_launch_origin(case, blk, device, path, monkeypatch):
         pb = p._replace(out_spatial=tuple(s.stop - s.start for s in sl[2:]))
         y = run(x, w, np.ascontiguousarray(off[sl]), b, np.ascontiguousarray(m[sl]), pb, origin=org)
         assert_api_close(y, whole[sl], np.float64)
+
+
+# --- grid_sample and affine_warp ---------------------------------------------------------------
+
+def _grid(rng, N, outs, dtype):
+    return (1.2 * rng.uniform(-1, 1, (N,) + tuple(outs) + (len(outs),))).astype(dtype)
+
+
+def _x(rng, shape, dtype):
+    if np.dtype(dtype) == np.uint8:
+        return rng.integers(0, 256, shape).astype(np.uint8)
+    return rng.standard_normal(shape).astype(dtype)
+
+
+def _assert_same(got, want):
+    if want.dtype == np.uint8:
+        np.testing.assert_array_equal(got, want)
+    else:
+        assert_api_close(got, want, want.dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES + [np.dtype(np.uint8)], ids=str)
+@pytest.mark.parametrize("spatial,outs,gchunks,kw", [
+    ((7,), (5,), (2,), dict(mode="cubic", padding_mode="reflection")),
+    ((5, 6), (4, 7), (3, 4), dict(mode="linear", padding_mode="zeros", align_corners=True)),
+    ((3, 4, 5), (2, 3, 4), (1, 3, 2), dict(mode="nearest", padding_mode="border")),
+], ids=["1d", "2d", "3d"])
+def test_grid_sample(spatial, outs, gchunks, kw, dtype, run):
+    rng = np.random.default_rng(11)
+    x = _x(rng, (5, 3) + spatial, dtype)
+    g = _grid(rng, 5, outs, np.float32 if dtype == np.uint8 else dtype)
+    want = numba_ops.grid_sample(x, g, **kw)
+    # x chunked along N and C (joined), the grid along N and its output axes
+    y = nd.grid_sample(dask_of(x, (2, 2) + spatial), dask_of(g, ((1, 3, 1),) + gchunks + (1,)), **kw)
+    assert y.shape == want.shape and y.dtype == want.dtype and isinstance(y._meta, np.ndarray)
+    assert y.chunks[:2] == ((2, 2, 1), (3,)) and y.chunks[2:] == normalize_chunks(gchunks, outs)
+    _assert_same(run(y), want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES + [np.dtype(np.uint8)], ids=str)
+@pytest.mark.parametrize("shape,size", [((5, 2, 6, 7), None), ((5, 2, 6, 7), (5, 2, 4, 9)),
+                                        ((5, 2, 3, 4, 5), (5, 2, 4, 3, 2))], ids=["2d-same", "2d", "3d"])
+def test_affine_warp(shape, size, dtype, run):
+    rng = np.random.default_rng(12)
+    r = len(shape) - 2
+    x = _x(rng, shape, dtype)
+    theta = (np.eye(r, r + 1) + 0.3 * rng.standard_normal((5, r, r + 1))).astype(
+        np.float32 if dtype == np.uint8 else dtype)
+    kw = dict(mode="linear", padding_mode="border", align_corners=False)
+    want = numba_ops.affine_warp(x, theta, size, **kw)
+    y = nd.affine_warp(dask_of(x, (2, 1) + shape[2:]), dask_of(theta, (3, 1, r + 1)), size, **kw)
+    assert y.shape == want.shape and y.dtype == want.dtype
+    assert y.chunks == ((2, 2, 1),) + tuple((s,) for s in want.shape[1:])
+    _assert_same(run(y), want)
+
+
+SAMPLING_BAD = [
+    ("grid_sample", dict(mode="bicubic")),
+    ("grid_sample", dict(padding_mode="wrap")),
+    ("grid_sample", dict(align_corners=3)),
+    ("grid_sample", dict(device="tpu")),
+    ("grid_sample", dict(grid=lambda x, g: g[:3])),
+    ("grid_sample", dict(grid=lambda x, g: g[..., :1])),
+    ("grid_sample", dict(grid=lambda x, g: g.astype(np.float32))),
+    ("grid_sample", dict(x=lambda x, g: x[:, :, :0])),
+    ("grid_sample", dict(x=lambda x, g: x.astype(np.int16))),
+    ("affine_warp", dict(size=(4, 2, 3, 3))),
+    ("affine_warp", dict(size=(5, 3, 3, 3))),
+    ("affine_warp", dict(size=(5, 2, 3))),
+    ("affine_warp", dict(size=(5, 2, 3, 3.5))),
+    ("affine_warp", dict(theta=lambda x, t: t[:, :, :2])),
+    ("affine_warp", dict(theta=lambda x, t: t[:4])),
+    ("affine_warp", dict(mode="area")),
+]
+
+
+@pytest.mark.parametrize("op,bad", SAMPLING_BAD, ids=lambda v: v if isinstance(v, str) else ",".join(v))
+def test_sampling_bad_arguments(op, bad):
+    rng = np.random.default_rng(13)
+    x = rng.standard_normal((5, 2, 4, 5))
+    other = _grid(rng, 5, (3, 3), np.float64) if op == "grid_sample" else np.ones((5, 2, 3))
+    args, kw = [x, other], {}
+    for k, v in bad.items():
+        if k in ("x", "grid", "theta"):
+            i = 0 if k == "x" else 1
+            args[i] = v(*args)
+        else:
+            kw[k] = v
+    with pytest.raises((ValueError, TypeError)) as one:
+        getattr(numba_ops, op)(*args, **kw)
+    with pytest.raises(one.type) as lazy_err:
+        getattr(nd, op)(*(da.from_array(a, chunks=2) for a in args), **kw)
+    assert str(lazy_err.value) == str(one.value)
+
+
+def test_launch_origin_32bit_limit():
+    """A region is planned in 32 bits only when the whole output's positions fit there
+    (its end, origin + size, decides, not its size): a stride of 2**28 on a padded axis
+    puts the second output's positions at 2**28 and more, past the 2**29 bound the 32-bit
+    plans keep for the kernels' positions."""
+    rng = np.random.default_rng(14)
+    x = rng.standard_normal((1, 2, 4, 8))
+    w = rng.standard_normal((2, 2, 2, 2))
+    s = 1 << 28
+    p = _params(x, w, None, [1, s], [0, 0, 0, s], None, 1, 1)
+    assert p.out_spatial == (3, 2) and p.strides == (1, s)
+    off = 0.7 * rng.standard_normal((1, 8, 3, 2))
+    whole = numba_ops.deform_conv(x, w, off, strides=[1, s], pads=[0, 0, 0, s])
+    fast = lambda st: st.meta[1][0][0][1 + 7 * 2 + 7]  # noqa: E731  (dims[7]: the 32-bit plans' rank, or 0)
+    pb = p._replace(out_spatial=(1, 1))
+    assert fast(cpu_dc._State(x, w, pb, (0, 1))) == 0  # ends at output 2: 2 * 2**28
+    q = _params(x, w, None, [1, 2], [0, 0, 0, 2], None, 1, 1)
+    assert fast(cpu_dc._State(x, w, q._replace(out_spatial=(1, 1)), (0, 1))) == 2
+    run = launcher("deform_conv", "cpu", x.dtype)
+    for h in range(3):
+        y = run(x, w, np.ascontiguousarray(off[:, :, h:h + 1, 1:]), None, None, pb, origin=(h, 1))
+        assert_api_close(y, whole[:, :, h:h + 1, 1:], np.float64)

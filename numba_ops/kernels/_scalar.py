@@ -215,12 +215,25 @@ def border_corner(base, off, size, zero):
     ``D + pads`` under 2**60); so huge offsets never reach an integer conversion.
     Branch-free, so a loop of calls vectorises. ``zero`` is 0 in the compute type.
     """
+    i, lam, near, finite = split_position(base, off, zero)
+    ok = near & (i >= -1) & (i < size) & ((i >= 0) | (lam > zero))
+    return (i if ok else base - base), (lam if ok else zero), ok, finite
+
+
+@njit(cache=True)
+def split_position(base, off, zero):
+    """The position ``base + off`` split exactly into ``(i, frac, near, finite)``:
+    ``i = base + floor(off)`` in ``base``'s integer type and ``frac = off -
+    floor(off)`` in the compute type of ``zero`` (both exact), when ``near``:
+    ``|off|`` under 2**30 (int32 ``base``) or 2**62 (int64); otherwise (huge or
+    not finite) ``i = base`` and ``frac = 0``, so no huge value ever reaches an
+    integer conversion. ``finite`` tells whether ``off`` is finite. Branch-free.
+
+    The first step of ``border_corner`` (DeformConv) and of GridSample's
+    per-axis taps (``kernels/_sample.py``)."""
     finite = (off - off) == zero
     lim = _offset_limit(base, zero)
     near = (off > -lim) & (off < lim)
     oc = off if near else zero
     fo = np.floor(oc)
-    lam = oc - fo
-    i = base + _int_like(base, fo)
-    ok = near & (i >= -1) & (i < size) & ((i >= 0) | (lam > zero))
-    return (i if ok else base - base), (lam if ok else zero), ok, finite
+    return base + _int_like(base, fo), oc - fo, near, finite

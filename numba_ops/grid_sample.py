@@ -1,0 +1,125 @@
+"""GridSample (ONNX opset 20/22): front end. Semantics: API.md (grid_sample) and
+reference/GridSample-onnx-schema.txt; the per-axis math is kernels/_sample.py."""
+import numpy as np
+
+from ._dispatch import LAUNCHERS, as_array, launcher, on_device, resolve_device, result_for
+from ._dtypes import DTYPES, SUPPORTED, common_float_dtype
+from ._validate import as_bool
+from .kernels._sample import MODES, PADDING_MODES
+
+#: the most spatial axes the kernels take (API.md requires 1 to 3)
+MAX_SPATIAL = 3
+
+
+def _choice(value, name, allowed):
+    """The kernels' code of the string attribute ``value``, else a ValueError naming it."""
+    code = allowed.get(value) if isinstance(value, str) else None
+    if code is None:
+        raise ValueError(f"{name} must be one of {', '.join(repr(k) for k in allowed)}; got {value!r}")
+    return code
+
+
+def parse_attrs(mode, padding_mode, align_corners):
+    """``(mode, padding, align)`` as the kernels take them (``_sample`` codes, a bool)."""
+    return (_choice(mode, "mode", MODES), _choice(padding_mode, "padding_mode", PADDING_MODES),
+            as_bool(align_corners, "align_corners"))
+
+
+def sample_dtypes(x, other, other_name):
+    """The float dtype of ``other`` (grid or theta), checking that ``x`` shares it or
+    is uint8 (API.md, grid_sample dtypes); TypeError naming the input otherwise."""
+    if np.dtype(x.dtype) == np.uint8:
+        dtype = common_float_dtype({other_name: other})
+    elif np.dtype(x.dtype) not in DTYPES:
+        raise TypeError(f"X has dtype {np.dtype(x.dtype)}; expected uint8 or one of {SUPPORTED}")
+    else:
+        dtype = common_float_dtype({other_name: other, "X": x})
+    return dtype
+
+
+def check_x(x):
+    """``r``, the number of spatial axes of ``X`` (N, C, D1..Dr), 1 <= r <= 3."""
+    if x.ndim < 3 or x.ndim > MAX_SPATIAL + 2:
+        raise ValueError(f"X must have shape (N, C, D1..Dr) with 1 <= r <= {MAX_SPATIAL} spatial axes; "
+                         f"got shape {tuple(x.shape)}")
+    return x.ndim - 2
+
+
+def check_input_sizes(x, out_shape):
+    """A non-empty output needs something to sample: every spatial size of ``X`` >= 1."""
+    if 0 not in out_shape and 0 in x.shape[2:]:
+        raise ValueError(f"X must have spatial sizes >= 1 to sample from (the output {tuple(out_shape)} "
+                         f"is not empty); got shape {tuple(x.shape)}")
+
+
+def cuda_launcher(op, dtype):
+    """The CUDA ``launch`` of ``op``, or a clear error while it has none."""
+    if (op, "cuda") not in LAUNCHERS:
+        raise NotImplementedError(f"{op} has no CUDA kernels yet; use device='cpu'")
+    return launcher(op, "cuda", dtype)
+
+
+def grid_sample(x, grid, *, mode="linear", padding_mode="zeros", align_corners=False, device=None,
+                stream=None):
+    """Sample ``x`` at the positions of ``grid``, as ONNX GridSample.
+
+    Parameters
+    ----------
+    x : array (N, C, D1..Dr), r = 1, 2 or 3
+        float16, bfloat16, float32, float64, or uint8 (computed in the grid's
+        compute type, then truncated toward zero and clamped to 0..255).
+    grid : array (N, O1..Or, r)
+        Positions normalised to [-1, 1], coordinates innermost axis first
+        (x, y, z); x's dtype, or any float dtype for uint8 x.
+    mode : "linear", "nearest" or "cubic"
+        n-linear; nearest (ties to the even index); n-cubic (A = -0.75).
+    padding_mode : "zeros", "border" or "reflection"
+    align_corners : bool or 0/1
+        -1 and 1 are the centres of the corner elements if true, else their outer edges.
+    device : None, "cpu" or "cuda"
+    stream : CUDA stream (ignored on the CPU)
+
+    Returns
+    -------
+    y : array (N, C, O1..Or), x's dtype. NumPy for NumPy input, a numba device
+        array for device input.
+    """
+    inputs = {"X": x, "grid": grid}
+    for name, a in inputs.items():
+        if a is None:
+            raise ValueError(f"{name} is required")
+    device = resolve_device(device, [x, grid])
+    back = on_device(x) or on_device(grid)  # device inputs: a device result, wherever it ran
+    x, grid = (as_array(a, name, device) for name, a in inputs.items())
+    dtype = sample_dtypes(x, grid, "grid")
+    mode, padding, align = parse_attrs(mode, padding_mode, align_corners)
+    r = check_x(x)
+    if grid.ndim != r + 2 or grid.shape[-1] != r:
+        raise ValueError(f"grid must have shape (N, O1..O{r}, {r}) for a rank-{x.ndim} X; got {tuple(grid.shape)}")
+    if grid.shape[0] != x.shape[0]:
+        raise ValueError(f"grid must have X's batch size N = {x.shape[0]}; got grid shape {tuple(grid.shape)}")
+    check_input_sizes(x, tuple(x.shape[:2]) + tuple(grid.shape[1:-1]))
+    if device == "cuda":
+        y = cuda_launcher("grid_sample", dtype)(x, grid, mode, padding, align, stream=stream)
+    else:
+        y = launcher("grid_sample", "cpu", dtype)(x, grid, mode, padding, align)
+    return result_for(y, back)
+
+
+def warm_calls(dtype):
+    """``(args, kwargs)`` of tiny CPU calls of ``grid_sample`` that together compile
+    every kernel variant for the float dtype named ``dtype`` (the grid's; x of that
+    dtype and uint8): each r = 1, 2, 3, on the serial and the parallel path (the
+    mode and padding are runtime values inside one kernel)."""
+    from .kernels.cpu._runtime import PARALLEL_MIN_WORK
+    dt = np.dtype(dtype)
+    calls = []
+    for r in (1, 2, 3):
+        for big in (False, True):
+            # parallel: more work (output elements x taps) than the pool's threshold
+            n_out = PARALLEL_MIN_WORK // (2 ** r) + 1 if big else 1
+            grid = np.zeros((1, n_out) + (1,) * (r - 1) + (r,), dt)
+            for xdt in (dt, np.dtype(np.uint8)):
+                x = np.zeros((1, 1) + (2,) * r, xdt)
+                calls.append(((x, grid), {}))
+    return calls

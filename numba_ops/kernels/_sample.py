@@ -1,0 +1,235 @@
+"""GridSample's per-axis sampling math (API.md, grid_sample; ONNX GridSample),
+shared by the CPU and CUDA kernels of ``grid_sample`` and ``affine_warp``.
+
+Like ``_scalar.py`` every helper is an ``@njit`` function that the CPU kernels call
+from their ``prange`` loops and numba-cuda compiles as a device function; they use
+only scalar arithmetic, comparisons, ``np.floor`` and ``fmod``.
+
+How a sample is taken, axis by axis (the contract follows onnxruntime):
+
+1. ``unnormalize``: the grid value ``g`` in [-1, 1] to a position on an axis of
+   ``size`` elements, onnxruntime's ``GsDenormalize`` in the compute type:
+   ``(g + 1) / 2 * (size - 1)`` with ``align_corners``, else
+   ``((g + 1) * size - 1) / 2``.
+2. ``split_coord``: the position split exactly into an integer ``i = floor(pos)``
+   and a fraction (``_scalar.split_position``, DeformConv's first step, so a
+   huge position never reaches an integer conversion: beyond 2**62 it stands
+   for ``±2**62``, which every padding mode handles like any far position).
+   Under reflection padding ``i`` is reduced modulo the reflection period
+   (``2 * size``, or ``2 * (size - 1)`` with ``align_corners``): padding is
+   periodic in it, so the taps and weights are unchanged, and huge positions
+   are reduced exactly (``math.fmod`` is exact).
+3. The mode's taps on the integer lattice: ``nearest`` one tap, ``i`` rounded
+   half to even by the fraction (before padding, as onnxruntime); ``linear`` two
+   taps ``i, i + 1`` with weights ``1 - frac, frac``; ``cubic`` four taps
+   ``i - 1 .. i + 2`` with Keys' weights, A = -0.75 (``cubic_weights``).
+4. ``pad_tap``: each tap's index is padded on its own (for linear and nearest
+   that equals padding the position, as the ONNX reference does; for cubic it
+   is onnxruntime's rule): ``zeros`` keeps the index (clamped, so a read stays
+   in bounds) and says whether it is inside (a tap outside counts 0 exactly,
+   never ``0 * x``); ``border`` clamps; ``reflection`` mirrors about the
+   borders (-0.5 and size - 0.5, or 0 and size - 1 with ``align_corners``).
+
+A non-finite position gives NaN weights (so the sample is NaN: uint8 outputs
+store it as 0). An n-D sample is the product of the axes' weights over the
+taps' combinations: for linear, the same n-linear sampling as DeformConv's
+``border_corner`` (corners outside the input count 0).
+"""
+import math
+
+import numpy as np
+from numba import njit, types
+from numba.extending import overload
+
+from ._scalar import load, split_position, store
+
+NEAREST, LINEAR, CUBIC = 0, 1, 2
+ZEROS, BORDER, REFLECTION = 0, 1, 2
+#: the public attribute values -> the kernels' codes (API.md: grid_sample)
+MODES = {"linear": LINEAR, "nearest": NEAREST, "cubic": CUBIC}
+PADDING_MODES = {"zeros": ZEROS, "border": BORDER, "reflection": REFLECTION}
+#: taps per axis, by mode code
+TAPS = (1, 2, 4)
+
+_HUGE = 1 << 62
+
+
+def as_compute(ref, v):
+    """``v`` converted to the float type of the scalar ``ref`` (float32 or float64)."""
+
+
+@overload(as_compute, jit_options={"inline": "always"})
+def _as_compute_ol(ref, v):
+    if ref == types.float64:
+        return lambda ref, v: np.float64(v)
+    return lambda ref, v: np.float32(v)
+
+
+def fmod(a, b):
+    """The exact remainder of ``a / b`` (floats of one type): ``np.fmod`` on the CPU
+    (numba's CPU target has no ``math.fmod``), ``math.fmod`` elsewhere (CUDA)."""
+
+
+@overload(fmod, target="generic", jit_options={"inline": "always"})
+def _fmod_generic(a, b):
+    return lambda a, b: math.fmod(a, b)
+
+
+@overload(fmod, target="cpu", jit_options={"inline": "always"})
+def _fmod_cpu(a, b):
+    return lambda a, b: np.fmod(a, b)
+
+
+def load_sample(a, i, zero):
+    """``a[i]`` in the compute type of ``zero``: 16-bit storage widened (``load``),
+    uint8 converted."""
+
+
+@overload(load_sample, jit_options={"inline": "always"})
+def _load_sample_ol(a, i, zero):
+    if a.dtype == types.uint8:
+        return lambda a, i, zero: as_compute(zero, a[i])
+    return lambda a, i, zero: load(a, i)
+
+
+@njit(cache=True)
+def to_uint8(v):
+    """A computed sample as ONNX casts it to uint8: NaN -> 0, clamped to 0..255,
+    truncated toward zero. Branch-free."""
+    zero = as_compute(v, 0)
+    top = as_compute(v, 255)
+    c = v if v > zero else zero  # NaN and negatives -> 0
+    c = c if c < top else top
+    return np.uint8(np.int32(c))
+
+
+def store_sample(out, i, v):
+    """``out[i] = v``: rounded once to 16-bit storage (``store``), or cast to uint8 (``to_uint8``)."""
+
+
+@overload(store_sample, jit_options={"inline": "always"})
+def _store_sample_ol(out, i, v):
+    if out.dtype == types.uint8:
+        def impl(out, i, v):
+            out[i] = to_uint8(v)
+    else:
+        def impl(out, i, v):
+            store(out, i, v)
+    return impl
+
+
+@njit(cache=True)
+def unnormalize(g, size, align, one):
+    """The grid value ``g`` as a position on an axis of ``size`` elements, in the
+    compute type of ``one`` (onnxruntime's ``GsDenormalize``)."""
+    if align:
+        return (g + one) / (one + one) * as_compute(one, size - 1)
+    return ((g + one) * as_compute(one, size) - one) / (one + one)
+
+
+@njit(cache=True)
+def period(size, padding, align):
+    """The period of the padded axis: that of reflection padding (0 for a single
+    element with ``align_corners``, where every tap reflects onto it), else 0."""
+    if padding != REFLECTION:
+        return np.int64(0)
+    return np.int64(2 * (size - 1) if align else 2 * size)
+
+
+@njit(cache=True)
+def split_coord(pos, per, zero):
+    """``(i, frac, finite)``: ``pos = i + frac`` with ``i`` an int64 and ``frac`` in
+    [0, 1), exact; ``i`` reduced into ``[0, per)`` when ``per > 0`` (reflection,
+    ``period``). A position beyond 2**62 (or not finite) has ``frac = 0`` and
+    ``i = ±2**62``, or under reflection its exact remainder by the period."""
+    i, frac, near, finite = split_position(np.int64(0), pos, zero)
+    if not near:
+        if per > 0 and finite:
+            rem = as_compute(zero, fmod(pos, as_compute(zero, per)))
+            i, frac, near, finite = split_position(np.int64(0), rem, zero)
+        else:
+            i = np.int64(_HUGE) if pos > zero else np.int64(-_HUGE)
+    if per > 0 and (i < 0 or i >= per):
+        i = i % per  # Python's modulo: in [0, per)
+    return i, frac, finite
+
+
+@njit(cache=True)
+def pad_tap(t, size, per, padding, align):
+    """``(index, inside)`` for tap ``t`` on an axis of ``size`` (``per``: ``period``;
+    under reflection ``t`` is within one tap of ``[0, per)``, as ``split_coord``
+    leaves it). ``index`` is always in ``[0, size - 1]``; ``inside`` is False
+    only for a zeros-padded tap outside the input."""
+    if padding == ZEROS:
+        return min(max(t, 0), size - 1), (t >= 0) & (t < size)
+    if padding == BORDER or per == 0:
+        return min(max(t, 0), size - 1), True
+    if t < 0:
+        t += per
+    elif t >= per:
+        t -= per
+    if t >= size:
+        t = per - t if align else per - 1 - t
+    return t, True
+
+
+@njit(cache=True)
+def cubic_weights(t, one):
+    """Keys' cubic convolution weights (A = -0.75, as onnxruntime and PyTorch) of
+    the taps at distances ``1 + t, t, 1 - t, 2 - t`` for a fraction ``t`` in [0, 1]."""
+    a = as_compute(one, -0.75)
+    a2 = a + as_compute(one, 2)
+    a3 = a + as_compute(one, 3)
+    five, eight, four = as_compute(one, 5), as_compute(one, 8), as_compute(one, 4)
+    two = one + one
+    x = t + one
+    c0 = ((a * x - five * a) * x + eight * a) * x - four * a
+    c1 = (a2 * t - a3) * t * t + one
+    u = one - t
+    c2 = (a2 * u - a3) * u * u + one
+    x = two - t
+    c3 = ((a * x - five * a) * x + eight * a) * x - four * a
+    return c0, c1, c2, c3
+
+
+@njit(cache=True)
+def nearest_tap(pos, size, padding, align, zero):
+    """``(index, weight, inside)`` of the nearest element (ties to the even index),
+    padded; ``weight`` is 1, or NaN for a non-finite position."""
+    per = period(size, padding, align)
+    i, frac, finite = split_coord(pos, per, zero)
+    half = as_compute(zero, 0.5)
+    up = (frac > half) | ((frac == half) & ((i & 1) == 1))
+    idx, ok = pad_tap(i + np.int64(1 if up else 0), size, per, padding, align)
+    one = as_compute(zero, 1)
+    return idx, (one if finite else as_compute(zero, np.nan)), ok
+
+
+@njit(cache=True)
+def linear_taps(pos, size, padding, align, zero):
+    """``(i0, i1, w0, w1, in0, in1)``: the two padded taps around ``pos``, their
+    weights (NaN for a non-finite position) and whether each is inside."""
+    per = period(size, padding, align)
+    i, frac, finite = split_coord(pos, per, zero)
+    one = as_compute(zero, 1)
+    s = one if finite else as_compute(zero, np.nan)
+    i0, in0 = pad_tap(i, size, per, padding, align)
+    i1, in1 = pad_tap(i + 1, size, per, padding, align)
+    return i0, i1, (one - frac) * s, frac * s, in0, in1
+
+
+@njit(cache=True)
+def cubic_taps(pos, size, padding, align, zero):
+    """``(i0..i3, w0..w3, in0..in3)``: the four padded taps ``floor(pos) - 1 ..
+    floor(pos) + 2``, Keys' weights (NaN for a non-finite position) and whether
+    each is inside."""
+    per = period(size, padding, align)
+    i, frac, finite = split_coord(pos, per, zero)
+    one = as_compute(zero, 1)
+    s = one if finite else as_compute(zero, np.nan)
+    c0, c1, c2, c3 = cubic_weights(frac, one)
+    i0, in0 = pad_tap(i - 1, size, per, padding, align)
+    i1, in1 = pad_tap(i, size, per, padding, align)
+    i2, in2 = pad_tap(i + 1, size, per, padding, align)
+    i3, in3 = pad_tap(i + 2, size, per, padding, align)
+    return i0, i1, i2, i3, c0 * s, c1 * s, c2 * s, c3 * s, in0, in1, in2, in3

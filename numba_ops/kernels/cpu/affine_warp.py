@@ -1,0 +1,100 @@
+"""affine_warp on the CPU: GridSample at AffineGrid's positions, computed on the fly.
+
+The output's rows ``(n, [d,] h)`` of ``W`` positions are cut into segments of at
+most ``SEG`` (``kernels/cpu/grid_sample.py``), which ``prange`` shares out. A
+segment's grid values are computed from theta exactly as the CPU AffineGrid
+kernel computes them (same base coordinates, same grouping: 2-D
+``theta[n,k,0] * x_w + (theta[n,k,1] * y_h + theta[n,k,2])``, 3-D
+``(theta[n,k,0] * x_w + (theta[n,k,2] * z_d + theta[n,k,3])) + y_h * theta[n,k,1]``)
+in the compute type, unnormalised, and sampled by GridSample's plan and
+accumulation: float32/float64 results equal ``grid_sample(affine_grid(...))``
+bit for bit, and the grid is never stored (nor, for 16-bit theta, rounded to 16
+bits).
+"""
+import numpy as np
+from numba import njit, prange
+
+from ..._dtypes import compute
+from .._sample import TAPS, ZEROS, as_compute, unnormalize
+from . import _runtime
+from .affine_grid import _coords
+from .grid_sample import SEG, ZERO, accumulate, kernel_view, output_for, plan, public, scratch
+
+#: theta dtypes; ``x`` has the same dtype, or uint8
+DTYPES = ("float16", "bfloat16", "float32", "float64")
+
+
+@njit(cache=True)
+def _units(x, xf, theta, out, D, H, W, mode, padding, align, zero, u0, u1):
+    """Segments ``u0:u1`` (row-major over rows (n, d, h)) of ``out`` (flat, N*C*D*H*W;
+    D = 1 in 2-D); ``x`` (N, C, [Di,] Hi, Wi) C-contiguous, ``xf`` its flat view,
+    ``theta`` (N, r, r+1) in the compute type."""
+    r = x.ndim - 2
+    N, C = x.shape[0], x.shape[1]
+    P = D * H * W
+    S = xf.size // (N * C)
+    nseg = (W + SEG - 1) // SEG
+    one = as_compute(zero, 1)
+    zeros = padding == ZEROS
+    xs = _coords(W, align, one)
+    ys = _coords(H, align, one)
+    zs = _coords(D, align, one)
+    pos, pidx, pw, pok = scratch(zero)
+    for u in range(u0, u1):
+        row = u // nseg
+        w0 = (u - row * nseg) * SEG
+        m = min(SEG, W - w0)
+        s = row // H
+        h = row - s * H
+        n = s // D
+        d = s - n * D
+        for k in range(r):
+            a = r - 1 - k  # grid component of spatial axis k (innermost first)
+            size = x.shape[2 + k]
+            t0, t1, t2 = theta[n, a, 0], theta[n, a, 1], theta[n, a, 2]
+            if r == 2:
+                b = t1 * ys[h] + t2
+                for j in range(m):
+                    pos[k, j] = unnormalize(t0 * xs[w0 + j] + b, size, align, one)
+            else:
+                b = t2 * zs[d] + theta[n, a, 3]
+                yq = ys[h] * t1
+                for j in range(m):
+                    pos[k, j] = unnormalize((t0 * xs[w0 + j] + b) + yq, size, align, one)
+        plan(x, pos, m, mode, padding, align, zero, pidx, pw, pok)
+        for c in range(C):
+            nc = n * C + c
+            accumulate(x, xf, out, nc * S, nc * P + row % (D * H) * W + w0, m, mode, zeros, pidx, pw, pok, zero)
+
+
+@njit(cache=True)
+def _serial(x, xf, theta, out, D, H, W, mode, padding, align, zero):
+    units = x.shape[0] * D * H * ((W + SEG - 1) // SEG)
+    _units(x, xf, theta, out, D, H, W, mode, padding, align, zero, 0, units)
+
+
+@njit(cache=True, parallel=True)
+def _parallel(x, xf, theta, out, D, H, W, mode, padding, align, zero, nchunks):
+    units = x.shape[0] * D * H * ((W + SEG - 1) // SEG)
+    nchunks = min(units, nchunks)
+    for c in prange(nchunks):
+        _units(x, xf, theta, out, D, H, W, mode, padding, align, zero,
+               c * units // nchunks, (c + 1) * units // nchunks)
+
+
+def launch(x, theta, size, mode, padding, align, stream=None):
+    """x: NumPy (N, C, [D,] H, W), float or uint8; theta: NumPy (N, r, r+1), float;
+    size: the output size (N, C, [D,] H, W); validated by the front end
+    (``mode``/``padding`` are ``_sample`` codes, ``align`` a bool). ``stream`` is
+    ignored on the CPU."""
+    r = x.ndim - 2
+    out = output_for(x, tuple(size))
+    if out.size:
+        ct = compute(theta.dtype)
+        th = np.ascontiguousarray(theta, dtype=ct)
+        xs = kernel_view(x)
+        D = size[2] if r == 3 else 1
+        work = out.size * TAPS[mode] ** r
+        _runtime.run(_serial, _parallel, work, xs, xs.reshape(-1), th, out.reshape(-1), D, size[-2], size[-1],
+                     mode, padding, bool(align), ZERO[ct])
+    return public(out, x)

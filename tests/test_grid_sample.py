@@ -1,0 +1,371 @@
+"""GridSample: the ONNX reference, onnxruntime, a float64 oracle, dtypes, edges,
+errors, threads — written once for every device."""
+import threading
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import numba_ops
+from numba_ops._dispatch import LAUNCHERS
+from reference import assert_api_close, grid_sample_ref, to_uint8_ref
+
+BF16 = ml_dtypes.bfloat16
+MODES = ["linear", "nearest", "cubic"]
+PADS = ["zeros", "border", "reflection"]
+#: (x shape, output spatial shape) per number of spatial axes, with axes of size 1
+SHAPES = {1: [((2, 3, 7), (5,)), ((1, 2, 1), (4,))],
+          2: [((2, 3, 5, 6), (4, 3)), ((1, 2, 1, 4), (2, 5)), ((1, 1, 3, 1), (1, 1))],
+          3: [((1, 2, 3, 4, 5), (2, 3, 2)), ((2, 1, 1, 3, 2), (3, 1, 2))]}
+
+
+@pytest.fixture
+def dev(device):
+    """``device``, while the device has grid_sample kernels (CUDA's are not written yet)."""
+    if ("grid_sample", device) not in LAUNCHERS:
+        pytest.skip(f"no grid_sample kernels for {device} yet")
+    return device
+
+
+def _host(a):
+    return a.copy_to_host() if hasattr(a, "copy_to_host") else np.asarray(a)
+
+
+def _grid(rng, n, outs, r, dtype=np.float32, spread=1.3):
+    """Random grid, most positions inside, some outside, plus exact -1, 0, 1."""
+    g = rng.standard_normal((n,) + tuple(outs) + (r,)) * spread
+    flat = g.reshape(-1)
+    flat[: min(3, flat.size)] = [-1.0, 0.0, 1.0][: min(3, flat.size)]
+    return g.astype(dtype)
+
+
+def _ct(dtype):
+    return np.float64 if np.dtype(dtype) == np.float64 else np.float32
+
+
+def gs(x, grid, device, **kw):
+    return _host(numba_ops.grid_sample(x, grid, device=device, **kw))
+
+
+# --- peers -----------------------------------------------------------------------------
+
+def _onnx_reference(x, grid, **attrs):
+    from onnx import TensorProto, helper
+    from onnx.reference import ReferenceEvaluator
+    tp = {np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.float64): TensorProto.DOUBLE}[x.dtype]
+    node = helper.make_node("GridSample", ["X", "grid"], ["Y"], **attrs)
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("X", tp, x.shape),
+                                           helper.make_tensor_value_info("grid", tp, grid.shape)],
+                              [helper.make_tensor_value_info("Y", tp, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 22)])
+    return ReferenceEvaluator(model).run(None, {"X": x, "grid": grid})[0]
+
+
+@pytest.mark.parametrize("r", [1, 2, 3])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("padding", PADS)
+@pytest.mark.parametrize("align", [0, 1])
+def test_onnx_reference(r, mode, padding, align, dev, rng):
+    """onnx's ReferenceEvaluator. It clamps/reflects the position itself before
+    cubic's taps, where the contract (onnxruntime's) pads each tap: for cubic with
+    border/reflection the grid stays inside, where both agree."""
+    pytest.importorskip("onnx")
+    xs, outs = {1: ((1, 2, 6), (7,)), 2: ((1, 2, 4, 5), (3, 4)), 3: ((1, 2, 3, 4, 3), (2, 2, 3))}[r]
+    x = rng.standard_normal(xs).astype(np.float32)
+    if mode == "cubic" and padding != "zeros":
+        grid = rng.uniform(-1, 1, (1,) + outs + (r,)).astype(np.float32)
+    else:
+        grid = _grid(rng, 1, outs, r)
+    attrs = dict(mode=mode, padding_mode=padding, align_corners=align)
+    want = _onnx_reference(x, grid, **attrs)
+    got = gs(x, grid, dev, **attrs)
+    assert got.dtype == np.float32 and got.shape == want.shape
+    assert_api_close(got, want, np.float32)
+
+
+@pytest.mark.parametrize("r", [2, 3])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("padding", PADS)
+@pytest.mark.parametrize("align", [0, 1])
+def test_onnxruntime(r, mode, padding, align, dev, rng):
+    """onnxruntime (float32 and float64): 2-D every mode, 3-D linear and nearest
+    (it has no 3-D cubic); grids reaching well outside."""
+    ort = pytest.importorskip("onnxruntime")
+    if r == 3 and mode == "cubic":
+        pytest.skip("onnxruntime has no 3-D cubic GridSample")
+    from onnx import TensorProto, helper
+    xs, outs = ((2, 3, 5, 6), (4, 5)) if r == 2 else ((2, 2, 3, 4, 5), (3, 2, 4))
+    for dtype, tp in ((np.float32, TensorProto.FLOAT), (np.float64, TensorProto.DOUBLE)):
+        x = rng.standard_normal(xs).astype(dtype)
+        grid = _grid(rng, xs[0], outs, r, dtype, spread=2.0)
+        node = helper.make_node("GridSample", ["X", "grid"], ["Y"], mode=mode, padding_mode=padding,
+                                align_corners=align)
+        graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("X", tp, x.shape),
+                                               helper.make_tensor_value_info("grid", tp, grid.shape)],
+                                  [helper.make_tensor_value_info("Y", tp, None)])
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)])
+        sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+        want = sess.run(None, {"X": x, "grid": grid})[0]
+        got = gs(x, grid, dev, mode=mode, padding_mode=padding, align_corners=align)
+        assert got.dtype == dtype
+        assert_api_close(got, want, dtype)
+
+
+# --- the float64 oracle --------------------------------------------------------------------
+
+@pytest.mark.parametrize("r", [1, 2, 3])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("padding", PADS)
+@pytest.mark.parametrize("align", [0, 1])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_float64_oracle(r, mode, padding, align, dtype, dev, rng):
+    """Every mode x padding x align_corners in 1-D, 2-D and 3-D (3-D cubic and 1-D
+    have no peer), with axes of size 1 in x and in the output."""
+    for xs, outs in SHAPES[r]:
+        x = rng.standard_normal(xs).astype(dtype)
+        grid = _grid(rng, xs[0], outs, r, dtype, spread=2.0)
+        attrs = dict(mode=mode, padding_mode=padding, align_corners=align)
+        want = grid_sample_ref(x, grid, coord_dtype=_ct(dtype), **attrs)
+        got = gs(x, grid, dev, **attrs)
+        assert got.dtype == dtype and got.shape == want.shape
+        assert_api_close(got, want, dtype)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("padding", PADS)
+@pytest.mark.parametrize("align", [0, 1])
+def test_coordinates_not_rounded_to_float32(mode, padding, align, dev, rng):
+    """float64 positions are unnormalised in float64: against the oracle's float64
+    positions on a long axis (where float32 would move them)."""
+    x = rng.standard_normal((1, 2, 3, 3000))
+    grid = rng.uniform(-1.2, 1.2, (1, 2, 40, 2))
+    attrs = dict(mode=mode, padding_mode=padding, align_corners=align)
+    want = grid_sample_ref(x, grid, **attrs)
+    assert_api_close(gs(x, grid, dev, **attrs), want, np.float64)
+
+
+# --- special positions ---------------------------------------------------------------------
+
+SPECIALS = [np.nan, np.inf, -np.inf, 1e30, -1e30, 3e38, -3e38, 2.0 ** 63, -(2.0 ** 62), 1.0, -1.0, 0.0,
+            1e-30, -1.0000001, 1.0000001, 7.5, -7.5]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("padding", PADS)
+@pytest.mark.parametrize("align", [0, 1])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_special_positions(mode, padding, align, dtype, dev, rng):
+    """NaN/Inf positions sample NaN, huge finite ones never read out of bounds (and
+    under reflection are reduced exactly), borders and far values, in each axis."""
+    vals = np.array(SPECIALS)
+    pairs = np.array([(a, b) for a in vals for b in vals[:: 3]])  # each special against others, both axes
+    pairs = np.concatenate([pairs, pairs[:, ::-1]])
+    grid = pairs.reshape(1, 2, -1, 2).astype(dtype)
+    x = rng.standard_normal((1, 2, 4, 5)).astype(dtype)
+    attrs = dict(mode=mode, padding_mode=padding, align_corners=align)
+    with np.errstate(over="ignore", invalid="ignore"):
+        want = grid_sample_ref(x, grid, coord_dtype=_ct(dtype), **attrs)
+    got = gs(x, grid, dev, **attrs)
+    assert_api_close(got, want, dtype)
+    g64 = grid.astype(np.float64)
+    nonfinite = ~np.isfinite(g64).all(-1)
+    assert np.isnan(got[:, :, nonfinite[0]]).all()
+
+
+@pytest.mark.parametrize("padding", PADS)
+@pytest.mark.parametrize("align", [0, 1])
+@pytest.mark.parametrize("r", [1, 2, 3])
+def test_nearest_ties_round_to_even(padding, align, r, dev):
+    """Positions exactly half-way between two elements go to the even one (before
+    padding): position p = k + 0.5 reads element 2 * round(p / 2)."""
+    L = 5 if align else 4  # so that the grid values below are exact in binary
+    pos = np.arange(-3, 2 * L + 3) + 0.5  # every half-integer, inside and out
+    g = 2 * pos / (L - 1) - 1 if align else (2 * pos + 1) / L - 1  # exact in binary
+    grid = np.zeros((1, g.size) + (1,) * (r - 1) + (r,), np.float32)
+    grid[..., 0] = g.reshape(grid.shape[:-1])
+    x = np.zeros((1, 1) + (1,) * (r - 1) + (L,), np.float32)
+    x[..., :] = np.arange(L) + 10
+    got = gs(x, grid, dev, mode="nearest", padding_mode=padding, align_corners=align).reshape(-1)
+    want = grid_sample_ref(x, grid, mode="nearest", padding_mode=padding, align_corners=align,
+                           coord_dtype=np.float32).reshape(-1)
+    np.testing.assert_array_equal(got, want)
+    inside = (pos > 0) & (pos < L - 1)
+    np.testing.assert_array_equal(got[inside], 10 + 2 * np.round(pos[inside] / 2))
+
+
+# --- dtypes -----------------------------------------------------------------------------------
+
+def _ulp_diff(a, b, dtype):
+    ia = np.asarray(a).astype(dtype).view(np.int16).astype(np.int64)
+    ib = np.asarray(b).astype(dtype).view(np.int16).astype(np.int64)
+    ia = np.where(ia < 0, -32768 - ia, ia)
+    ib = np.where(ib < 0, -32768 - ib, ib)
+    return np.abs(ia - ib)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, BF16])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("r", [1, 2, 3])
+def test_16bit_is_float32_rounded_once(dtype, mode, r, dev, rng):
+    xs, outs = SHAPES[r][0]
+    x = rng.standard_normal(xs).astype(dtype)
+    grid = _grid(rng, xs[0], outs, r, dtype)
+    for padding in PADS:
+        want32 = numba_ops.grid_sample(x.astype(np.float32), grid.astype(np.float32), mode=mode,
+                                       padding_mode=padding, device="cpu")
+        got = gs(x, grid, dev, mode=mode, padding_mode=padding)
+        assert got.dtype == np.dtype(dtype) and got.shape == want32.shape
+        assert _ulp_diff(got, want32, dtype).max() <= 1
+
+
+@pytest.mark.parametrize("gdtype", [np.float16, BF16, np.float32, np.float64])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("padding", PADS)
+def test_uint8(gdtype, mode, padding, dev, rng):
+    """uint8 x: computed in float, truncated toward zero, clamped to 0..255 (cubic
+    overshoots both ends here); a non-finite position gives 0."""
+    x = rng.integers(0, 256, (2, 3, 4, 5)).astype(np.uint8)
+    x[0, 0] = np.tile([0, 255], 10).reshape(4, 5)  # sharp edges: cubic overshoots
+    grid = _grid(rng, 2, (3, 6), 2, gdtype)
+    grid[1, 0, 0, 0] = np.nan
+    got = gs(x, grid, dev, mode=mode, padding_mode=padding)
+    assert got.dtype == np.uint8
+    v = grid_sample_ref(x, grid, mode=mode, padding_mode=padding, coord_dtype=_ct(gdtype))
+    want = to_uint8_ref(v)
+    assert got[1, :, 0, 0].tolist() == [0, 0, 0]
+    # float32 vs float64 arithmetic may move a value across an integer: one off, only there
+    near_int = np.abs(v - np.round(v)) < 1e-3 * np.maximum(1, np.abs(v))
+    diff = np.abs(got.astype(int) - want.astype(int))
+    assert diff.max() <= 1 and (diff[~near_int] == 0).all()
+    if mode == "cubic":
+        assert ((v < 0) | (v > 255)).any()  # the clamp is exercised
+
+
+# --- shapes, layouts, paths ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("r", [1, 2, 3])
+def test_empty(r, dev):
+    for n, outs, c in ((0, (2,) * r, 3), (2, (0,) + (2,) * (r - 1), 3), (2, (2,) * r, 0)):
+        xx = np.ones((n, c) + (4,) * r, np.float32)
+        g = np.zeros((n,) + outs + (r,), np.float32)
+        got = numba_ops.grid_sample(xx, g, device=dev)
+        assert got.shape == (n, c) + outs and got.dtype == np.float32
+    # an empty input spatial axis is fine when there is nothing to sample
+    got = numba_ops.grid_sample(np.ones((2, 3) + (0,) * r), np.zeros((2,) + (0,) * r + (r,)), device=dev)
+    assert got.shape == (2, 3) + (0,) * r
+
+
+def test_noncontiguous_and_unchanged(dev, rng):
+    x = rng.standard_normal((3, 4, 6, 10)).astype(np.float32)
+    grid = _grid(rng, 3, (5, 8), 2)
+    want = gs(np.ascontiguousarray(x[::-1, :, :, ::2].transpose(0, 1, 3, 2)),
+              np.ascontiguousarray(grid[:, ::-1, ::2]), dev)
+    xv = x[::-1, :, :, ::2].transpose(0, 1, 3, 2)  # negative and permuted strides
+    gv = grid[:, ::-1, ::2]
+    x0, g0 = x.copy(), grid.copy()
+    got = gs(xv, gv, dev)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(x, x0)
+    np.testing.assert_array_equal(grid, g0)
+    big_endian = gs(x.astype(">f4"), grid.astype(">f4"), dev)
+    np.testing.assert_array_equal(big_endian, gs(x, grid, dev))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_parallel_equals_serial(mode, rng):
+    """A call above the pool's threshold (parallel segments, some partial) equals
+    the same images sampled one call each (serial), CPU."""
+    x = rng.standard_normal((6, 2, 20, 30)).astype(np.float32)
+    grid = _grid(rng, 6, (37, 100), 2)
+    whole = numba_ops.grid_sample(x, grid, mode=mode, padding_mode="reflection")
+    parts = [numba_ops.grid_sample(x[i:i + 1], grid[i:i + 1, :5], mode=mode, padding_mode="reflection")
+             for i in range(6)]
+    np.testing.assert_array_equal(whole[:, :, :5], np.concatenate(parts))
+    want = grid_sample_ref(x[:1, :, :, :], grid[:1, :2], mode=mode, padding_mode="reflection",
+                           coord_dtype=np.float32)
+    assert_api_close(whole[:1, :, :2], want, np.float32)
+
+
+def test_threads(dev, rng):
+    x = rng.standard_normal((4, 2, 30, 40)).astype(np.float32)
+    grid = _grid(rng, 4, (50, 60), 2)
+    want = gs(x, grid, dev)
+    results = [None] * 4
+
+    def work(i):
+        results[i] = gs(x, grid, dev)
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for res in results:
+        np.testing.assert_array_equal(res, want)
+
+
+# --- bad input -------------------------------------------------------------------------------
+
+def test_bad_input():
+    x = np.zeros((2, 3, 4, 5), np.float32)
+    g = np.zeros((2, 3, 3, 2), np.float32)
+    gsf = numba_ops.grid_sample
+    for kw, match in ((dict(mode="bilinear"), "mode"), (dict(mode=1), "mode"),
+                      (dict(padding_mode="wrap"), "padding_mode"), (dict(padding_mode=None), "padding_mode"),
+                      (dict(align_corners=2), "align_corners"), (dict(device="tpu"), "device")):
+        with pytest.raises(ValueError, match=match):
+            gsf(x, g, **kw)
+    with pytest.raises(ValueError, match="'linear', 'nearest', 'cubic'"):
+        gsf(x, g, mode="Linear")
+    with pytest.raises(ValueError, match="'zeros', 'border', 'reflection'"):
+        gsf(x, g, padding_mode="Zeros")
+    with pytest.raises(ValueError, match="grid"):
+        gsf(x, np.zeros((2, 3, 3, 3), np.float32))  # last axis != r
+    with pytest.raises(ValueError, match="grid"):
+        gsf(x, np.zeros((2, 3, 2), np.float32))  # rank
+    with pytest.raises(ValueError, match="batch size"):
+        gsf(x, np.zeros((3, 3, 3, 2), np.float32))
+    with pytest.raises(ValueError, match="X"):
+        gsf(np.zeros((2, 3), np.float32), np.zeros((2, 3), np.float32))
+    with pytest.raises(ValueError, match="X"):
+        gsf(np.zeros((1, 1, 2, 2, 2, 2), np.float32), np.zeros((1, 1, 1, 1, 1, 4), np.float32))
+    with pytest.raises(ValueError, match="X"):
+        gsf(np.zeros((2, 3, 0, 5), np.float32), g)  # nothing to sample from
+    with pytest.raises(ValueError, match="X is required"):
+        gsf(None, g)
+    with pytest.raises(ValueError, match="grid is required"):
+        gsf(x, None)
+    with pytest.raises(TypeError, match="grid"):
+        gsf(x, g.astype(np.float64))  # mixed float dtypes
+    with pytest.raises(TypeError, match="grid"):
+        gsf(x.astype(np.uint8), g.astype(np.int32))
+    with pytest.raises(TypeError, match="X"):
+        gsf(x.astype(np.int16), g)
+    with pytest.raises(TypeError, match="X"):
+        gsf(x.astype(np.complex64), g)
+
+
+def test_cuda_without_gpu_is_a_clear_error():
+    x = np.zeros((1, 1, 2, 2), np.float32)
+    g = np.zeros((1, 1, 1, 2), np.float32)
+    if "cuda" in numba_ops.devices():
+        if ("grid_sample", "cuda") in LAUNCHERS:
+            return
+        with pytest.raises(NotImplementedError, match="CUDA"):
+            numba_ops.grid_sample(x, g, device="cuda")
+    else:
+        with pytest.raises(RuntimeError, match="CUDA"):
+            numba_ops.grid_sample(x, g, device="cuda")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_warm_calls(dtype):
+    """The warm-up hook: every call runs, both x dtypes, every rank, both paths."""
+    from numba_ops.grid_sample import warm_calls
+    from numba_ops.kernels.cpu._runtime import PARALLEL_MIN_WORK
+    calls = warm_calls(dtype)
+    ranks = set()
+    for args, kwargs in calls:
+        y = numba_ops.grid_sample(*args, **kwargs)
+        r = args[0].ndim - 2
+        ranks.add((r, args[0].dtype.name, y.size * 2 ** r >= PARALLEL_MIN_WORK))
+    assert ranks == {(r, xd, big) for r in (1, 2, 3) for xd in (dtype, "uint8") for big in (False, True)}
