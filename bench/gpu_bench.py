@@ -145,7 +145,7 @@ def deform_case(name, dtype, torch):
     dX, dW, doff, dB, dmask = (to_dev(a, torch) for a in (X, W, off, B, mask))
     ours = lambda: numba_ops.deform_conv(dX, dW, doff, dB, dmask, **attrs)  # noqa: E731
     peer = None
-    if torch is not None:
+    if torch is not None and X.ndim == 4:  # torchvision's deform_conv2d: 2-D only
         try:
             from torchvision.ops import deform_conv2d
             k = attrs["kernel_shape"]

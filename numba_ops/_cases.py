@@ -4,7 +4,10 @@ Benchmark cases carry the names of the shared peer benchmark
 (``shared/tools/peer_bench.py``) so figures can be compared across tools:
 
 * AffineGrid: ``ag2d_small``, ``ag2d_32x256``, ``ag3d_4x64``;
-* DeformConv: ``dc_seed``, ``dc_r50_c64_56``, ``dc_b8_c32_32``, ``dc_c256_28``, ``dc_s2_g2``.
+* DeformConv: ``dc_seed``, ``dc_r50_c64_56``, ``dc_b8_c32_32``, ``dc_c256_28``, ``dc_s2_g2``;
+  and the deep-channel, small-spatial sweep of issue 22 (DCNv2 in ResNet stages
+  4-5): ``dc_c512_7``, ``dc_c1024_7``, ``dc_c512_14``, ``dc_b2_c512_14``,
+  ``dc_c256_14``, ``dc_c512_25x42``, ``dc3d_c256_8x14`` (3-D).
 
 Each builder returns ``(args, kwargs, work)``: the positional inputs and the
 attributes of the call (ONNX names), and the amount of work that sets the
@@ -30,13 +33,21 @@ AFFINE = {
     "ag3d_4x64": dict(size=(4, 1, 64, 64, 64), align=1),
 }
 
-#: name -> N, C, H, W, oC, k, pad, stride, dil, group, offset_group, mask
+#: name -> N, C, [D,] H, W, oC, k, pad, stride, dil, group, offset_group, mask (2-D, or 3-D
+#: with D; k, pad, stride, dil the same on every axis)
 DEFORM = {
     "dc_seed": (1, 1, 3, 3, 1, 2, 0, 1, 1, 1, 1, False),
     "dc_r50_c64_56": (1, 64, 56, 56, 64, 3, 1, 1, 1, 1, 1, True),
     "dc_b8_c32_32": (8, 32, 32, 32, 32, 3, 1, 1, 1, 1, 1, True),
     "dc_c256_28": (1, 256, 28, 28, 256, 3, 1, 1, 1, 1, 4, True),
     "dc_s2_g2": (2, 64, 64, 64, 128, 3, 1, 2, 1, 2, 2, True),
+    "dc_c512_7": (1, 512, 7, 7, 512, 3, 1, 1, 1, 1, 1, True),
+    "dc_c1024_7": (1, 1024, 7, 7, 256, 3, 1, 1, 1, 1, 1, True),
+    "dc_c512_14": (1, 512, 14, 14, 512, 3, 1, 1, 1, 1, 1, True),
+    "dc_b2_c512_14": (2, 512, 14, 14, 512, 3, 1, 1, 1, 1, 1, True),
+    "dc_c256_14": (1, 256, 14, 14, 256, 3, 1, 1, 1, 1, 1, True),
+    "dc_c512_25x42": (1, 512, 25, 42, 512, 3, 1, 1, 1, 1, 1, True),
+    "dc3d_c256_8x14": (1, 256, 8, 14, 14, 256, 3, 1, 1, 1, 1, 1, True),
 }
 
 #: every benchmark case as (op, name), AffineGrid first
@@ -79,11 +90,15 @@ def affine_inputs(name, dtype="float32", small=False):
 
 
 def deform_params(name, small=False):
-    N, C, H, W, oC, k, pad, stride, dil, group, og, use_mask = DEFORM[name]
+    """``(N, C, spatial, oC, k, pad, stride, dil, group, offset_group, mask)`` of DeformConv
+    case ``name``; ``spatial`` the tuple of input sizes (2 or 3 of them)."""
+    case = DEFORM[name]
+    N, C, spatial = case[0], case[1], tuple(case[2:-8])
+    oC, k, pad, stride, dil, group, og, use_mask = case[-8:]
     if small:  # keep the structure (kernel, pads, strides, groups, mask), shrink the sizes
-        N, H, W = min(N, 2), min(H, 6), min(W, 6)
+        N, spatial = min(N, 2), tuple(min(s, 6) for s in spatial)
         C, oC = min(C, 2 * int(np.lcm(group, og))), min(oC, 2 * group)
-    return N, C, H, W, oC, k, pad, stride, dil, group, og, use_mask
+    return N, C, spatial, oC, k, pad, stride, dil, group, og, use_mask
 
 
 def deform_inputs(name, dtype="float32", small=False):
@@ -92,17 +107,19 @@ def deform_inputs(name, dtype="float32", small=False):
     ``flops`` counts the multiply-adds of the dense convolution of the same shape
     (2 per weight use), the figure the GEMM rate bounds.
     """
-    N, C, H, W, oC, k, pad, stride, dil, group, og, use_mask = deform_params(name, small)
+    N, C, spatial, oC, k, pad, stride, dil, group, og, use_mask = deform_params(name, small)
+    nd = len(spatial)
+    K = k ** nd
     rng = np.random.default_rng(0)
-    oH, oW = (out_size(D, pad, pad, k, dil, stride) for D in (H, W))
-    X = rng.standard_normal((N, C, H, W)).astype(np.float32)
-    Wt = rng.standard_normal((oC, C // group, k, k)).astype(np.float32)
-    off = (2.0 * rng.standard_normal((N, og * k * k * 2, oH, oW))).astype(np.float32)
+    outs = tuple(out_size(D, pad, pad, k, dil, stride) for D in spatial)
+    X = rng.standard_normal((N, C) + spatial).astype(np.float32)
+    Wt = rng.standard_normal((oC, C // group) + (k,) * nd).astype(np.float32)
+    off = (2.0 * rng.standard_normal((N, og * K * nd) + outs)).astype(np.float32)
     B = rng.standard_normal((oC,)).astype(np.float32)
-    mask = rng.random((N, og * k * k, oH, oW)).astype(np.float32) if use_mask else None
-    attrs = dict(kernel_shape=[k, k], pads=[pad] * 4, strides=[stride] * 2,
-                 dilations=[dil] * 2, group=group, offset_group=og)
-    flops = 2.0 * N * oC * oH * oW * (C // group) * k * k
+    mask = rng.random((N, og * K) + outs).astype(np.float32) if use_mask else None
+    attrs = dict(kernel_shape=[k] * nd, pads=[pad] * (2 * nd), strides=[stride] * nd,
+                 dilations=[dil] * nd, group=group, offset_group=og)
+    flops = 2.0 * N * oC * float(np.prod(outs)) * (C // group) * K
     return tuple(_cast(a, dtype) for a in (X, Wt, off, B, mask)), attrs, flops
 
 

@@ -10,6 +10,7 @@ the GPU.
 import functools
 import importlib
 import os
+import sys
 
 import numpy as np
 
@@ -32,8 +33,29 @@ def cuda_simulator():
     return os.environ.get("NUMBA_ENABLE_CUDASIM", "0") not in ("", "0")
 
 
+@functools.lru_cache(maxsize=None)
+def _no_cuda_driver():
+    """True when, on Linux, no CUDA driver library loads from where numba-cuda looks
+    for it (its ``locate_driver_and_loader``): then no GPU is usable, and that is
+    known without importing numba-cuda (1-2 s, most of a CPU-only ``devices()``)."""
+    if not sys.platform.startswith("linux") or os.environ.get("NUMBA_CUDA_DRIVER"):
+        return False
+    import ctypes
+    for path in ("libcuda.so", "libcuda.so.1", "/usr/lib/libcuda.so", "/usr/lib/libcuda.so.1",
+                 "/usr/lib64/libcuda.so", "/usr/lib64/libcuda.so.1"):
+        try:
+            ctypes.CDLL(path)
+            return False
+        except OSError:
+            if os.path.isfile(path):  # there but not loadable: numba-cuda says why
+                return False
+    return True
+
+
 def cuda_usable():
     """True when numba-cuda imports and a GPU (or numba's CUDA simulator) is there."""
+    if not cuda_simulator() and _no_cuda_driver():
+        return False
     try:
         from numba import cuda
     except ImportError:

@@ -28,8 +28,8 @@ DTYPE_NAMES = ("float16", "bfloat16", "float32", "float64")
 
 
 def available_ops():
-    """The ops with a kernel table entry (``_dispatch.LAUNCHERS``) and a front end
-    defining ``warm_calls``, in API.md's order."""
+    """The ops with a kernel table entry (``_dispatch.LAUNCHERS``) whose front end
+    (``numba_ops/<op>.py``, defining ``warm_calls``) is installed, in API.md's order."""
     ops = []
     for op, _ in LAUNCHERS:
         if op not in ops and importlib.util.find_spec(f"numba_ops.{op}") is not None:
@@ -131,7 +131,7 @@ def _label(op, dtype, device, args, kwargs):
     return f"{op} {dtype} {device} " + " ".join(parts)
 
 
-def warm(ops=None, dtypes=None, devices=None, *, progress=None, quiet=False):
+def warm(ops=None, dtypes=None, devices=None, *, jobs=1, progress=None, quiet=False):
     """Compile every kernel variant of ``ops`` x ``dtypes`` x ``devices`` into
     numba's on-disk cache, so that later processes start with no compile.
 
@@ -147,8 +147,15 @@ def warm(ops=None, dtypes=None, devices=None, *, progress=None, quiet=False):
         "cpu" and/or "cuda"; default: the usable devices (``numba_ops.devices()``).
         Under numba's CUDA simulator (NUMBA_ENABLE_CUDASIM=1) "cuda" is skipped:
         the simulator runs Python and compiles nothing to cache.
+    jobs : int
+        Worker processes compiling at once (numba compiles one function at a
+        time per process): with ``jobs > 1`` each (op, dtype, device) is warmed
+        in a process of its own, ``jobs`` at a time, and then this process makes
+        every call once more, loading what they saved (and compiling whatever a
+        worker could not save), so that the result is the same as with 1.
     progress : callable, optional
-        Called before each warm-up call as ``progress(i, total, label, elapsed_s)``
+        Called as ``progress(i, total, label, elapsed_s)`` before each warm-up
+        call, and with ``jobs > 1`` as each worker starts and ends
         (``numba-ops warm`` prints it).
     quiet : bool
         False (default): print a summary (what was compiled, seconds, the cache
@@ -175,9 +182,12 @@ def warm(ops=None, dtypes=None, devices=None, *, progress=None, quiet=False):
     t0 = time.perf_counter()
     ops = _check_ops(ops)
     dtypes = _names(dtypes, "dtypes", DTYPE_NAMES, DTYPE_NAMES)
-    usable = ("cpu", "cuda") if cuda_usable() else ("cpu",)
-    devices = _names(devices, "devices", DEVICES, usable)
-    if "cuda" in devices and "cuda" not in usable:
+    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
+        raise ValueError(f"jobs must be an integer >= 1; got {jobs!r}")
+    if devices is None:
+        devices = ("cpu", "cuda") if cuda_usable() else ("cpu",)  # numba_ops.devices()
+    devices = _names(devices, "devices", DEVICES, ())
+    if "cuda" in devices and not cuda_usable():
         raise RuntimeError("devices asks for 'cuda' but no CUDA GPU is usable here "
                            "(install numba-cuda and a driver)")
     skipped = {}
@@ -198,8 +208,18 @@ def warm(ops=None, dtypes=None, devices=None, *, progress=None, quiet=False):
     for op in ops:
         for device in devices:
             importlib.import_module(LAUNCHERS[op, device])
-
     before = _counts(_dispatchers())
+    compiled = 0
+    groups = list(dict.fromkeys((op, dtype, device) for op, dtype, device, *_ in plan))
+    probe_loads = 0
+    if jobs > 1 and len(groups) > 1:
+        todo = _uncached(plan, groups)
+        # the probe's aborted compiles count as cache misses: count from here on
+        mid = _counts(_dispatchers())
+        probe_loads = sum(h - before.get(k, (None, 0, 0))[2] for k, (_, _, h) in mid.items())
+        before = mid
+        if len(todo) > 1:
+            compiled += _in_workers(todo, jobs, progress, t0)
     failures = []
     for i, (op, dtype, device, public, args, kwargs) in enumerate(plan):
         label = _label(op, dtype, device, args, kwargs)
@@ -212,7 +232,7 @@ def warm(ops=None, dtypes=None, devices=None, *, progress=None, quiet=False):
                              "error": f"{type(exc).__name__}: {exc}"})
     found = _dispatchers()
     after = _counts(found)
-    compiled = loaded = 0
+    loaded = probe_loads
     for key, (_, misses, hits) in after.items():
         _, m0, h0 = before.get(key, (None, 0, 0))
         compiled += misses - m0
@@ -230,6 +250,85 @@ def warm(ops=None, dtypes=None, devices=None, *, progress=None, quiet=False):
     if not quiet:
         summary(result)
     return result
+
+
+class _Uncached(Exception):
+    pass
+
+
+def _uncached(plan, groups):
+    """The groups (op, dtype, device) of ``plan`` that need a compile. Each CPU
+    group's calls are tried here with a listener on numba's "numba:compile" event
+    (fired after a cache miss, before any compiling) that aborts a numba_ops
+    compile: what the cache holds loads, anything else fails at once. CUDA groups
+    (their kernels are made per call by factories) always count as uncached."""
+    from numba.core import event
+
+    class Abort(event.Listener):
+        def on_start(self, ev):
+            if (getattr(ev.data["dispatcher"].py_func, "__module__", "") or "").startswith("numba_ops"):
+                raise _Uncached()
+
+        def on_end(self, ev):
+            pass
+
+    cpu = {g for g in groups if g[2] == "cpu"}
+    todo = {g for g in groups if g[2] != "cpu"}
+    with event.install_listener("numba:compile", Abort()):
+        for op, dtype, device, public, args, kwargs in plan:
+            g = (op, dtype, device)
+            if g in cpu and g not in todo:
+                try:
+                    public(*args, **kwargs, device=device)
+                except Exception:  # not in the cache (or failing: the last pass says)
+                    todo.add(g)
+    return [g for g in groups if g in todo]
+
+
+_WORKER = """
+import json, sys
+from numba_ops._warm import warm
+op, dtype, device = json.loads(sys.argv[1])
+r = warm(op, dtype, device, quiet=True)
+print("@@" + json.dumps({"compiled": r["compiled"], "failures": len(r["failures"])}))
+"""
+
+
+def _in_workers(groups, jobs, progress, t0):
+    """Warm each (op, dtype, device) of ``groups`` in a fresh process, ``jobs`` at
+    a time, the costliest (deform_conv) first; returns the functions they compiled.
+    Their failures are found again, and reported, by the caller's own pass."""
+    import json
+    import subprocess
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    pkg_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = pkg_parent + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    order = sorted(groups, key=lambda g: g[0] != "deform_conv")
+    lock = threading.Lock()
+    done = [0]
+
+    def one(group):
+        label = " ".join(group)
+        if progress is not None:
+            with lock:
+                progress(done[0], len(order), f"{label}: compiling in a worker process", time.perf_counter() - t0)
+        p = subprocess.run([sys.executable, "-c", _WORKER, json.dumps(group)], capture_output=True, text=True,
+                           env=env)
+        n = 0
+        if p.returncode == 0 and "@@" in p.stdout:
+            n = json.loads(p.stdout.split("@@")[-1])["compiled"]
+        with lock:
+            done[0] += 1
+            if progress is not None:
+                state = f"{n} compiled" if p.returncode == 0 else f"worker exit {p.returncode}"
+                progress(done[0] - 1, len(order), f"{label}: done ({state})", time.perf_counter() - t0)
+        return n
+
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        return sum(pool.map(one, order))
 
 
 def summary(r, out=None):
@@ -255,7 +354,7 @@ def _size_text(n):
         n /= 1024
 
 
-def main(ops=None, dtypes=None, devices=None, out=None):
+def main(ops=None, dtypes=None, devices=None, jobs=1, out=None):
     """``numba-ops warm``: ``warm`` with a progress line per call (which call, how
     many left, seconds so far) and a summary; returns the exit status: 0, 1 when
     a call failed (a kernel that does not compile), 2 for bad arguments."""
@@ -272,7 +371,7 @@ def main(ops=None, dtypes=None, devices=None, out=None):
         out.flush()
 
     try:
-        r = warm(ops, dtypes, devices, progress=progress, quiet=True)
+        r = warm(ops, dtypes, devices, jobs=jobs, progress=progress, quiet=True)
     except (ValueError, RuntimeError) as exc:
         print(f"numba-ops warm: error: {exc}", file=sys.stderr)
         return 2

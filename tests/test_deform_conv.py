@@ -211,6 +211,80 @@ def test_parallel_path_vs_reference(dtype, monkeypatch):
     assert_api_close(call(cast(ins, dtype), att), want, dtype)
 
 
+#: shapes with few positions beside large weights, for the channel split: 1-D (oC past
+#: 64 per thread: channel shares cut at multiples of 16), 2-D with groups and offset groups,
+#: 3-D with offset groups and no bias
+SPLIT_CASES = [
+    dict(N=1, C=4, D=(5,), oC=130, k=(3,), pads=[1, 1], spread=2.0),
+    dict(N=2, C=12, D=(4, 3), oC=18, k=(3, 3), pads=[1, 1, 1, 1], strides=[1, 2], group=3, og=2, spread=3.0),
+    dict(N=1, C=8, D=(2, 3, 3), oC=20, k=(2, 2, 2), pads=[1, 0, 1, 1, 1, 0], group=2, og=4, bias=False,
+         spread=2.0),
+]
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32, np.float16, BF16])
+@pytest.mark.parametrize("i", range(len(SPLIT_CASES)))
+def test_channel_split_vs_reference(i, dtype, monkeypatch):
+    """The parallel run's channel split (threads share a tile's positions for the fill,
+    then each takes a share of the output channels), forced: one tile per image, then
+    several tiles per image with one image per chunk; against the float64 oracle and the
+    position split; then the serial path (one thread)."""
+    import numba
+    ins, att = make_case(np.random.default_rng(300 + i), **SPLIT_CASES[i])
+    ins = cast(cast(ins, dtype), np.float64)  # the inputs as the dtype holds them
+    want = ref(ins, att)
+    lo = cast(ins, dtype)
+    monkeypatch.setattr(numba_ops.kernels.cpu._runtime, "PARALLEL_MIN_WORK", 0)
+    monkeypatch.setattr(cpu_dc, "_SPLIT", True)
+    monkeypatch.setattr(cpu_dc, "_STATES", {})
+    y = call(lo, att)
+    assert_api_close(y, want, dtype)
+    nth = numba.get_num_threads()
+    if nth > 1:  # the plan took the channel split (the last meta entry)
+        (st,) = cpu_dc._STATES.values()
+        assert all(m[-1] == 1 for m in st.meta[nth][0])
+    monkeypatch.setattr(cpu_dc, "_TILE_BYTES", 64)
+    monkeypatch.setattr(cpu_dc, "_TILE_MIN", 5)
+    monkeypatch.setattr(cpu_dc, "_SCRATCH_BYTES", 1)
+    monkeypatch.setattr(cpu_dc, "_STATES", {})
+    for _ in range(2):  # the second call reuses the workspace the first one left
+        assert_api_close(call(lo, att), want, dtype)
+    monkeypatch.setattr(cpu_dc, "_SPLIT", False)
+    monkeypatch.setattr(cpu_dc, "_STATES", {})
+    pos = call(lo, att)
+    assert_api_close(pos, want, dtype)
+    if dtype == np.float64:
+        np.testing.assert_allclose(y, pos, rtol=1e-13, atol=1e-13)
+    full = numba.get_num_threads()
+    try:
+        numba.set_num_threads(1)
+        monkeypatch.setattr(cpu_dc, "_SPLIT", True)
+        monkeypatch.setattr(cpu_dc, "_STATES", {})
+        assert_api_close(call(lo, att), want, dtype)
+    finally:
+        numba.set_num_threads(full)
+
+
+@pytest.mark.parametrize("name, split", [
+    ("dc_c512_7", True), ("dc_c1024_7", True), ("dc_c512_14", True), ("dc_c256_14", True),
+    ("dc_b2_c512_14", True), ("dc_c512_25x42", False), ("dc3d_c256_8x14", False),
+    ("dc_r50_c64_56", False), ("dc_b8_c32_32", False), ("dc_c256_28", False), ("dc_s2_g2", False)])
+def test_split_choice(name, split):
+    """The cost model (float32): the channel split where a thread's positions are few
+    beside the weights, the position split elsewhere (the existing bench cases keep
+    theirs); one thread never splits. 16-bit weights (converted either way) move
+    the 2 x 512 x 14 x 14 case to the position split."""
+    N, C, spatial, oC, k, pad, stride, dil, group, og, _ = _cases.deform_params(name)
+    P = int(np.prod([(s + 2 * pad - dil * (k - 1) - 1) // stride + 1 for s in spatial]))
+    S = int(np.prod([s + 2 for s in spatial]))
+    args = (N, C, k ** len(spatial), oC, P, group, og, len(spatial), S, 4)
+    T, nb, osplit = cpu_dc._plan_sizes(*args, 2, None, True)
+    assert osplit == split and 1 <= T <= P and nb >= 1
+    assert cpu_dc._plan_sizes(*args, 2, None, False)[2] == (split and name != "dc_b2_c512_14")
+    assert cpu_dc._plan_sizes(*args, 1)[2] is False
+    assert cpu_dc._plan_sizes(*args, 2, True)[2] is True and cpu_dc._plan_sizes(*args, 2, False)[2] is False
+
+
 @pytest.mark.parametrize("case", [
     dict(N=2, C=4, D=(6, 7), oC=3, k=(3, 2), pads=[1, 0, 1, 1], strides=[2, 1], group=1, og=2, spread=3.0),
     dict(N=1, C=4, D=(4, 5, 3), oC=2, k=(2, 3, 2), pads=[1, 0, 1, 0, 1, 1], strides=[1, 2, 1], group=2, og=2,
@@ -490,10 +564,10 @@ def test_zero_length_spatial_axis(device):
 def test_scratch_stays_bounded():
     """Whatever N is, the chunk of padded images and the tiles fit the budget."""
     for N in (1, 64, 10 ** 6):
-        T, nb = cpu_dc._plan_sizes(N, 64, 9, 64, 56 * 56, 1, 1, 2, 58 * 58, 4, 2)
+        T, nb, _ = cpu_dc._plan_sizes(N, 64, 9, 64, 56 * 56, 1, 1, 2, 58 * 58, 4, 2)
         scratch = nb * 58 * 58 * 64 * 4 + 2 * T * (9 * 64 + 64) * 4
         assert scratch <= 256 << 20 and T >= 1 and nb >= 1
-    T, nb = cpu_dc._plan_sizes(1, 4096, 27, 64, 10 ** 5, 1, 4096, 3, 10 ** 5, 4, 2)
+    T, nb, _ = cpu_dc._plan_sizes(1, 4096, 27, 64, 10 ** 5, 1, 4096, 3, 10 ** 5, 4, 2)
     assert 2 * T * (27 * 4096 * 4 + 4096 * 27 * 44) <= 256 << 20
 
 

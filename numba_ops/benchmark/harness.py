@@ -147,6 +147,8 @@ def _peer_fn(impl, name, device):
     """A zero-argument call of peer ``impl`` on case ``name`` (float32, as the peers
     are timed), or a string saying why the peer has no such case."""
     op, args, kw, _ = _cases.inputs(name, "float32")
+    if op == "deform_conv" and args[0].ndim != 4 and impl in ("onnxruntime", "torch"):
+        return f"{impl}'s DeformConv is 2-D only"
     if impl == "onnxruntime":
         if device == "cuda":
             import onnxruntime as ort

@@ -32,6 +32,14 @@ Algorithm, per image (images go in chunks so that scratch stays within
    cores). Bias and the one rounding to the output dtype happen when the GEMM
    tile is written out.
 
+A parallel run gives each thread whole tiles (the position split), or, where the
+positions are few beside the weights (deep channels at small spatial sizes), splits
+each tile by output channels (the channel split): the threads fill shares of its
+positions, the columns are turned into w's own (channel, kernel point) order, and
+each thread multiplies them by its share of w's rows, read where they lie (no
+reorder pass) and packed by BLAS once per tile in all instead of once per thread.
+``_plan_sizes`` chooses from the elements each thread's GEMMs pack.
+
 Calls too small for the pool run on the caller's thread (``_serial``), and
 tiny ones (the seed example) skip the scratch and BLAS altogether
 (``_direct``: each output straight from the definition). Accumulation is
@@ -56,6 +64,7 @@ import threading
 import numpy as np
 from numba import njit, prange, types
 from numba.core import cgutils
+from numba.core.imputils import impl_ret_borrowed
 from numba.extending import intrinsic, overload
 
 from ..._dtypes import compute, storage
@@ -71,6 +80,9 @@ _TILE_BYTES = 512 << 10
 _TILE_MIN = 256
 #: calls with at most this many (sample, output channel, corner) triples take the direct path.
 _DIRECT_MAX = 1024
+#: the parallel run's split: None chooses from the shape (``_plan_sizes``), True forces the
+#: channel split, False the position split (tests, benchmarks; plans made before keep theirs)
+_SPLIT = None
 
 
 # --- compute-type helpers -----------------------------------------------------------
@@ -129,6 +141,19 @@ def _flat(typingctx, a):
         res = out._getvalue()
         context.nrt.incref(builder, rt, res)
         return res
+    return rt(a), codegen
+
+
+@intrinsic
+def _mutable(typingctx, a):
+    """``a`` typed writable: a read-only caller's array (never written) then has the type
+    of a workspace slice, so that one call site takes either."""
+    if not isinstance(a, types.Array):
+        return None
+    rt = a.copy(readonly=False)
+
+    def codegen(context, builder, sig, args):
+        return impl_ret_borrowed(context, builder, rt, args[0])
     return rt(a), codegen
 
 
@@ -196,6 +221,57 @@ def _reorder_w(w3, wr, K, o):
         src = base + k
         for c in range(uCg):
             wr[dst + c] = load(wf, src + c * uK)
+
+
+def _native(w3):
+    """True when the storage type of ``w3`` is its compute type (float32, float64): the
+    channel split then multiplies by the weights where they lie."""
+
+
+@overload(_native, jit_options={"inline": "always"})
+def _native_ol(w3):
+    if w3.dtype in (types.float32, types.float64):
+        return lambda w3: True
+    return lambda w3: False
+
+
+def _wmat(w3, wr):
+    """The weights as (oC, C/group * K) rows in (channel, kernel point) order, flat: ``w3``
+    itself for float32/float64, else ``wr`` (``_convert_w`` fills it)."""
+
+
+@overload(_wmat, jit_options={"inline": "always"})
+def _wmat_ol(w3, wr):
+    if w3.dtype in (types.float32, types.float64):
+        return lambda w3, wr: _flat(w3)
+    return lambda w3, wr: wr
+
+
+@njit(cache=True)
+def _convert_w(w3, wr, o):
+    """wr's row ``o`` = w's row in the compute type, same order (16-bit weights, channel split)."""
+    n = np.uint64(w3.shape[1] * w3.shape[2])
+    wf = _flat(w3)
+    base = np.uint64(o) * n
+    for i in range(n):
+        wr[base + i] = load(wf, base + i)
+
+
+@njit(cache=True)
+def _to_cmajor(cols, shared, j0, tl, T, K, cpg, group):
+    """Column rows 0..tl of ``cols`` ((group, T, K, cpg) order) into rows j0.. of ``shared``
+    in (group, T, cpg, K) order: the order of w's own rows, so that the channel split
+    multiplies by the weights without reordering them (the columns of a tile are far
+    fewer than the weights where the channel split runs)."""
+    kc = K * cpg
+    uK, ucpg = np.uint64(K), np.uint64(cpg)
+    for gi in range(group):
+        for j in range(tl):
+            src = np.uint64(gi * T * kc + j * kc)
+            dst = np.uint64(gi * T * kc + (j0 + j) * kc)
+            for k in range(uK):
+                for c in range(ucpg):
+                    shared[dst + c * uK + k] = cols[src + k * ucpg + c]
 
 
 # --- phase 2: sampling plans, column fill, GEMM, write-out -------------------------------
@@ -476,36 +552,45 @@ def _fill_any(tok, xp, coff, pidx, pw, cols, segs, tl, K, cpg):
 
 @njit(cache=True)
 def _tile(tok, n, nl, p0, p1, xp, off3, m3, has_mask, wr, b, has_b, y3, geo, pstr, coff, segs, dims,
-          cols, outb, pidx, pw, pm):
-    """Output positions [p0, p1) of image ``n`` (``nl``: its slot in ``xp``):
-    plans, column fill, one GEMM per group, bias and rounding into ``y3``."""
+          cols, outb, pidx, pw, pm, fill, oc0, oc1):
+    """Output positions [p0, p1) of image ``n`` (``nl``: its slot in ``xp``): when
+    ``fill``, plans and column fill into ``cols`` (its row 0 is position p0); then,
+    for output channels [oc0, oc1) (global), one GEMM per group they touch, bias and
+    rounding into ``y3``. The position split calls it once per tile (fill, all
+    channels); the channel split (``_parallel``) once per thread to fill its share
+    of a tile's positions (no channels), then once per thread for its channels."""
     C, K, group, og, T = dims[0], dims[1], dims[2], dims[3], dims[4]
     oC = y3.shape[1]
     cpg, ocg = C // group, oC // group
     kc = K * cpg
     tl = p1 - p0
-    for g in range(og):
-        for kidx in range(K):
-            gk = g * K + kidx
-            _plan(tok, off3, m3, has_mask, n, geo, pstr, C, kidx, g, K, p0, p1, pidx[gk], pw[gk], pm[gk],
-                  dims[7], dims[8])
-    _fill(tok, xp[nl], coff, pidx, pw, pm, cols, segs, tl, K, cpg)
+    if fill:
+        for g in range(og):
+            for kidx in range(K):
+                gk = g * K + kidx
+                _plan(tok, off3, m3, has_mask, n, geo, pstr, C, kidx, g, K, p0, p1, pidx[gk], pw[gk], pm[gk],
+                      dims[7], dims[8])
+        _fill(tok, xp[nl], coff, pidx, pw, pm, cols, segs, tl, K, cpg)
     zero = _czero(wr)
     blk = outb[ocg * T:ocg * (T + 16)]
-    outf = outb[:tl * ocg]
-    out = outf.reshape((tl, ocg))
     yf = _flat(y3)
     P = y3.shape[2]
-    uocg = np.uint64(ocg)
     for gi in range(group):
+        lo, hi = max(oc0, gi * ocg), min(oc1, (gi + 1) * ocg)
+        if lo >= hi:
+            continue
+        ol = hi - lo
+        uol = np.uint64(ol)
+        outf = outb[:tl * ol]
+        out = outf.reshape((tl, ol))
         # out^T = cols @ W^T: BLAS runs this orientation ~15 % faster than W @ cols^T here
-        a = wr[gi * ocg * kc:(gi + 1) * ocg * kc].reshape((ocg, kc))
+        a = wr[lo * kc:hi * kc].reshape((ol, kc))
         bt = cols[gi * T * kc:gi * T * kc + tl * kc].reshape((tl, kc))
-        if ocg * tl * kc >= 16384:  # below this, BLAS's call overhead dominates
+        if ol * tl * kc >= 16384:  # below this, BLAS's call overhead dominates
             np.dot(bt, a.T, out)
         else:
             for j in range(tl):
-                for o in range(ocg):
+                for o in range(ol):
                     acc = zero
                     for k in range(kc):
                         acc += a[o, k] * bt[j, k]
@@ -516,11 +601,11 @@ def _tile(tok, n, nl, p0, p1, xp, off3, m3, has_mask, wr, b, has_b, y3, geo, pst
         for j0 in range(0, tl, 16):
             jl = np.uint64(min(tl, j0 + 16) - j0)
             for j in range(jl):
-                src = (np.uint64(j0) + j) * uocg
-                for o in range(uocg):
+                src = (np.uint64(j0) + j) * uol
+                for o in range(uol):
                     blk[o * np.uint64(16) + j] = outf[src + o]
-            for o in range(ocg):
-                oc = gi * ocg + o
+            for o in range(ol):
+                oc = lo + o
                 bias = load(b, oc) if has_b else zero
                 dst = np.uint64((n * oC + oc) * P + p0 + j0)
                 bo = np.uint64(o * 16)
@@ -623,8 +708,11 @@ def _padded_buffer(buf, nb, sites, tail, C):
 @njit(cache=True, inline="always")
 def _corner_offsets(pstr, C):
     nd = pstr.shape[0]
-    coff = np.zeros(1 << nd, np.int64)
+    # np.empty and a loop, not np.zeros: inlined into the parallel entry, np.zeros
+    # would become a parfor of its own (another parallel function to compile)
+    coff = np.empty(1 << nd, np.int64)
     for cr in range(1 << nd):
+        coff[cr] = 0
         for ax in range(nd):
             if (cr >> (nd - 1 - ax)) & 1:
                 coff[cr] += pstr[ax] * C
@@ -794,7 +882,7 @@ def _serial(x, w, off, m, b, y, meta):
         for it in range(nc * ntile):
             nl, t = it // ntile, it % ntile
             _tile(tok, n0 + nl, nl, t * T, min(P, t * T + T), xp, off3, m3, has_mask, wr, b, has_b, y3,
-                  geo, pstr, coff, segs, dims, cols, outb, pidx, pw, pm)
+                  geo, pstr, coff, segs, dims, cols, outb, pidx, pw, pm, True, 0, oC)
 
 
 @njit(cache=True, parallel=True)
@@ -816,30 +904,59 @@ def _parallel(x, w, off, m, b, y, meta, fws, iws):
     rows, xp, coff = _padded_setup(fws[nw:nw + nxp], x3, geo, pstr, nb)
     ntile = (P + T - 1) // T
     segs = _segments(dims)
+    csplit = dims[11] != 0
+    shared = fws[nw + nxp + nth * ntile_ws:nw + nxp + nth * ntile_ws + T * K * C]  # (channel split only)
+    wmat = _mutable(_wmat(w3, wr))
+    u = 16 if oC >= 64 * nth else 1
     for n0 in range(0, N, nb):
         nc = min(nb, N - n0)
         # padded rows of this chunk, and (first chunk only) the weights' rows: one pool round,
         # the items dealt out in turn (a padded row and a weight row differ several-fold in
         # work: contiguous halves would leave one thread waiting for the other)
-        wrows = oC if n0 == 0 else 0
+        # (the channel split reads float32/float64 weights where they lie: no weight rows)
+        wrows = oC if n0 == 0 and not (csplit and _native(w3)) else 0
         for th in prange(nth):
             for i in range(th, nc * rows + wrows, nth):
                 if i < nc * rows:
                     _pad_row(x3, n0 + i // rows, xp[i // rows], geo, i % rows)
+                elif csplit:
+                    _convert_w(w3, wr, i - nc * rows)
                 else:
                     _reorder_w(w3, wr, K, i - nc * rows)
+        # the tiles, in rounds: the position split runs one round (each thread a contiguous run
+        # of tiles: one image's rows stay in its cache); the channel split two per tile: the
+        # threads fill shares of its positions (each in its own column buffer, then turned into
+        # w's (channel, kernel point) order in the shared one), then each multiplies the shared
+        # columns by its share of the output channels (rows of w, cut at multiples of 16 so
+        # that BLAS's panels stay whole): every weight is packed once per tile, not once per
+        # thread, each GEMM gets the whole tile's positions, and the weights are not reordered.
+        # One prange loop and one _tile call for both (each loop body is a function of its own
+        # that numba optimises again with all it calls: compile time)
         items = nc * ntile
-        for th in prange(nth):
-            f0 = nw + nxp + th * ntile_ws
-            cols, outb, pidx, pw, pm = _scratch(fws[f0:f0 + ntile_ws], iws[th * nint:(th + 1) * nint],
-                                                dims, nd, ocg)
-            # contiguous runs keep a thread on one image's rows (cache locality)
-            lo = th * items // nth
-            hi = (th + 1) * items // nth
-            for it in range(lo, hi):
-                nl, t = it // ntile, it % ntile
-                _tile(tok, n0 + nl, nl, t * T, min(P, t * T + T), xp, off3, m3, has_mask, wr, b, has_b,
-                      y3, geo, pstr, coff, segs, dims, cols, outb, pidx, pw, pm)
+        for rd in range(2 * items if csplit else 1):
+            for th in prange(nth):
+                f0 = nw + nxp + th * ntile_ws
+                cols, outb, pidx, pw, pm = _scratch(fws[f0:f0 + ntile_ws], iws[th * nint:(th + 1) * nint],
+                                                    dims, nd, ocg)
+                lo = th * items // nth
+                hi = (th + 1) * items // nth
+                if csplit:
+                    lo, hi = rd // 2, rd // 2 + 1
+                for it in range(lo, hi):
+                    nl, t = it // ntile, it % ntile
+                    p0, p1 = t * T, min(P, t * T + T)
+                    buf, wm, fill, o0, o1 = cols, wr, True, 0, oC
+                    if csplit and rd % 2 == 0:  # this thread's share of the positions
+                        p0, p1, o1 = p0 + th * (p1 - p0) // nth, p0 + (th + 1) * (p1 - p0) // nth, 0
+                    elif csplit:  # this thread's share of the output channels
+                        buf, wm, fill = shared, wmat, False
+                        o0 = min(oC, (th * oC // nth + u // 2) // u * u) if th else 0
+                        o1 = min(oC, ((th + 1) * oC // nth + u // 2) // u * u) if th < nth - 1 else oC
+                    if p1 > p0 and (fill or o1 > o0):
+                        _tile(tok, n0 + nl, nl, p0, p1, xp, off3, m3, has_mask, wm, b, has_b, y3, geo, pstr,
+                              coff, segs, dims, buf, outb, pidx, pw, pm, fill, o0, o1)
+                        if csplit and fill:
+                            _to_cmajor(cols, shared, p0 - t * T, p1 - p0, T, K, C // group, group)
 
 
 # --- SciPy's BLAS thread count ----------------------------------------------------------
@@ -900,31 +1017,52 @@ _BLAS = _BlasThreads()
 _I32 = 1 << 29
 
 
-def _plan_sizes(N, C, K, oC, P, group, og, nd, S, item, nth):
-    """(tile length T, images per chunk nb) for ``S`` sites per padded image.
+def _plan_sizes(N, C, K, oC, P, group, og, nd, S, item, nth, split=None, native=False):
+    """(tile length T, images per chunk nb, channel split) for ``S`` sites per padded image.
 
     Tiles hold about ``_TILE_BYTES`` of columns (an L2 cache) but at least
     ``_TILE_MIN`` positions, as every tile's GEMM re-packs the weights; when the
     L2 target is under half that, the columns live in L3 anyway and tiles get
     ``2 * _TILE_MIN``. Tiles never take more than a quarter of
-    ``_SCRATCH_BYTES`` over all threads, and a parallel run gets a
-    multiple of ``nth`` tiles in all, so that no thread idles at the end. The
-    padded images of a chunk take the rest of the budget (at least one image)."""
+    ``_SCRATCH_BYTES`` over all threads. The padded images of a chunk take the
+    rest of the budget (at least one image).
+
+    A parallel run splits the work one of two ways. The position split gives each
+    thread whole tiles (a multiple of ``nth`` tiles in all, so that no thread idles
+    at the end); each tile's GEMM packs all the weights. The channel split fills
+    each tile's columns once (the threads share its positions), then gives each
+    thread a share of the output channels, so that each tile's weights are packed
+    once in all and each GEMM gets the whole tile. Where positions are few beside
+    the weights (deep channels at small spatial sizes: a handful of positions per
+    thread, every thread packing megabytes of weights for them) the channel split
+    wins. The choice counts the elements each thread's GEMMs pack (weights and
+    columns), the work that does not shrink with more threads: the position split
+    packs (weights + T columns) per tile, the channel split (weights / nth + T
+    columns) per tile; with ``native`` weights (float32/float64: the channel split
+    reads them where they lie) the position split also reorders them once per call
+    (weights / nth). ``split`` (True/False) forces one way (tests, benchmarks)."""
     kc_all = max(1, K * C)
     per_pos = (kc_all + oC // group) * item + og * K * (((1 << nd) + 1) * item + 8)
     T = _TILE_BYTES // (kc_all * item)
     # columns far too wide for a cache-sized tile live in L3 anyway: fewer, bigger GEMMs win
     T = 2 * _TILE_MIN if 2 * T < _TILE_MIN else max(T, _TILE_MIN)
     T = max(1, min(P, T, (_SCRATCH_BYTES // 4 // nth) // per_pos))
+    osplit = False
     if nth > 1:
+        wts = oC * kc_all // max(1, group)
         ntile = -(-P // T)
+        To = -(-P // ntile)  # the channel split's tiles: as even as T allows
         while (N * ntile) % nth and ntile < P:
             ntile += 1
-        T = -(-P // ntile)
+        Tp = -(-P // ntile)
+        cost_p = -(-N * ntile // nth) * (wts + Tp * kc_all) + (wts // nth if native else 0)
+        cost_o = N * -(-P // To) * (wts // nth + To * kc_all)
+        osplit = cost_o < cost_p if split is None else bool(split)
+        T = To if osplit else Tp
     img = max(1, S * C * item)
     budget = _SCRATCH_BYTES - nth * (T * per_pos + 16 * (oC // group) * item) - oC * kc_all * item // max(1, group)
     nb = max(1, min(N, budget // img))
-    return T, nb
+    return T, nb, osplit
 
 
 class _State:
@@ -963,14 +1101,17 @@ class _State:
         fast = nd if (fits and nd in (2, 3)) else 0
         self.meta = {}
         for nth in {1, _runtime.num_threads()}:
-            T, nb = _plan_sizes(N, C, K, oC, P, p.group, p.offset_group, nd, S + tail, item, nth)
+            T, nb, osplit = _plan_sizes(N, C, K, oC, P, p.group, p.offset_group, nd, S + tail, item, nth,
+                                        _SPLIT, self.view is None)
             dims = [C, K, p.group, p.offset_group, T, nb, nth, fast, S]
-            # index has_mask * 2 + has_b: dims[9] has_mask, dims[10] has_b
-            metas = [np.array([nd] + geo.ravel().tolist() + pstr.tolist() + dims + [hm, hb], dtype=np.int64)
+            # index has_mask * 2 + has_b: dims[9] has_mask, dims[10] has_b; dims[11] the channel split
+            metas = [np.array([nd] + geo.ravel().tolist() + pstr.tolist() + dims + [hm, hb, int(osplit)],
+                              dtype=np.int64)
                      for hm in (0, 1) for hb in (0, 1)]
             nw, nxp, ntile_ws, nint = _ws_sizes_host(C, oC, geo, pstr, metas[0][1 + 7 * nd:])
-            # metas, then the parallel run's workspace elements (compute type, int64)
-            self.meta[nth] = (metas, nw + nxp + nth * ntile_ws, nth * nint)
+            # metas, then the parallel run's workspace elements (compute type, int64); the
+            # channel split's shared columns after the threads' tile buffers
+            self.meta[nth] = (metas, nw + nxp + nth * ntile_ws + (T * K * C if osplit else 0), nth * nint)
 
 
 _WORKSPACE = {}
