@@ -13,6 +13,7 @@ import os
 
 import numpy as np
 
+from ._arrays import on_device  # noqa: F401  (the front ends import it from here)
 from ._dtypes import SUPPORTED
 
 DEVICES = ("cpu", "cuda")
@@ -46,18 +47,6 @@ def cuda_usable():
 def devices():
     """The usable devices: ``"cpu"`` first, then ``"cuda"`` if usable."""
     return ("cpu", "cuda") if cuda_usable() else ("cpu",)
-
-
-def on_device(a):
-    """True for GPU arrays: ``__cuda_array_interface__`` exporters and numba's own
-    device arrays (whose simulated kind, under NUMBA_ENABLE_CUDASIM, exports no
-    interface but is marked ``__cuda_ndarray__``)."""
-    return a is not None and (hasattr(a, "__cuda_array_interface__") or is_numba_device_array(a))
-
-
-def is_numba_device_array(a):
-    """True for numba's own device arrays (real or simulated)."""
-    return bool(getattr(type(a), "__cuda_ndarray__", False))
 
 
 def check_device(device):

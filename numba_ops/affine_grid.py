@@ -26,7 +26,7 @@ def _fast_key(theta, size, align_corners):
     return None
 
 
-def affine_grid(theta, size, align_corners=False, *, device=None):
+def affine_grid(theta, size, align_corners=False, *, device=None, stream=None):
     """Sampling grid of an affine transform, as ONNX AffineGrid.
 
     Parameters
@@ -38,6 +38,10 @@ def affine_grid(theta, size, align_corners=False, *, device=None):
     align_corners : bool or 0/1
         Base coordinates -1 + 2i/(L-1) if true, else (2i+1)/L - 1.
     device : None, "cpu" or "cuda"
+    stream : None, a numba stream, an object with ``__cuda_stream__``, a CuPy or
+        PyTorch CUDA stream, or an integer handle (0: the legacy default stream)
+        The CUDA stream to run on (ignored on the CPU). With device inputs the
+        call returns without waiting; with NumPy inputs, after the copy back.
 
     Returns
     -------
@@ -78,5 +82,8 @@ def affine_grid(theta, size, align_corners=False, *, device=None):
         raise ValueError(f"size {list(size)} asks for a grid of shape {shape}: too large to allocate")
     if key is not None and device == "cpu":
         remember(_SEEN, key, (size, align))
-    out = launcher("affine_grid", device, theta.dtype)(theta, size, align)
+    if device == "cuda":
+        out = launcher("affine_grid", device, theta.dtype)(theta, size, align, stream=stream)
+    else:
+        out = launcher("affine_grid", device, theta.dtype)(theta, size, align)
     return result_for(out, back)

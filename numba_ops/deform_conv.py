@@ -113,7 +113,7 @@ def _fast_key(x, w, offset, b, mask, kernel_shape, strides, pads, dilations, gro
 
 
 def deform_conv(x, w, offset, b=None, mask=None, *, kernel_shape=None, strides=None, pads=None,
-                dilations=None, group=1, offset_group=1, device=None):
+                dilations=None, group=1, offset_group=1, device=None, stream=None):
     """Deformable convolution, as ONNX DeformConv, for 1-D, 2-D, 3-D (and more) inputs.
 
     Parameters
@@ -124,6 +124,10 @@ def deform_conv(x, w, offset, b=None, mask=None, *, kernel_shape=None, strides=N
     kernel_shape, strides, pads, dilations, group, offset_group : ONNX attributes
         (pads in ONNX order: all begins, then all ends).
     device : None, "cpu" or "cuda"
+    stream : None, a numba stream, an object with ``__cuda_stream__``, a CuPy or
+        PyTorch CUDA stream, or an integer handle (0: the legacy default stream)
+        The CUDA stream to run on (ignored on the CPU). With device inputs the
+        call returns without waiting; with NumPy inputs, after the copy back.
 
     Returns
     -------
@@ -158,6 +162,9 @@ def deform_conv(x, w, offset, b=None, mask=None, *, kernel_shape=None, strides=N
     _check_shape(b, "B", (oC,), "(oC,)")
     if key is not None and device == "cpu":
         remember(_SEEN, key, p)
-    y = launcher("deform_conv", device, x.dtype)(x, w, offset, b, mask, p)
+    if device == "cuda":
+        y = launcher("deform_conv", device, x.dtype)(x, w, offset, b, mask, p, stream=stream)
+    else:
+        y = launcher("deform_conv", device, x.dtype)(x, w, offset, b, mask, p)
     return result_for(y, back)
 

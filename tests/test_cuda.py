@@ -102,8 +102,8 @@ def test_compile_ptx(which, cc, monkeypatch):
                               env=_env(NUMBA_ENABLE_CUDASIM="0"), cwd=HERE, timeout=600)
         assert proc.returncode == 0, proc.stderr[-4000:]
         sizes = json.loads(proc.stdout.strip().splitlines()[-1])
-    # every dtype of every kernel variant: 2 kernels x 2 nd; 2 tile variants + weights; 3 ranks
-    assert len(sizes) == 4 * {"affine_grid": 4, "deform_conv": 3, "pack": 3}[which], sorted(sizes)
+    # every dtype of every kernel variant: 2 kernels x 2 nd; 2 tile variants x 32/64-bit indices + weights; 3 ranks
+    assert len(sizes) == 4 * {"affine_grid": 4, "deform_conv": 5, "pack": 3}[which], sorted(sizes)
     for dt in ("float16", "bfloat16", "float32", "float64"):
         assert any(label.endswith("/" + dt) for label in sizes), dt
 
@@ -435,6 +435,25 @@ def test_gpu_tile_configuration(nd, monkeypatch):
     got = numba_ops.deform_conv(x, w, off, b, device="cuda")
     want = deform_conv_ref(x, w, off, b)
     assert_api_close(got, want, np.float64)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_64_bit_index_kernel_matches_32_bit(dtype, monkeypatch):
+    """Tensors under 2**31 elements take the kernel with 32-bit indices; the 64-bit
+    one (for larger tensors, which the simulator cannot hold) computes the same
+    sums in the same order: forced here on a small case, the results are identical."""
+    from numba_ops.kernels.cuda import deform_conv as dc
+    args, kw = _dc_case(np.random.default_rng(8), dtype, nd=2)
+    picked = []
+    real = dc.kernel
+    monkeypatch.setattr(dc, "kernel", lambda *a: picked.append(a[-1]) or real(*a))
+    narrow = numba_ops.deform_conv(*args, **kw, device="cuda")
+    monkeypatch.setattr(dc, "WIDE_FROM", 0)
+    wide = numba_ops.deform_conv(*args, **kw, device="cuda")
+    assert picked == [False, True]
+    np.testing.assert_array_equal(wide, narrow)
+    assert_api_close(wide, deform_conv_ref(*[a.astype(np.float64) for a in args], **kw), dtype)
 
 
 @needs_cuda

@@ -16,7 +16,6 @@ With ``NUMBA_ENABLE_CUDASIM=1`` numba's simulator stands in for the GPU: its
 read straight from its pointer (tests use that to exercise the bfloat16 path).
 """
 import contextlib
-import functools
 import sys
 import threading
 
@@ -29,7 +28,7 @@ try:  # numba-cuda keeps its own config; numba's built-in target used numba's
 except ImportError:  # pragma: no cover - other numba-cuda layouts
     from numba.core import config as _cuda_config
 
-from ..._dispatch import is_numba_device_array
+from ..._arrays import is_numba_device_array
 from ..._dtypes import BFLOAT16, DTYPES, SUPPORTED, storage
 
 SIMULATOR = bool(_cuda_config.ENABLE_CUDASIM)
@@ -129,6 +128,71 @@ def launch_guard():
             sys.setswitchinterval(old)
 
 
+# --- streams (API.md, Devices: ``stream=``) ---------------------------------------
+
+def _stream_type():
+    if SIMULATOR:
+        from numba.cuda.simulator.api import stream as cls  # the simulator's (synchronous) stream
+    else:
+        from numba.cuda.cudadrv.driver import Stream as cls
+    return cls
+
+
+def _handle(stream):
+    """The integer handle that ``stream`` stands for, or None if it names none."""
+    proto = getattr(stream, "__cuda_stream__", None)
+    if proto is not None:  # the CUDA stream protocol: (version, handle), a method (older: a tuple)
+        try:
+            version, handle = proto() if callable(proto) else proto
+        except (TypeError, ValueError):
+            return None
+        return int(handle) if version == 0 and isinstance(handle, int) and not isinstance(handle, bool) else None
+    for attr in ("cuda_stream", "ptr"):  # PyTorch's torch.cuda.Stream, CuPy's Stream
+        handle = getattr(stream, attr, None)
+        if isinstance(handle, int) and not isinstance(handle, bool):
+            return handle
+    if isinstance(stream, (int, np.integer)) and not isinstance(stream, (bool, np.bool_)):
+        return int(stream)
+    return None
+
+
+def as_stream(stream):
+    """The numba stream that a CUDA launch uses for the public ``stream=`` argument.
+
+    - ``None``: ``0``, numba's name for the default stream (what numba's launches,
+      copies and allocations take when no stream is given);
+    - a numba stream: itself;
+    - an object with ``__cuda_stream__`` (the CUDA stream protocol, version 0:
+      ``(0, handle)``), else a PyTorch CUDA stream (``.cuda_stream``) or a CuPy
+      stream (``.ptr``), or an integer handle: ``0`` is the legacy default stream,
+      any other handle is wrapped by ``cuda.external_stream`` (the caller keeps the
+      stream alive for the call's work).
+
+    Anything else is a TypeError naming ``stream``. In the simulator every launch is
+    synchronous and ``external_stream`` does not exist: a handle is checked as on a
+    GPU and stands for the simulator's default stream.
+
+    Every CUDA launch passes the result to all of its work: ``kernel[blocks,
+    threads, s]``, ``cuda.to_device(a, stream=s)``, ``cuda.device_array(n, dtype,
+    stream=s)``, ``flat(a, s)`` and ``finish(..., stream=s)`` (which synchronises
+    ``s`` after a copy back to the host, and nothing otherwise).
+    """
+    if stream is None:
+        return 0
+    if isinstance(stream, _stream_type()):
+        return stream
+    handle = _handle(stream)
+    if handle is None or handle < 0:
+        raise TypeError(
+            "stream must be None, a numba CUDA stream, an object with __cuda_stream__ (the CUDA stream "
+            "protocol, version 0), a CuPy or PyTorch CUDA stream, or a non-negative integer stream handle; "
+            f"got {stream!r}" + ("" if handle is None else f" (handle {handle})"))
+    with launch_guard():
+        if handle == 0:
+            return cuda.legacy_default_stream()
+        return cuda.default_stream() if SIMULATOR else cuda.external_stream(handle)
+
+
 def blocks_for(n):
     """Blocks of ``THREADS`` for ``n`` work items; grid-stride loops cover whatever this leaves."""
     return max(1, min(MAX_BLOCKS, -(-int(n) // THREADS)))
@@ -219,20 +283,21 @@ def _pack(src, dst):
         dst[i] = strided_get(src, i)
 
 
-def flat(a):
+def flat(a, stream=0):
     """``a`` (NumPy or numba device array of a public dtype) as a contiguous 1-D
-    device array of its storage dtype (float16 -> int16, bfloat16 -> uint16 bits)."""
+    device array of its storage dtype (float16 -> int16, bfloat16 -> uint16 bits);
+    copies and packing on ``stream`` (``as_stream``'s result)."""
     st = storage(a.dtype)
     if isinstance(a, np.ndarray):
-        return cuda.to_device(np.ascontiguousarray(a).view(st).reshape(-1))
+        return cuda.to_device(np.ascontiguousarray(a).view(st).reshape(-1), stream=stream)
     v = a.view(st)  # same item size: a view even when strided
     n = int(np.prod(v.shape, dtype=np.int64))
     if n == 0:
-        return cuda.device_array(0, dtype=st)
+        return cuda.device_array(0, dtype=st, stream=stream)
     if v.is_c_contiguous():
         return v.reshape(n)
-    out = cuda.device_array(n, dtype=st)
-    _pack[blocks_for(n), THREADS](v, out)
+    out = cuda.device_array(n, dtype=st, stream=stream)
+    _pack[blocks_for(n), THREADS, stream](v, out)
     return out
 
 
@@ -251,12 +316,17 @@ def any_on_device(*arrays):
     return any(a is not None and not isinstance(a, np.ndarray) for a in arrays)
 
 
-def finish(out, shape, dtype, to_host):
+def finish(out, shape, dtype, to_host, stream=0):
     """The flat storage result ``out`` as ``shape`` of the public ``dtype``: NumPy
-    if ``to_host``, else a numba device array."""
+    if ``to_host`` (copied on ``stream``, which is then synchronised: the call
+    returns with the result), else a numba device array (nothing waits: it is
+    ready when ``stream`` is)."""
     if to_host:
-        return out.copy_to_host().view(dtype).reshape(shape)
-    return out.reshape(shape).view(dtype) if out.size else cuda.device_array(shape, dtype=dtype)
+        host = out.copy_to_host(stream=stream)
+        if stream:  # numba's default stream (0) copies synchronously already
+            stream.synchronize()
+        return host.view(dtype).reshape(shape)
+    return out.reshape(shape).view(dtype) if out.size else cuda.device_array(shape, dtype=dtype, stream=stream)
 
 
 def from_host(a):
@@ -274,23 +344,25 @@ def to_host(a):
         return finish(flat(a), a.shape, a.dtype, to_host=True)
 
 
-def int64_array(values):
+def int64_array(values, stream=0):
     """A small read-only int64 table (kernel geometry) on the device.
 
     Cached per CUDA context: a call then costs no host-to-device copy (a
     synchronous ~10 us each) for shapes seen before. Kernels never write these.
+    A table made for the first time is copied on ``stream`` and the stream is
+    synchronised once, so that any later call, on any stream, finds it complete.
     """
     arr = np.ascontiguousarray(values, dtype=np.int64)
     if SIMULATOR:
-        return cuda.to_device(arr)
-    return _cached_const(arr.tobytes(), arr.shape, "<i8", _context_key())
+        return cuda.to_device(arr, stream=stream)
+    return _cached_const(arr.tobytes(), arr.shape, "<i8", _context_key(), stream)
 
 
-def dummy(dtype):
+def dummy(dtype, stream=0):
     """A 1-element device array standing in for an absent optional input (never read)."""
     if SIMULATOR:
-        return cuda.device_array(1, dtype=dtype)
-    return _cached_const(bytes(np.dtype(dtype).itemsize), (1,), np.dtype(dtype).str, _context_key())
+        return cuda.device_array(1, dtype=dtype, stream=stream)
+    return _cached_const(bytes(np.dtype(dtype).itemsize), (1,), np.dtype(dtype).str, _context_key(), stream)
 
 
 def _context_key():
@@ -298,6 +370,18 @@ def _context_key():
     return (id(ctx), ctx.device.id)
 
 
-@functools.lru_cache(maxsize=256)
-def _cached_const(data, shape, typestr, context):
-    return cuda.to_device(np.frombuffer(data, dtype=np.dtype(typestr)).reshape(shape))
+#: (bytes, shape, typestr, context) -> a device array: the small constant tables
+_CONSTS = {}
+
+
+def _cached_const(data, shape, typestr, context, stream):
+    key = (data, shape, typestr, context)
+    arr = _CONSTS.get(key)
+    if arr is None:
+        arr = cuda.to_device(np.frombuffer(data, dtype=np.dtype(typestr)).reshape(shape), stream=stream)
+        if stream:
+            stream.synchronize()  # once per table: later calls may run on other streams
+        if len(_CONSTS) >= 256:  # bounded, as the lru_cache it replaces
+            _CONSTS.clear()
+        _CONSTS[key] = arr
+    return arr

@@ -106,36 +106,37 @@ def compile_jobs():
             yield f"affine_grid.grid/{nd}d/{dt}", grid, (st, cf, st, i64, i64, i64)
 
 
-def launch(theta, size, align):
-    """theta: NumPy or device array (N, nd, nd+1), validated; size: (N, C, [D,] H, W)."""
+def launch(theta, size, align, stream=None):
+    """theta: NumPy or device array (N, nd, nd+1), validated; size: (N, C, [D,] H, W);
+    stream: the public ``stream=`` (``_device.as_stream``)."""
     with _device.launch_guard():
-        return _launch(theta, size, align)
+        return _launch(theta, size, align, _device.as_stream(stream))
 
 
-def launch_into(theta, size, align, out):
+def launch_into(theta, size, align, out, stream=None):
     """``launch`` writing into ``out``, a preallocated flat device array of the
     storage dtype: what bench/gpu_bench.py times as the kernels alone (the
     allocation of a large result is a cudaMalloc that numba does not pool)."""
     with _device.launch_guard():
-        return _launch(theta, size, align, out)
+        return _launch(theta, size, align, _device.as_stream(stream), out)
 
 
-def _launch(theta, size, align, out=None):
+def _launch(theta, size, align, stream, out=None):
     dtype = np.dtype(theta.dtype)
     nd = len(size) - 2
     shape = (size[0],) + tuple(size[2:]) + (nd,)
     total = int(np.prod(shape, dtype=np.int64))
     to_host = isinstance(theta, np.ndarray)
     if out is None:
-        out = cuda.device_array(total, dtype=storage(dtype))
+        out = cuda.device_array(total, dtype=storage(dtype), stream=stream)
     if total:
         ct = compute(dtype).type
         D = size[2] if nd == 3 else 1
         H, W = size[-2], size[-1]
         coords, grid = kernels(ct, nd)
-        c = cuda.device_array(W + H + D, dtype=ct)
-        coords[_device.blocks_for(W + H + D), _device.THREADS](c, np.int64(D), np.int64(H), np.int64(W), bool(align))
+        c = cuda.device_array(W + H + D, dtype=ct, stream=stream)
+        coords[_device.blocks_for(W + H + D), _device.THREADS, stream](c, np.int64(D), np.int64(H), np.int64(W), bool(align))
         rows = total // (W * nd)
         blocks = max(1, min(rows, _device.MAX_BLOCKS))
-        grid[blocks, threads(nd)](_device.flat(theta), c, out, np.int64(D), np.int64(H), np.int64(W))
-    return _device.finish(out, shape, dtype, to_host)
+        grid[blocks, threads(nd), stream](_device.flat(theta, stream), c, out, np.int64(D), np.int64(H), np.int64(W))
+    return _device.finish(out, shape, dtype, to_host, stream)

@@ -78,6 +78,8 @@ GPU_TILES_ND = Tiles(64, 4, 1, 1, 16)
 #: the simulator runs each thread as a Python thread: 4 threads, 4 × 4 tiles (so
 #: small test shapes still span several tiles and partial tiles).
 SIM_TILES = Tiles(2, 2, 2, 2, 4)
+#: tensors of this many elements or more take the kernel with 64-bit indices
+WIDE_FROM = 1 << 31
 #: largest n the CUDA kernel takes (a 4-position plan of 2**9 corners is 32 KB).
 MAX_ND = 9
 
@@ -90,113 +92,126 @@ def config(nd):
 
 
 @functools.lru_cache(maxsize=None)
-def kernel(ct, tiles, nd_max):
-    """The tiled kernel for compute type ``ct``, tile shape ``tiles`` and at most
-    ``nd_max`` spatial dims.
+def kernel(ct, tiles, nd_max, wide):
+    """The tiled kernel for compute type ``ct``, tile shape ``tiles``, at most
+    ``nd_max`` spatial dims and 64-bit (``wide``) or 32-bit indices.
 
     Arguments (flat, C-contiguous storage arrays): x (N*C*S), w (group, K, C/group,
     oC/group: ``weights_by_kernel_point``'s layout, so a tile's weights are rows),
     offset (N*og*K*nd*P), mask (N*og*K*P, or a 1-element dummy), bias (oC, or a
     dummy), y (N*oC*P); geo (6, nd) int64 rows: input sizes, kernel, strides,
-    pads begin, dilations, output sizes; dims int64: N, C, oC, group,
-    offset_group, K, P, S, nd, has_mask, has_bias.
+    pads begin, dilations, output sizes; dims, a tuple of 16 integers (``_dims``).
+
+    Indices are ``IT``: int64 when ``wide``, else uint32 (every tensor under
+    ``WIDE_FROM`` = 2**31 elements, chosen by the launcher). uint32 arithmetic is written ``IT(a op b)``:
+    numba widens it to 64 bits, LLVM narrows it back, and unsigned shared-memory
+    indices need no negative-index wrap-around code.
     """
     ct = np.dtype(ct).type
+    IT = np.int64 if wide else np.uint32
     TY, TX, TM, TN, RK = tiles
     NT = TY * TX
     TO = TY * TM
     TP = TX * TN
     NC = 1 << nd_max
     ND = nd_max
+    # the fill mapping: thread t fills column t % TP (t % TO) of rows t // TP + k * RS (RSW)
+    RS = NT // TP
+    RSW = NT // TO
+    KP = -(-RK // RS)
+    KPW = -(-RK // RSW)
+    assert NT % TP == 0 and NT % TO == 0, tiles
 
-    # Two blocks per SM (128 registers): without the bound ptxas takes 172 (float32),
-    # so one 256-thread block per SM, and its sampling phases (latency-bound
-    # gathers) would stall the SM instead of overlapping the other block's GEMM
-    # phase. Costs ~250 bytes of spills outside the inner product loop. (The
-    # simulator takes no launch bounds.)
+    # Two blocks per SM: 128 registers per thread (see the module docstring for the
+    # budget). The simulator takes no launch bounds.
     opts = {} if _device.SIMULATOR else {"launch_bounds": (NT, 2)}
 
     @cuda.jit(**opts)
     def deform_conv_kernel(x, w, off, mask, bias, y, geo, dims):
-        N, C, oC, group, og, K, P, S, nd = (dims[0], dims[1], dims[2], dims[3], dims[4], dims[5],
-                                            dims[6], dims[7], dims[8])
-        has_mask = dims[9] != 0
-        has_bias = dims[10] != 0
-        cpg = C // group
-        ocg = oC // group
-        cpo = C // og
-        n_ot = (ocg + TO - 1) // TO
-        n_pt = (P + TP - 1) // TP
-        ntiles = N * group * n_ot * n_pt
+        # dims is a tuple: each entry a kernel parameter (constant bank), which an
+        # instruction reads as an operand and ptxas reloads instead of spilling
+        C, oC, og, K, P, S, nd = IT(dims[0]), IT(dims[1]), IT(dims[2]), IT(dims[3]), IT(dims[4]), \
+            IT(dims[5]), IT(dims[6])
+        ndi = dims[6]  # signed, for the corner bit arithmetic
+        has_mask = dims[7] != 0
+        has_bias = dims[8] != 0
+        cpg, ocg, cpo, n_ot, n_pt, ntiles, group = IT(dims[9]), IT(dims[10]), IT(dims[11]), IT(dims[12]), \
+            IT(dims[13]), IT(dims[14]), IT(dims[15])
         one = ct(1)
         zero = ct(0)
         nan = ct(math.nan)
+        i0 = IT(0)
 
         cols = cuda.shared.array((RK, TP), ct)
         ws = cuda.shared.array((RK, TO), ct)
         # corner-major, so the threads of a warp (consecutive positions) hit distinct banks
-        pidx = cuda.shared.array((NC, TP), np.int64)
+        pidx = cuda.shared.array((NC, TP), IT)
         pw = cuda.shared.array((NC, TP), ct)
-        pcnt = cuda.shared.array(TP, np.int64)  # corners in the plan; -1: the sample is pw[0, q]
+        pcnt = cuda.shared.array(TP, np.int32)  # corners in the plan; -1: the sample is pw[0, q]
         pm = cuda.shared.array(TP, ct)  # a NaN/Inf mask, times the finished sample (else 1)
         ax_i0 = cuda.local.array(ND, np.int64)
         ax_w = cuda.local.array((ND, 2), ct)
         acc = cuda.local.array((TM, TN), ct)
         af = cuda.local.array(TM, ct)
         bf = cuda.local.array(TN, ct)
+        v = cuda.local.array(KP, ct)
 
-        t = np.int64(cuda.threadIdx.x)
-        ty = t // TX
-        tx = t % TX
-        for tile in range(np.int64(cuda.blockIdx.x), ntiles, np.int64(cuda.gridDim.x)):
-            pt = tile % n_pt
-            r = tile // n_pt
-            ot = r % n_ot
-            r = r // n_ot
-            gi = r % group
-            n = r // group
-            p0 = pt * TP
-            oc_lo = gi * ocg
-            oc0 = oc_lo + ot * TO
-            oc_hi = oc_lo + ocg
+        t = IT(np.uint32(cuda.threadIdx.x))  # zero-extended: LLVM knows it is >= 0
+        ty = IT(t // IT(TX))
+        tx = IT(t % IT(TX))
+        pp = IT(t % IT(TP))  # this thread's column of the sample tile ...
+        r0 = IT(t // IT(TP))  # ... and first row
+        mm = IT(t % IT(TO))  # its column of the weight tile, and first row
+        r0w = IT(t // IT(TO))
+        for tile in range(IT(np.uint32(cuda.blockIdx.x)), ntiles, IT(np.uint32(cuda.gridDim.x))):
+            pt = IT(tile % n_pt)
+            r = IT(tile // n_pt)
+            ot = IT(r % n_ot)
+            r = IT(r // n_ot)
+            gi = IT(r % group)
+            n = IT(r // group)
+            p0 = IT(pt * IT(TP))
+            oc_lo = IT(gi * ocg)
+            oc0 = IT(oc_lo + IT(ot * IT(TO)))
             for i in range(TM):
                 for j in range(TN):
                     acc[i, j] = zero
-            plan_g = np.int64(-1)
-            plan_k = np.int64(-1)
+            plan_g = og  # no offset group: the first chunk builds a plan
+            plan_k = i0
             for kidx in range(K):
-                c_lo = np.int64(0)
+                c_lo = i0
                 while c_lo < cpg:
-                    c = gi * cpg + c_lo  # first channel of this chunk
-                    g = c // cpo  # its offset group; a chunk never spans two
-                    rows = min(min(np.int64(RK), cpg - c_lo), (g + 1) * cpo - c)
+                    c = IT(IT(gi * cpg) + c_lo)  # first channel of this chunk
+                    g = IT(c // cpo)  # its offset group; a chunk never spans two
+                    rows = min(min(IT(RK), IT(cpg - c_lo)), IT(IT(IT(g + IT(1)) * cpo) - c))
                     cuda.syncthreads()  # the previous chunk's readers are done
                     if g != plan_g or kidx != plan_k:
                         # -- the sampling plan of (g, kidx) for positions p0 .. p0+TP-1
-                        for q in range(t, TP, NT):
-                            p = p0 + q
-                            cnt = np.int64(0)
+                        for q in range(t, IT(TP), IT(NT)):
+                            p = IT(p0 + q)
+                            cnt = np.int32(0)
                             pm[q] = one
                             if p < P:
                                 ok = True
                                 finite = True
-                                rem_k = kidx
+                                rem_k = IT(kidx)
                                 rem_p = p
-                                ob = ((n * og + g) * K + kidx) * nd
-                                for ax in range(nd - 1, -1, -1):
-                                    kk = rem_k % geo[1, ax]
-                                    rem_k = rem_k // geo[1, ax]
-                                    oo = rem_p % geo[5, ax]
-                                    rem_p = rem_p // geo[5, ax]
+                                ogk = IT(IT(IT(n * og) + g) * K + kidx)
+                                for axr in range(nd):
+                                    ax = IT(IT(nd - IT(1)) - axr)
+                                    kk = IT(rem_k % IT(geo[1, ax]))
+                                    rem_k = IT(rem_k // IT(geo[1, ax]))
+                                    oo = IT(rem_p % IT(geo[5, ax]))
+                                    rem_p = IT(rem_p // IT(geo[5, ax]))
                                     f, lam, inside, fin = border_corner(
-                                        oo * geo[2, ax] - geo[3, ax] + kk * geo[4, ax],
-                                        load(off, (ob + ax) * P + p), geo[0, ax], zero)
+                                        np.int64(oo) * geo[2, ax] - geo[3, ax] + np.int64(kk) * geo[4, ax],
+                                        load(off, IT(IT(IT(IT(ogk * nd) + ax) * P) + p)), geo[0, ax], zero)
                                     ax_i0[ax] = f
                                     ax_w[ax, 0] = one - lam
                                     ax_w[ax, 1] = lam
                                     ok = ok and inside
                                     finite = finite and fin
-                                m = load(mask, ((n * og + g) * K + kidx) * P + p) if has_mask else one
+                                m = load(mask, IT(IT(ogk * P) + p)) if has_mask else one
                                 # a finite mask is folded into the corner weights; a NaN/Inf one
                                 # multiplies the finished sample (no 0 * Inf, no Inf - Inf)
                                 m_finite = (m - m) == zero
@@ -204,73 +219,84 @@ def kernel(ct, tiles, nd_max):
                                 if not m_finite:
                                     pm[q] = m
                                 if not finite:
-                                    cnt = -1
+                                    cnt = np.int32(-1)
                                     pw[0, q] = nan
                                 elif not ok:  # sample 0, times the mask (NaN for a NaN/Inf mask)
-                                    cnt = -1
+                                    cnt = np.int32(-1)
                                     pw[0, q] = zero * m
                                 else:
-                                    for corner in range(1 << nd):
+                                    for corner in range(1 << ndi):
                                         wt = wm
                                         flat = np.int64(0)
                                         valid = True
-                                        for ax in range(nd):
-                                            bit = (corner >> (nd - 1 - ax)) & 1
+                                        for ax in range(ndi):
+                                            bit = (corner >> (ndi - 1 - ax)) & 1
                                             jj = ax_i0[ax] + bit
                                             wt = wt * ax_w[ax, bit]
                                             valid = valid and 0 <= jj < geo[0, ax]
                                             flat = flat * geo[0, ax] + jj
                                         if valid:
-                                            pidx[cnt, q] = flat
+                                            pidx[cnt, q] = IT(flat)
                                             pw[cnt, q] = wt
-                                            cnt += 1
+                                            cnt += np.int32(1)
                             pcnt[q] = cnt
                         plan_g = g
                         plan_k = kidx
                         cuda.syncthreads()
-                    # -- the RK x TP sample tile (rows past `rows` are 0) ...
-                    for e in range(t, RK * TP, NT):
-                        rr = e // TP
-                        pp = e % TP
-                        v = zero
-                        if rr < rows:
-                            cnt = pcnt[pp]
-                            if cnt < 0:
-                                v = pw[0, pp]
-                            else:
-                                xb = (n * C + c + rr) * S
-                                for jc in range(cnt):
-                                    v += pw[jc, pp] * load(x, xb + pidx[jc, pp])
-                                v *= pm[pp]
-                        cols[rr, pp] = v
+                    # -- the RK x TP sample tile (rows past `rows` are 0): this thread's
+                    # column pp, rows r0 + k * RS; each plan entry is read once and
+                    # serves KP independent gathers
+                    for k in range(KP):
+                        v[k] = zero
+                    cnt = pcnt[pp]
+                    if cnt < 0:
+                        for k in range(KP):
+                            v[k] = pw[0, pp]
+                    else:
+                        xb = IT(IT(IT(IT(n * C) + c) + r0) * S)
+                        for jc in range(cnt):
+                            wj = pw[jc, pp]
+                            ij = IT(xb + pidx[jc, pp])
+                            for k in range(KP):
+                                if IT(r0 + IT(k * RS)) < rows:
+                                    v[k] += wj * load(x, IT(ij + IT(IT(k * RS) * S)))
+                        mp = pm[pp]
+                        for k in range(KP):
+                            v[k] *= mp
+                    for k in range(KP):
+                        rr = IT(r0 + IT(k * RS))
+                        if rr < IT(RK):
+                            cols[rr, pp] = v[k] if rr < rows else zero
                     # -- ... and the RK x TO weight tile (0 past the group's channels)
-                    for e in range(t, RK * TO, NT):
-                        rr = e // TO
-                        mm = e % TO
-                        oc = oc0 + mm
-                        v = zero
-                        if rr < rows and oc < oc_hi:
-                            v = load(w, ((gi * K + kidx) * cpg + c_lo + rr) * ocg + oc - oc_lo)
-                        ws[rr, mm] = v
+                    oc = IT(oc0 + mm)
+                    live = IT(oc - oc_lo) < ocg
+                    wb = IT(IT(IT(IT(IT(IT(gi * K) + kidx) * cpg) + c_lo) + r0w) * ocg)
+                    for k in range(KPW):
+                        rr = IT(r0w + IT(k * RSW))
+                        if rr < IT(RK):
+                            wv = zero
+                            if rr < rows and live:
+                                wv = load(w, IT(IT(wb + IT(IT(k * RSW) * ocg)) + IT(oc - oc_lo)))
+                            ws[rr, mm] = wv
                     cuda.syncthreads()
                     # -- register-blocked outer products
                     for rr in range(RK):
                         for i in range(TM):
-                            af[i] = ws[rr, ty + TY * i]
+                            af[i] = ws[rr, IT(ty + IT(TY * i))]
                         for j in range(TN):
-                            bf[j] = cols[rr, tx + TX * j]
+                            bf[j] = cols[rr, IT(tx + IT(TX * j))]
                         for i in range(TM):
                             for j in range(TN):
                                 acc[i, j] += af[i] * bf[j]
-                    c_lo += rows
+                    c_lo = IT(c_lo + rows)
             for i in range(TM):
-                oc = oc0 + ty + TY * i
-                if oc < oc_hi:
+                oc = IT(oc0 + IT(ty + IT(TY * i)))
+                if IT(oc - oc_lo) < ocg:
                     bv = load(bias, oc) if has_bias else zero
                     for j in range(TN):
-                        p = p0 + tx + TX * j
+                        p = IT(p0 + IT(tx + IT(TX * j)))
                         if p < P:
-                            store(y, (n * oC + oc) * P + p, bv + acc[i, j])
+                            store(y, IT(IT(IT(n * oC) + oc) * P) + p, bv + acc[i, j])
 
     return deform_conv_kernel
 
@@ -303,19 +329,22 @@ def compile_jobs():
     i64 = types.int64
     for dt in ALL:
         arr = types.Array(from_dtype(storage(dt)), 1, "C")
-        args = (arr,) * 6 + (types.Array(i64, 2, "C"), types.Array(i64, 1, "C"))
+        args = (arr,) * 6 + (types.Array(i64, 2, "C"), types.UniTuple(i64, 16))
         for tiles, nd_max in variants():
-            yield f"deform_conv/nd<={nd_max}/{dt}", kernel(compute(dt).type, tiles, nd_max), args
+            for wide in (False, True):
+                yield (f"deform_conv/nd<={nd_max}/{'i64' if wide else 'i32'}/{dt}",
+                       kernel(compute(dt).type, tiles, nd_max, wide), args)
         yield f"deform_conv.weights/{dt}", weights_by_kernel_point, (arr, arr, i64, i64, i64)
 
 
-def launch(x, w, offset, b, mask, p):
-    """Validated inputs (NumPy or numba device arrays of one dtype) and DeformParams."""
+def launch(x, w, offset, b, mask, p, stream=None):
+    """Validated inputs (NumPy or numba device arrays of one dtype) and DeformParams;
+    stream: the public ``stream=`` (``_device.as_stream``)."""
     with _device.launch_guard():
-        return _launch(x, w, offset, b, mask, p)
+        return _launch(x, w, offset, b, mask, p, _device.as_stream(stream))
 
 
-def _launch(x, w, offset, b, mask, p):
+def _launch(x, w, offset, b, mask, p, stream):
     dtype = np.dtype(x.dtype)
     st = storage(dtype)
     N, C = int(x.shape[0]), int(x.shape[1])
@@ -328,22 +357,26 @@ def _launch(x, w, offset, b, mask, p):
     shape = (N, oC) + tuple(p.out_spatial)
     to_host = not _device.any_on_device(x, w, offset, b, mask)
     total = N * oC * P
-    y = cuda.device_array(total, dtype=st)
+    y = cuda.device_array(total, dtype=st, stream=stream)
     if total:
-        dummy = _device.dummy(st)
-        xf, wf0, of = _device.flat(x), _device.flat(w), _device.flat(offset)
-        wf = cuda.device_array(wf0.shape[0], dtype=st)
+        dummy = _device.dummy(st, stream)
+        xf, wf0, of = (_device.flat(a, stream) for a in (x, w, offset))
+        wf = cuda.device_array(wf0.shape[0], dtype=st, stream=stream)
         if wf.shape[0]:
-            weights_by_kernel_point[_device.blocks_for(wf.shape[0]), _device.THREADS](
+            weights_by_kernel_point[_device.blocks_for(wf.shape[0]), _device.THREADS, stream](
                 wf0, wf, np.int64(C // group), np.int64(K), np.int64(oC // group))
-        mf = dummy if mask is None else _device.flat(mask)
-        bf = dummy if b is None else _device.flat(b)
+        mf = dummy if mask is None else _device.flat(mask, stream)
+        bf = dummy if b is None else _device.flat(b, stream)
         geo = _device.int64_array([tuple(x.shape[2:]), p.kernel_shape, p.strides, p.pads_begin,
-                                   p.dilations, p.out_spatial])
-        dims = _device.int64_array([N, C, oC, group, og, K, P, S, nd, mask is not None, b is not None])
+                                   p.dilations, p.out_spatial], stream)
         tiles, nd_max = config(nd)
-        ntiles = N * group * -(-(oC // group) // (tiles.TY * tiles.TM)) * -(-P // (tiles.TX * tiles.TN))
+        n_ot = -(-(oC // group) // (tiles.TY * tiles.TM))
+        n_pt = -(-P // (tiles.TX * tiles.TN))
+        ntiles = N * group * n_ot * n_pt
+        wide = max(x.size, offset.size, w.size, total) >= WIDE_FROM
+        dims = tuple(int(v) for v in (C, oC, og, K, P, S, nd, mask is not None, b is not None,
+                                      C // group, oC // group, C // og, n_ot, n_pt, ntiles, group))
         blocks = max(1, min(ntiles, _device.MAX_BLOCKS if _device.SIMULATOR else 1 << 20))
-        kernel(compute(dtype).type, tiles, nd_max)[blocks, tiles.TY * tiles.TX](
+        kernel(compute(dtype).type, tiles, nd_max, wide)[blocks, tiles.TY * tiles.TX, stream](
             xf, wf, of, mf, bf, y, geo, dims)
-    return _device.finish(y, shape, dtype, to_host)
+    return _device.finish(y, shape, dtype, to_host, stream)

@@ -1,0 +1,300 @@
+"""What each CUDA kernel costs an SM, measured without a GPU (``numba-ops info --cuda``).
+
+Every kernel and specialisation that a CUDA module of this package lists in its
+``compile_jobs()`` (so kernels added later join by themselves) is compiled with
+``numba.cuda.compile_ptx`` (libNVVM; no GPU) for sm_80 and sm_90 at its launch
+bounds, and the PTX is assembled with ``ptxas -v``: registers per thread, spill
+stores/loads (bytes per thread), stack frame and static shared memory per block.
+From those and the threads per block that the launcher uses (the kernel's launch
+bound, else ``_device.THREADS``) follow the blocks and warps an SM holds on an
+A100 (sm_80) and an H100/H200 (sm_90), and which limit binds.
+
+The assembler: nvJitLink's ptxas (``cuda.bindings.nvjitlink`` with ``-Xptxas=-v``,
+the library numba-cuda links kernels with, of the same release as its libNVVM)
+and the ``ptxas`` program (on PATH, ``$CUDA_HOME/bin``, ``/usr/local/cuda*/bin`` or
+the ``nvidia-cuda-nvcc`` wheel). A ``ptxas`` older than the PTX that libNVVM
+writes rejects its ``.version``; the PTX is then given the newest ISA that ptxas
+names (the kernels use nothing newer; anything that does fails to assemble and is
+reported so).
+
+With ``NUMBA_ENABLE_CUDASIM=1`` numba's compiler is replaced by the simulator in
+the process: the report then runs in a fresh process without it.
+"""
+import contextlib
+import functools
+import glob
+import importlib
+import os
+import pkgutil
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import types
+from typing import NamedTuple
+
+CCS = ((8, 0), (9, 0))
+
+#: per-SM limits (CUDA C Programming Guide, compute capabilities 8.0 and 9.0)
+REGISTERS_PER_SM = 65536
+THREADS_PER_SM = 2048
+BLOCKS_PER_SM = 32
+WARPS_PER_SM = 64
+SMEM_PER_SM = {(8, 0): 164 * 1024, (9, 0): 228 * 1024}
+SMEM_RESERVED_PER_BLOCK = 1024  # the runtime's share of each block's shared memory (cc >= 8.0)
+REG_ALLOC_UNIT = 256  # registers are allocated per warp in units of 256
+GPU_NAMES = {(8, 0): "A100", (9, 0): "H100/H200"}
+
+
+class Usage(NamedTuple):
+    """One kernel specialisation on one architecture."""
+    label: str
+    cc: tuple
+    tool: str
+    threads: int  # per block, as launched
+    registers: int
+    spill_stores: int  # bytes per thread
+    spill_loads: int
+    stack: int  # bytes per thread
+    smem: int  # static shared memory per block, bytes
+    blocks: int  # resident blocks per SM
+    warps: int  # resident warps per SM
+    limiter: str
+
+
+def occupancy(cc, threads, registers, smem):
+    """(blocks per SM, warps per SM, the binding limit) for a launch of ``threads``
+    per block, ``registers`` per thread and ``smem`` bytes of shared memory per block."""
+    warps = -(-threads // 32)
+    regs_per_warp = -(-max(registers, 1) * 32 // REG_ALLOC_UNIT) * REG_ALLOC_UNIT
+    limits = {
+        "registers": (REGISTERS_PER_SM // regs_per_warp) // warps,
+        "threads": min(THREADS_PER_SM // threads, WARPS_PER_SM // warps),
+        "blocks": BLOCKS_PER_SM,
+        "shared memory": SMEM_PER_SM[cc] // (smem + SMEM_RESERVED_PER_BLOCK) if smem else BLOCKS_PER_SM,
+    }
+    blocks = min(limits.values())
+    limiter = "/".join(k for k, v in limits.items() if v == blocks)
+    return blocks, blocks * warps, limiter
+
+
+# --- the assemblers -----------------------------------------------------------
+
+def find_ptxas():
+    """The ``ptxas`` program, or None."""
+    found = shutil.which("ptxas")
+    if found:
+        return found
+    roots = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")] + sorted(glob.glob("/usr/local/cuda*"))
+    try:
+        import nvidia  # the nvidia-cuda-nvcc wheel: nvidia/cuda_nvcc/bin/ptxas
+        roots += [os.path.join(p, "cuda_nvcc") for p in nvidia.__path__]
+    except ImportError:
+        pass
+    for root in filter(None, roots):
+        path = os.path.join(root, "bin", "ptxas")
+        if os.access(path, os.X_OK):
+            return path
+    return None
+
+
+def _nvjitlink():
+    try:
+        from cuda.bindings import nvjitlink
+        nvjitlink.version()
+    except Exception:  # not installed, or the library is missing
+        return None
+    return nvjitlink
+
+
+def assemblers():
+    """{name: function(ptx, cc) -> ptxas -v text} of the assemblers found here."""
+    found = {}
+    nvjitlink = _nvjitlink()
+    if nvjitlink is not None:
+        major, minor = nvjitlink.version()
+        found[f"nvJitLink {major}.{minor}"] = _assemble_nvjitlink
+    ptxas = find_ptxas()
+    if ptxas:
+        found[f"ptxas {_ptxas_version(ptxas)}"] = functools.partial(_assemble_ptxas, ptxas)
+    return found
+
+
+def _ptxas_version(ptxas):
+    out = subprocess.run([ptxas, "--version"], capture_output=True, text=True).stdout
+    m = re.search(r"release (\d+\.\d+)", out)
+    return m.group(1) if m else "?"
+
+
+def _assemble_ptxas(ptxas, ptx, cc):
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "k.ptx")
+        for _ in range(2):
+            with open(src, "w") as f:
+                f.write(ptx)
+            proc = subprocess.run([ptxas, "-v", f"-arch=sm_{cc[0]}{cc[1]}", src, "-o", os.path.join(tmp, "k.cubin")],
+                                  capture_output=True, text=True)
+            m = re.search(r"Unsupported \.version (\S+); current version is '(\S+)'", proc.stderr)
+            if proc.returncode == 0 or not m:
+                break
+            ptx = re.sub(r"^\.version \S+", f".version {m.group(2)}", ptx, count=1, flags=re.M)
+    if proc.returncode:
+        raise RuntimeError(f"ptxas failed: {proc.stderr.strip()[-2000:]}")
+    return proc.stderr + proc.stdout
+
+
+def _assemble_nvjitlink(ptx, cc):
+    from cuda.bindings import nvjitlink
+    opts = [f"-arch=sm_{cc[0]}{cc[1]}", "-Xptxas=-v"]
+    h = nvjitlink.create(len(opts), opts)
+    try:
+        data = ptx.encode()
+        nvjitlink.add_data(h, nvjitlink.InputType.PTX, data, len(data), "kernel")
+        try:
+            nvjitlink.complete(h)
+        except nvjitlink.nvJitLinkError:
+            buf = bytearray(nvjitlink.get_error_log_size(h))
+            nvjitlink.get_error_log(h, buf)
+            raise RuntimeError(f"nvJitLink failed: {buf.decode(errors='replace')[-2000:]}") from None
+        buf = bytearray(nvjitlink.get_info_log_size(h))
+        nvjitlink.get_info_log(h, buf)
+        return buf.decode(errors="replace")
+    finally:
+        nvjitlink.destroy(h)
+
+
+def parse(text, ptx):
+    """(registers, spill stores, spill loads, stack, smem) of the entry function in
+    ``ptxas -v`` output ``text``; shared memory from the PTX where ptxas omits it."""
+    regs = [int(r) for r in re.findall(r"Used (\d+) registers", text)]
+    if not regs:
+        raise RuntimeError(f"no register count in the assembler's output:\n{text[-2000:]}")
+    stack = sum(int(v) for v in re.findall(r"(\d+) bytes stack frame", text))
+    st = sum(int(v) for v in re.findall(r"(\d+) bytes spill stores", text))
+    ld = sum(int(v) for v in re.findall(r"(\d+) bytes spill loads", text))
+    m = re.findall(r"(\d+) bytes smem", text)
+    if m:
+        smem = max(int(v) for v in m)
+    else:  # static .shared declarations: ".shared .align 8 .b8 name[2048];"
+        smem = sum(int(b) * int(n) for b, n in re.findall(r"\.shared\s+(?:\.align\s+\d+\s+)?\.[bsuf](\d+)\s+\S+\[(\d+)\]", ptx))
+        smem //= 8
+    return max(regs), st, ld, stack, smem
+
+
+# --- compiling every kernel -----------------------------------------------------
+
+def modules():
+    """The CUDA kernel modules of this package that list their kernels (``compile_jobs``)."""
+    pkg = importlib.import_module(__package__)
+    found = []
+    for info in pkgutil.iter_modules(pkg.__path__):
+        if info.name == "resources":
+            continue
+        mod = importlib.import_module(f"{__package__}.{info.name}")
+        if hasattr(mod, "compile_jobs"):
+            found.append(mod)
+    return found
+
+
+@contextlib.contextmanager
+def pretend_device(cc):
+    """Compile for ``cc`` with no GPU: numba-cuda asks the current device for the cc
+    of nested device functions (our shared helpers), and NVRTC for the closest
+    supported arch unless the cc is forced. Restored on exit."""
+    import numba.cuda.dispatcher
+    from numba.cuda import config
+    saved = numba.cuda.dispatcher.get_current_device, config.FORCE_CUDA_CC
+    numba.cuda.dispatcher.get_current_device = lambda: types.SimpleNamespace(compute_capability=cc)
+    config.FORCE_CUDA_CC = cc
+    try:
+        yield
+    finally:
+        numba.cuda.dispatcher.get_current_device, config.FORCE_CUDA_CC = saved
+
+
+def launch_bounds(kern):
+    return getattr(kern, "targetoptions", {}).get("launch_bounds")
+
+
+def threads_per_block(kern):
+    """The block size the launcher uses: the kernel's launch bound, else the
+    element-wise kernels' ``_device.THREADS`` (the GPU's 256)."""
+    lb = launch_bounds(kern)
+    if lb:
+        return lb[0] if isinstance(lb, tuple) else int(lb)
+    return 256
+
+
+def measure(ccs=CCS, tools=None, only=None):
+    """[Usage] of every kernel specialisation for every cc and assembler."""
+    from numba import cuda
+    tools = assemblers() if tools is None else tools
+    if not tools:
+        raise RuntimeError("no PTX assembler here: neither ptxas (CUDA toolkit or the nvidia-cuda-nvcc wheel) "
+                           "nor nvJitLink (cuda-bindings)")
+    jobs = [job for mod in modules() for job in mod.compile_jobs() if only is None or only in job[0]]
+    rows = []
+    for cc in ccs:
+        with pretend_device(cc):
+            for label, kern, sig in jobs:
+                ptx, _ = cuda.compile_ptx(kern.py_func, sig, cc=cc, launch_bounds=launch_bounds(kern))
+                nt = threads_per_block(kern)
+                for name, assemble in tools.items():
+                    regs, st, ld, stack, smem = parse(assemble(ptx, cc), ptx)
+                    blocks, warps, limiter = occupancy(cc, nt, regs, smem)
+                    rows.append(Usage(label, cc, name, nt, regs, st, ld, stack, smem, blocks, warps, limiter))
+    return rows
+
+
+def table(rows):
+    """The report as text: one block per (assembler, cc)."""
+    out = []
+    for tool in dict.fromkeys(r.tool for r in rows):
+        for cc in dict.fromkeys(r.cc for r in rows):
+            sel = [r for r in rows if r.tool == tool and r.cc == cc]
+            if not sel:
+                continue
+            out.append(f"sm_{cc[0]}{cc[1]} ({GPU_NAMES.get(cc, '?')}), {tool}: per thread registers and spill "
+                       f"bytes, per block shared memory, per SM resident blocks and warps (of {WARPS_PER_SM})")
+            w = max(len(r.label) for r in sel)
+            out.append(f"  {'kernel':<{w}}  threads  regs  spill st/ld  stack   smem  blocks  warps  occupancy  limit")
+            for r in sel:
+                out.append(f"  {r.label:<{w}}  {r.threads:7d}  {r.registers:4d}  {r.spill_stores:5d}/{r.spill_loads:<5d}"
+                           f"  {r.stack:5d}  {r.smem:5d}  {r.blocks:6d}  {r.warps:5d}  {r.warps / WARPS_PER_SM:8.0%}   "
+                           f"{r.limiter}")
+            out.append("")
+    return "\n".join(out)
+
+
+def simulator_on():
+    from ..._dispatch import cuda_simulator
+    return cuda_simulator()
+
+
+def report(argv=()):
+    """Print the report (``numba-ops info --cuda``); 0 on success, 1 if nothing can be measured."""
+    if simulator_on():  # the simulator replaces numba-cuda's compiler here: a fresh process without it
+        env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0")
+        return subprocess.run([sys.executable, "-m", __name__, *argv], env=env).returncode
+    try:
+        from numba.cuda.cudadrv import nvvm
+        nvvm.NVVM()
+    except Exception as exc:
+        print(f"CUDA resource report unavailable: numba-cuda's libNVVM cannot be loaded ({exc})")
+        return 1
+    tools = assemblers()
+    if not tools:
+        print("CUDA resource report unavailable: no PTX assembler here (ptxas from the CUDA toolkit or the "
+              "nvidia-cuda-nvcc wheel, or nvJitLink from cuda-bindings)")
+        return 1
+    rows = measure(tools=tools, only=argv[0] if argv else None)
+    print(table(rows))
+    spilled = [r for r in rows if r.spill_stores or r.spill_loads]
+    print(f"{len(rows)} kernel builds, {len(spilled)} with spills" + (
+        ": " + ", ".join(sorted({r.label for r in spilled})) if spilled else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(report(sys.argv[1:]))
