@@ -16,7 +16,7 @@ import numba_ops
 
 ROOT = Path(__file__).resolve().parents[1]
 BASELINE = ROOT / "bench" / "baseline.json"
-N_CHECK_CASES = 16  # 8 ONNX backend cases + 8 operator-page examples
+N_CHECK_CASES = 34  # 8 ONNX backend cases of AffineGrid/DeformConv, 18 of GridSample, 8 operator-page examples
 
 
 def run(*args, script=None, timeout=300, stdin=None):

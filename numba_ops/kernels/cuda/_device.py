@@ -286,8 +286,9 @@ def _pack(src, dst):
 def flat(a, stream=0):
     """``a`` (NumPy or numba device array of a public dtype) as a contiguous 1-D
     device array of its storage dtype (float16 -> int16, bfloat16 -> uint16 bits);
-    copies and packing on ``stream`` (``as_stream``'s result)."""
-    st = storage(a.dtype)
+    copies and packing on ``stream`` (``as_stream``'s result). uint8 (GridSample's
+    ``x``) is its own storage dtype."""
+    st = np.dtype(np.uint8) if np.dtype(a.dtype) == np.uint8 else storage(a.dtype)
     if isinstance(a, np.ndarray):
         return cuda.to_device(np.ascontiguousarray(a).view(st).reshape(-1), stream=stream)
     v = a.view(st)  # same item size: a view even when strided
