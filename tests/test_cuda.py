@@ -60,8 +60,9 @@ def compile_kernels(which, cc):
         nvvm.NVVM()
     except Exception as exc:  # loud: without NVVM nothing here type-checks
         raise AssertionError(f"libNVVM is missing, so the CUDA kernels cannot be compiled or type-checked: {exc}")
-    from numba_ops.kernels.cuda import _device, affine_grid, deform_conv
-    module = {"affine_grid": affine_grid, "deform_conv": deform_conv, "pack": _device}[which]
+    from numba_ops.kernels.cuda import _device, affine_grid, affine_warp, deform_conv, grid_sample
+    module = {"affine_grid": affine_grid, "deform_conv": deform_conv, "pack": _device,
+              "grid_sample": grid_sample, "affine_warp": affine_warp}[which]
     jobs = list(module.compile_jobs())
     assert jobs, which
     sizes = {}
@@ -85,7 +86,7 @@ def _pretend_device(setattr_, cc):
 
 
 @pytest.mark.parametrize("cc", CCS, ids=lambda cc: f"sm_{cc[0]}{cc[1]}")
-@pytest.mark.parametrize("which", ["affine_grid", "deform_conv", "pack"])
+@pytest.mark.parametrize("which", ["affine_grid", "deform_conv", "pack", "grid_sample", "affine_warp"])
 def test_compile_ptx(which, cc, monkeypatch):
     if not SIMULATOR:
         _pretend_device(monkeypatch.setattr, cc)
@@ -102,10 +103,40 @@ def test_compile_ptx(which, cc, monkeypatch):
                               env=_env(NUMBA_ENABLE_CUDASIM="0"), cwd=HERE, timeout=600)
         assert proc.returncode == 0, proc.stderr[-4000:]
         sizes = json.loads(proc.stdout.strip().splitlines()[-1])
-    # every dtype of every kernel variant: 2 kernels x 2 nd; 2 tile variants x 32/64-bit indices + weights; 3 ranks
-    assert len(sizes) == 4 * {"affine_grid": 4, "deform_conv": 5, "pack": 3}[which], sorted(sizes)
+    # every dtype of every kernel variant: 2 kernels x 2 nd; 2 tile variants x 32/64-bit indices + weights;
+    # 3 ranks (uint8 too); GridSample: 3 ranks x 3 modes x x's dtype (the grid's or uint8); affine_warp: 2 ranks
+    assert len(sizes) == {"affine_grid": 16, "deform_conv": 20, "pack": 15, "grid_sample": 72,
+                          "affine_warp": 48}[which], sorted(sizes)
     for dt in ("float16", "bfloat16", "float32", "float64"):
         assert any(label.endswith("/" + dt) for label in sizes), dt
+
+
+@pytest.mark.parametrize("which", ["grid_sample", "affine_warp"])
+def test_no_register_spills(which):
+    """Every GridSample / affine_warp kernel specialisation assembles for sm_90 with
+    no spills and no stack frame (the tap arrays stay in registers): the resource
+    report (kernels/cuda/resources.py) on that family, in a process without the
+    simulator. Needs libNVVM and a PTX assembler (ptxas or nvJitLink)."""
+    code = textwrap.dedent(f"""
+        import json
+        from numba_ops.kernels.cuda import resources as R
+        tools = R.assemblers()
+        if not tools:
+            print(json.dumps(None))
+        else:
+            name = sorted(tools)[0]
+            rows = R.measure(ccs=((9, 0),), tools={{name: tools[name]}}, only={which + "/"!r})
+            print(json.dumps([[r.label, r.registers, r.spill_stores, r.spill_loads, r.stack] for r in rows]))
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=_env(NUMBA_ENABLE_CUDASIM="0"), cwd=HERE, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    if rows is None:
+        pytest.skip("no PTX assembler here (ptxas or nvJitLink)")
+    assert len(rows) == {"grid_sample": 72, "affine_warp": 48}[which]
+    bad = [r for r in rows if r[2] or r[3] or r[4]]
+    assert not bad, bad
 
 
 # --- without a GPU ----------------------------------------------------------------

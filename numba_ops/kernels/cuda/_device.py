@@ -303,12 +303,12 @@ def flat(a, stream=0):
 
 
 def compile_jobs():
-    """(label, kernel, argument types) of ``_pack`` for every storage dtype and a
-    few ranks: what ``compile_ptx`` type-checks (tests/test_cuda.py)."""
+    """(label, kernel, argument types) of ``_pack`` for every storage dtype (and
+    uint8) and a few ranks: what ``compile_ptx`` type-checks (tests/test_cuda.py)."""
     from numba import types
     from numba.np.numpy_support import from_dtype
-    for dt in DTYPES:
-        st = from_dtype(storage(dt))
+    for dt in list(DTYPES) + [np.dtype(np.uint8)]:  # uint8: GridSample's x
+        st = from_dtype(np.dtype(np.uint8) if dt == np.uint8 else storage(dt))
         for rank in (1, 3, 5):
             yield f"pack/rank{rank}/{dt}", _pack, (types.Array(st, rank, "A"), types.Array(st, 1, "C"))
 
