@@ -1,6 +1,7 @@
 """The ``numba-ops`` command (also ``python -m numba_ops``).
 
     numba-ops info                         versions, devices, threads, JIT cache
+    numba-ops info --cuda                  CUDA kernels' registers, spills, occupancy (ptxas)
     numba-ops check [--device D]           ONNX conformance cases of both ops, pass/fail
     numba-ops bench [--device D] [--dtype T] [--quick] [--json FILE] [--compare BASELINE]
 
@@ -63,6 +64,9 @@ def _cache_location():
 
 
 def cmd_info(args):
+    if args.cuda:  # the CUDA kernels' resources: compiled here, no GPU needed
+        from .kernels.cuda.resources import report
+        return report()
     import numba
 
     import numba_ops
@@ -751,7 +755,10 @@ def _positive_int(text):
 def _parser():
     ap = argparse.ArgumentParser(prog="numba-ops", description="numba_ops: ONNX AffineGrid and DeformConv in Numba.")
     sub = ap.add_subparsers(dest="command", required=True)
-    sub.add_parser("info", help="versions, devices, threads, threading layer, JIT cache location")
+    p = sub.add_parser("info", help="versions, devices, threads, threading layer, JIT cache location")
+    p.add_argument("--cuda", action="store_true",
+                   help="instead: registers, spills, shared memory and occupancy of every CUDA kernel on "
+                        "sm_80 (A100) and sm_90 (H100/H200), from ptxas (no GPU needed)")
     p = sub.add_parser("check", help="run the ONNX conformance cases of both ops; exit 1 on any failure")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cpu")
     p = sub.add_parser("bench", help="the benchmark table against the installed peers")

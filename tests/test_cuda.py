@@ -449,13 +449,16 @@ def test_torch_cuda_tensors(tdtype):
 # --- the GPU tile configurations, run by the simulator ------------------------------
 
 @needs_cuda
-@pytest.mark.parametrize("nd", [2, 4])
-def test_gpu_tile_configuration(nd, monkeypatch):
-    """The simulator normally runs 4-thread tiles; run the GPU's 256-thread tiles
-    once on a tiny case so the production configuration is checked too."""
+@pytest.mark.parametrize("nd,wide", [(2, False), (2, True), (4, False)])
+def test_gpu_tile_configuration(nd, wide, monkeypatch):
+    """The simulator normally runs 4-thread tiles; run each of the GPU's 256-thread
+    tile shapes (float64: n <= 3, its 64-bit-index one, n >= 4) once on a tiny
+    case so the production configurations are checked too."""
     from numba_ops.kernels.cuda import deform_conv as dc
-    tiles, nd_max = dc.variants()[0 if nd <= 3 else 1]
-    monkeypatch.setattr(dc, "config", lambda n: (tiles, max(nd_max, n)))
+    tiles, nd_max, _ = dc.variants(np.float64)[(0 if nd <= 3 else 2) + wide]
+    monkeypatch.setattr(dc, "config", lambda n, wide, ct: (tiles, max(nd_max, n)))
+    if wide:
+        monkeypatch.setattr(dc, "WIDE_FROM", 0)
     rng = np.random.default_rng(6)
     xs = (1, 3) + (3, 4, 2, 2)[:nd]
     x = rng.standard_normal(xs)
@@ -612,6 +615,49 @@ def test_size_on_the_device():
         got = numba_ops.affine_grid(theta, dsize, device=device)
         assert not isinstance(got, np.ndarray)
         np.testing.assert_array_equal(got.copy_to_host(), want)
+
+
+def test_one_definition_of_a_device_array():
+    """_dispatch and kernels/cuda/_device both take it from numba_ops/_arrays.py, and
+    _device imports nothing from _dispatch (no import circle)."""
+    import ast
+
+    from numba_ops import _arrays
+    from numba_ops.kernels.cuda import _device
+    assert _dispatch.on_device is _arrays.on_device
+    assert _device.is_numba_device_array is _arrays.is_numba_device_array
+    tree = ast.parse(open(_device.__file__).read())
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    assert not any("_dispatch" in m for m in imported), imported
+
+
+def test_await_producers_syncs_only_foreign_exporter_streams():
+    """CUDA array interface v3: an imported array's exporter stream is synchronised
+    before a call on another stream reads it, never before a call on that stream;
+    numba's own arrays (streams not imported) are left alone."""
+    from numba_ops.kernels.cuda._device import await_producers
+
+    class Stream:
+        def __init__(self, handle, external=True):
+            self.handle, self.external, self.waits = handle, external, 0
+
+        def __int__(self):
+            return self.handle
+
+        def synchronize(self):
+            self.waits += 1
+
+    class Arr:
+        def __init__(self, stream):
+            self.stream = stream
+    cupy_s, own_s = Stream(77), Stream(5, external=False)
+    ours = Stream(77, external=False)
+    await_producers([Arr(cupy_s), Arr(own_s), None, np.zeros(2), Arr(0)], ours)
+    assert cupy_s.waits == 0 and own_s.waits == 0  # same stream as the call's: no wait
+    await_producers([Arr(cupy_s), Arr(own_s)], 0)
+    assert cupy_s.waits == 1 and own_s.waits == 0
+    await_producers([Arr(cupy_s)], Stream(78))
+    assert cupy_s.waits == 2
 
 
 def test_malformed_or_masked_interfaces_name_the_input():

@@ -10,6 +10,10 @@
   strides) are packed on the device by ``_pack``.
 - ``finish``: the kernel's flat storage output as the public result: a NumPy
   array for host inputs, a numba device array otherwise.
+- ``as_stream``: the public ``stream=`` as the numba stream that a launcher
+  passes to all of its work (kernels, copies, allocations, ``flat``, ``finish``);
+  with device inputs nothing waits for it, with host inputs ``finish``
+  synchronises it after the copy back.
 
 With ``NUMBA_ENABLE_CUDASIM=1`` numba's simulator stands in for the GPU: its
 "device" arrays live in host memory, so a foreign ``__cuda_array_interface__`` is
@@ -241,7 +245,8 @@ def _from_interface(desc, owner):
     if SIMULATOR:
         from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
         return FakeCUDAArray(np.asarray(_HostView(desc, owner)))
-    return cuda.from_cuda_array_interface(desc, owner=owner, sync=True)
+    # not synchronised here: the launcher knows the call's stream (await_producers)
+    return cuda.from_cuda_array_interface(desc, owner=owner, sync=False)
 
 
 def as_device_array(obj, name):
@@ -254,6 +259,25 @@ def as_device_array(obj, name):
     with launch_guard():
         arr = _from_interface(desc, obj)
     return arr.view(BFLOAT16) if bf16 else arr
+
+
+def _stream_handle(s):
+    return 0 if not s else int(s)
+
+
+def await_producers(arrays, stream):
+    """The CUDA array interface (v3) names the stream on which an exporter (CuPy,
+    for one) may still be writing an array; a consumer must not read it before
+    that work is done, unless it reads on that same stream. numba_ops imports such
+    arrays unsynchronised (``as_device_array``) and here, once the call's
+    ``stream`` is known, synchronises each exporter's stream that differs from it
+    (what numba's own import does always). So a call on the exporter's stream
+    never waits. numba's own arrays (their streams are not imported) are left as
+    numba leaves them: ordering those is the caller's, as in numba."""
+    for a in arrays:
+        s = getattr(a, "stream", 0) if a is not None and not isinstance(a, np.ndarray) else 0
+        if s and getattr(s, "external", False) and _stream_handle(s) != _stream_handle(stream):
+            s.synchronize()
 
 
 # --- inputs as flat storage arrays ---------------------------------------------
@@ -340,6 +364,7 @@ def to_host(a):
     """The device array ``a`` (any strides, negative ones too: numba-cuda copies
     those to the host only after they are packed) as a NumPy array of its dtype."""
     with launch_guard():
+        await_producers((a,), 0)
         if np.dtype(a.dtype) not in DTYPES:  # not one of ours: the front end says so
             return a.copy_to_host()
         return finish(flat(a), a.shape, a.dtype, to_host=True)

@@ -89,6 +89,13 @@ def kernels(ct, nd):
     return coords, grid
 
 
+def block_size(label):
+    """Threads per block the launcher uses for a ``compile_jobs`` label (resources.py)."""
+    if label.startswith("affine_grid.grid/"):
+        return threads(int(label.split("/")[1][0]))
+    return _device.THREADS
+
+
 def compile_jobs():
     """(label, kernel, argument types) for every kernel, dtype and nd: what
     ``compile_ptx`` type-checks (tests/test_cuda.py)."""
@@ -122,6 +129,7 @@ def launch_into(theta, size, align, out, stream=None):
 
 
 def _launch(theta, size, align, stream, out=None):
+    _device.await_producers((theta,), stream)
     dtype = np.dtype(theta.dtype)
     nd = len(size) - 2
     shape = (size[0],) + tuple(size[2:]) + (nd,)
@@ -135,7 +143,8 @@ def _launch(theta, size, align, stream, out=None):
         H, W = size[-2], size[-1]
         coords, grid = kernels(ct, nd)
         c = cuda.device_array(W + H + D, dtype=ct, stream=stream)
-        coords[_device.blocks_for(W + H + D), _device.THREADS, stream](c, np.int64(D), np.int64(H), np.int64(W), bool(align))
+        coords[_device.blocks_for(W + H + D), _device.THREADS, stream](
+            c, np.int64(D), np.int64(H), np.int64(W), bool(align))
         rows = total // (W * nd)
         blocks = max(1, min(rows, _device.MAX_BLOCKS))
         grid[blocks, threads(nd), stream](_device.flat(theta, stream), c, out, np.int64(D), np.int64(H), np.int64(W))

@@ -16,9 +16,11 @@ the reduction in chunks of ``RK`` rows:
    group changes (the reduction runs kidx-major, channel-minor);
 2. the ``RK × TP`` sample tile is filled from the plan into shared memory
    (a few gathers and FMAs per sample, from L2-resident ``x``; the plan is
-   stored corner-major so a warp reads it without bank conflicts) and the
-   ``RK × TO`` weight tile beside it, with coalesced loads from a copy of W laid
-   out (group, kidx, c, oc) by ``weights_by_kernel_point`` once per call;
+   stored corner-major so a warp reads it without bank conflicts; a thread
+   fills one fixed column at rows ``r0 + k·RS``, so it reads its column's plan
+   once per chunk and has ``KP`` independent gathers in flight per corner) and
+   the ``RK × TO`` weight tile beside it, with coalesced loads from a copy of W
+   laid out (group, kidx, c, oc) by ``weights_by_kernel_point`` once per call;
 3. each of the 256 threads accumulates a ``TM × TN`` (4 × 4) register block of
    the output tile by outer products over the ``RK`` rows, reading 8 shared
    values per 16 FMAs, with float32 accumulators (float64 for float64).
@@ -29,16 +31,48 @@ HBM; keeping them in shared memory removes the C·K·P·4-byte round trip that
 torchvision pays (write, then read by cuBLAS) for every image, each sample is
 gathered once per 64 output channels instead of once per channel, and the plan
 amortises the offset/mask reads and the weight arithmetic over the channels.
-A block uses ~15 KB of shared memory (float32) and at most 128 registers per
-thread (launch bounds), so two blocks share an SM and one block's latency-bound
-sampling overlaps the other's GEMM; tiles are distributed by a grid-stride
-loop, so any grid size is correct. numba-cuda exposes no tensor-core MMA, so
-the GEMM runs on the FP32 FFMA pipes (~60 TFLOP/s on an H100/H200). The
-performance is unmeasured so far (written without a GPU);
-``bench/gpu_bench.py`` measures it against torchvision.
+Tiles are distributed by a grid-stride loop, so any grid size is correct.
+numba-cuda exposes no tensor-core MMA, so the GEMM runs on the FP32 FFMA pipes
+(~67 TFLOP/s on an H200); with 8 shared loads per 16 FFMAs it is bound by
+shared-memory bandwidth at about half of that on paper (README, "GPU"). The
+performance is unmeasured so far (written without a GPU); ``bench/gpu_bench.py``
+measures it against torchvision.
+
+Register budget (``ptxas -v``, ``numba-ops info --cuda``; launch bounds (256, 2):
+at most 128 registers per thread, so two 256-thread blocks, 16 warps, share an
+SM and one block's latency-bound sampling overlaps the other's GEMM). The first
+version, with 64-bit indices throughout and its sizes read from a device array,
+took 128 registers and spilled in every variant (sm_90, float32 / float64 /
+n >= 4, spill stores/loads per thread: ptxas 13.0 172/252, 236/316, 100/144 B;
+nvJitLink 13.5 324/296, 384/360, 228/212 B); unbounded, ptxas wanted 194-202
+registers for float32. Its PTX showed why: LLVM hoisted the per-thread
+shared-memory address of every unrolled fill iteration out of the tile loop
+(each with numba's negative-index wrap-around arithmetic), every size and tile
+coordinate was a 64-bit value live across the loop, and 12 64-bit divisions
+each expanded to a subroutine. Now:
+
+- the sizes are kernel parameters (the ``dims`` tuple: the constant bank, which
+  instructions read as operands and ptxas reloads rather than spills);
+- indices are uint32 when every tensor has fewer than ``WIDE_FROM`` = 2**31
+  elements (the launcher decides; the int64 kernel is kept for larger ones):
+  half the registers per index, 32-bit divisions, and unsigned shared-memory
+  indices with no wrap-around code;
+- the fill mapping above: one base address plus constants per thread.
+
+Unbounded, ptxas now wants 118-125 registers (uint32, float32), 135-143 (uint32,
+float64), 134-140 (int64, float32), 154-156 (int64, float64); at the bound there
+are no spills in any variant on sm_80 or sm_90 with either assembler, except
+int64 float64 with 4 × 4 blocks on sm_80 with nvJitLink (92/104 B), which
+therefore takes 4 × 2 blocks (``GPU_TILES_WIDE_F64``). Shared memory: 12.5 KB
+(float32) and 22.8 KB (float64) per block, far from binding. Other bounds on
+paper: three blocks per SM would need at most 80 registers, below what the 16
+accumulators, 8 operands and the loop state need without spilling in the GEMM
+loop; (256, 1) would allow 255 registers but leave one block per SM, with
+nothing to hide its sampling phase behind. So (256, 2) stays.
 
 16-bit data is read and written through ``load``/``store`` (bit patterns, one
-rounding on the way out); all index arithmetic is 64-bit. Every output element is
+rounding on the way out); index arithmetic is 32-bit unsigned below 2**31
+elements per tensor, 64-bit above (``WIDE_FROM``). Every output element is
 written once, by the thread that accumulated it: ``y = b + Σ``. Corners outside
 the input count 0 exactly (they are dropped from the plan, never multiplied by 0),
 a non-finite sample position gives a NaN sample, a position outside the input
@@ -75,6 +109,10 @@ class Tiles(NamedTuple):
 GPU_TILES = Tiles(16, 16, 4, 4, 16)
 #: n >= 4: a plan holds 2**n corners per position, so the tile narrows to 4 positions.
 GPU_TILES_ND = Tiles(64, 4, 1, 1, 16)
+#: float64 with 64-bit indices (tensors past 2**31 elements): 64 × 32 tiles, a 4 × 2
+#: register block, as 4 × 4 there wants ~154 registers and spills at 128 (sm_80,
+#: nvJitLink 13.5: 92/104 B).
+GPU_TILES_WIDE_F64 = Tiles(16, 16, 4, 2, 16)
 #: the simulator runs each thread as a Python thread: 4 threads, 4 × 4 tiles (so
 #: small test shapes still span several tiles and partial tiles).
 SIM_TILES = Tiles(2, 2, 2, 2, 4)
@@ -84,11 +122,19 @@ WIDE_FROM = 1 << 31
 MAX_ND = 9
 
 
-def config(nd):
-    """(tiles, nd_max) used for ``nd`` spatial dims: nd_max sizes the plan (2**nd_max corners)."""
+def gpu_config(nd, wide, ct):
+    """(tiles, nd_max) on a GPU for ``nd`` spatial dims, 64-bit indices or not
+    (``wide``) and compute type ``ct``: nd_max sizes the plan (2**nd_max corners)."""
+    if nd > 3:
+        return GPU_TILES_ND, nd
+    return (GPU_TILES_WIDE_F64 if wide and np.dtype(ct) == np.float64 else GPU_TILES), 3
+
+
+def config(nd, wide, ct):
+    """(tiles, nd_max) the launcher uses: ``gpu_config``'s, or the simulator's small tiles."""
     if _device.SIMULATOR:
         return SIM_TILES, max(3, nd)
-    return (GPU_TILES, 3) if nd <= 3 else (GPU_TILES_ND, nd)
+    return gpu_config(nd, wide, ct)
 
 
 @functools.lru_cache(maxsize=None)
@@ -315,9 +361,10 @@ def weights_by_kernel_point(w, wt, cpg, K, ocg):
         wt[((gi * K + kidx) * cpg + c) * ocg + oc - gi * ocg] = w[i]
 
 
-def variants():
-    """Every (tiles, nd_max) the launcher picks on a GPU: n <= 3, and n >= 4 (shown for n = 4)."""
-    return [(GPU_TILES, 3), (GPU_TILES_ND, 4)]
+def variants(ct):
+    """Every (tiles, nd_max, wide) the launcher picks on a GPU for compute type ``ct``:
+    n <= 3, and n >= 4 (shown for n = 4), with 32- and 64-bit indices."""
+    return [gpu_config(nd, wide, ct) + (wide,) for nd in (3, 4) for wide in (False, True)]
 
 
 def compile_jobs():
@@ -330,10 +377,9 @@ def compile_jobs():
     for dt in ALL:
         arr = types.Array(from_dtype(storage(dt)), 1, "C")
         args = (arr,) * 6 + (types.Array(i64, 2, "C"), types.UniTuple(i64, 16))
-        for tiles, nd_max in variants():
-            for wide in (False, True):
-                yield (f"deform_conv/nd<={nd_max}/{'i64' if wide else 'i32'}/{dt}",
-                       kernel(compute(dt).type, tiles, nd_max, wide), args)
+        for tiles, nd_max, wide in variants(compute(dt)):
+            yield (f"deform_conv/nd<={nd_max}/{'i64' if wide else 'i32'}/{dt}",
+                   kernel(compute(dt).type, tiles, nd_max, wide), args)
         yield f"deform_conv.weights/{dt}", weights_by_kernel_point, (arr, arr, i64, i64, i64)
 
 
@@ -345,6 +391,7 @@ def launch(x, w, offset, b, mask, p, stream=None):
 
 
 def _launch(x, w, offset, b, mask, p, stream):
+    _device.await_producers((x, w, offset, b, mask), stream)
     dtype = np.dtype(x.dtype)
     st = storage(dtype)
     N, C = int(x.shape[0]), int(x.shape[1])
@@ -369,14 +416,15 @@ def _launch(x, w, offset, b, mask, p, stream):
         bf = dummy if b is None else _device.flat(b, stream)
         geo = _device.int64_array([tuple(x.shape[2:]), p.kernel_shape, p.strides, p.pads_begin,
                                    p.dilations, p.out_spatial], stream)
-        tiles, nd_max = config(nd)
+        wide = max(x.size, offset.size, w.size, total) >= WIDE_FROM
+        ct = compute(dtype).type
+        tiles, nd_max = config(nd, wide, ct)
         n_ot = -(-(oC // group) // (tiles.TY * tiles.TM))
         n_pt = -(-P // (tiles.TX * tiles.TN))
         ntiles = N * group * n_ot * n_pt
-        wide = max(x.size, offset.size, w.size, total) >= WIDE_FROM
         dims = tuple(int(v) for v in (C, oC, og, K, P, S, nd, mask is not None, b is not None,
                                       C // group, oC // group, C // og, n_ot, n_pt, ntiles, group))
         blocks = max(1, min(ntiles, _device.MAX_BLOCKS if _device.SIMULATOR else 1 << 20))
-        kernel(compute(dtype).type, tiles, nd_max, wide)[blocks, tiles.TY * tiles.TX, stream](
+        kernel(ct, tiles, nd_max, wide)[blocks, tiles.TY * tiles.TX, stream](
             xf, wf, of, mf, bf, y, geo, dims)
     return _device.finish(y, shape, dtype, to_host, stream)

@@ -72,8 +72,9 @@ def occupancy(cc, threads, registers, smem):
         "registers": (REGISTERS_PER_SM // regs_per_warp) // warps,
         "threads": min(THREADS_PER_SM // threads, WARPS_PER_SM // warps),
         "blocks": BLOCKS_PER_SM,
-        "shared memory": SMEM_PER_SM[cc] // (smem + SMEM_RESERVED_PER_BLOCK) if smem else BLOCKS_PER_SM,
     }
+    if smem:
+        limits["shared memory"] = SMEM_PER_SM[cc] // (smem + SMEM_RESERVED_PER_BLOCK)
     blocks = min(limits.values())
     limiter = "/".join(k for k, v in limits.items() if v == blocks)
     return blocks, blocks * warps, limiter
@@ -177,8 +178,8 @@ def parse(text, ptx):
     if m:
         smem = max(int(v) for v in m)
     else:  # static .shared declarations: ".shared .align 8 .b8 name[2048];"
-        smem = sum(int(b) * int(n) for b, n in re.findall(r"\.shared\s+(?:\.align\s+\d+\s+)?\.[bsuf](\d+)\s+\S+\[(\d+)\]", ptx))
-        smem //= 8
+        decl = r"\.shared\s+(?:\.align\s+\d+\s+)?\.[bsuf](\d+)\s+\S+\[(\d+)\]"
+        smem = sum(int(b) * int(n) for b, n in re.findall(decl, ptx)) // 8
     return max(regs), st, ld, stack, smem
 
 
@@ -217,13 +218,17 @@ def launch_bounds(kern):
     return getattr(kern, "targetoptions", {}).get("launch_bounds")
 
 
-def threads_per_block(kern):
-    """The block size the launcher uses: the kernel's launch bound, else the
-    element-wise kernels' ``_device.THREADS`` (the GPU's 256)."""
+def threads_per_block(mod, label, kern):
+    """The block size the launcher uses: the module's ``block_size(label)`` where
+    it has one, else the kernel's launch bound, else the element-wise kernels'
+    ``_device.THREADS`` (256 on a GPU)."""
+    if hasattr(mod, "block_size"):
+        return int(mod.block_size(label))
     lb = launch_bounds(kern)
     if lb:
         return lb[0] if isinstance(lb, tuple) else int(lb)
-    return 256
+    from ._device import THREADS
+    return THREADS
 
 
 def measure(ccs=CCS, tools=None, only=None):
@@ -233,13 +238,13 @@ def measure(ccs=CCS, tools=None, only=None):
     if not tools:
         raise RuntimeError("no PTX assembler here: neither ptxas (CUDA toolkit or the nvidia-cuda-nvcc wheel) "
                            "nor nvJitLink (cuda-bindings)")
-    jobs = [job for mod in modules() for job in mod.compile_jobs() if only is None or only in job[0]]
+    jobs = [(mod, *job) for mod in modules() for job in mod.compile_jobs() if only is None or only in job[0]]
     rows = []
     for cc in ccs:
         with pretend_device(cc):
-            for label, kern, sig in jobs:
+            for mod, label, kern, sig in jobs:
                 ptx, _ = cuda.compile_ptx(kern.py_func, sig, cc=cc, launch_bounds=launch_bounds(kern))
-                nt = threads_per_block(kern)
+                nt = threads_per_block(mod, label, kern)
                 for name, assemble in tools.items():
                     regs, st, ld, stack, smem = parse(assemble(ptx, cc), ptx)
                     blocks, warps, limiter = occupancy(cc, nt, regs, smem)
@@ -260,10 +265,95 @@ def table(rows):
             w = max(len(r.label) for r in sel)
             out.append(f"  {'kernel':<{w}}  threads  regs  spill st/ld  stack   smem  blocks  warps  occupancy  limit")
             for r in sel:
-                out.append(f"  {r.label:<{w}}  {r.threads:7d}  {r.registers:4d}  {r.spill_stores:5d}/{r.spill_loads:<5d}"
+                out.append(f"  {r.label:<{w}}  {r.threads:7d}  {r.registers:4d}  "
+                           f"{r.spill_stores:5d}/{r.spill_loads:<5d}"
                            f"  {r.stack:5d}  {r.smem:5d}  {r.blocks:6d}  {r.warps:5d}  {r.warps / WARPS_PER_SM:8.0%}   "
                            f"{r.limiter}")
             out.append("")
+    return "\n".join(out)
+
+
+# --- a roofline on paper for the benchmark cases (H200) ---------------------------
+
+H200 = dict(sms=132, fp32=67e12, hbm=4.8e12)  # SMs, FP32 FFMA FLOP/s, HBM bytes/s (H200 SXM)
+
+
+def _gemm_fraction(tiles):
+    """The share of FFMA peak that the register-blocked loop allows: per reduction
+    row a thread issues TM + TN shared loads (one wavefront each, one per clock per
+    SM) and TM * TN FFMAs (four warp instructions per clock per SM)."""
+    return min(1.0, tiles.TM * tiles.TN / 4 / (tiles.TM + tiles.TN))
+
+
+def roofline(gpu=H200):
+    """Per benchmark case (numba_ops._cases, float32): the work, the bytes, the
+    bounds and the time the kernel design implies on ``gpu``; dicts."""
+    import numpy as np
+
+    from ... import _cases
+    from ..._shapes import out_size
+    from . import affine_grid as ag, deform_conv as dc
+    out = []
+    for name, case in _cases.AFFINE.items():
+        size = case["size"]
+        nd = len(size) - 2
+        elems = int(np.prod([size[0], *size[2:]])) * nd
+        rows = elems // (size[-1] * nd)
+        nbytes = elems * 4
+        t_hbm = nbytes / gpu["hbm"]
+        out.append(dict(case=name, op="affine_grid", flops=elems * (2 if nd == 2 else 3), bytes=nbytes,
+                        t_flop=elems * (2 if nd == 2 else 3) / gpu["fp32"], t_hbm=t_hbm, blocks=min(rows, 1 << 16),
+                        threads=ag.threads(nd) if not ag._device.SIMULATOR else 64 * nd, implied=t_hbm,
+                        bound="HBM writes" if t_hbm > 1e-6 else "launch latency (a few us)"))
+    tiles = dc.GPU_TILES
+    TO, TP = tiles.TY * tiles.TM, tiles.TX * tiles.TN
+    frac = _gemm_fraction(tiles)
+    for name in _cases.DEFORM:
+        N, C, H, W, oC, k, pad, stride, dil, group, og, use_mask = _cases.deform_params(name)
+        oH, oW = (out_size(D, pad, pad, k, dil, stride) for D in (H, W))
+        P, K, cpg, ocg, cpo = oH * oW, k * k, C // group, oC // group, C // og
+        n_ot, n_pt = -(-ocg // TO), -(-P // TP)
+        ntiles = N * group * n_ot * n_pt
+        # reduction rows as the kernel walks them: chunks of RK that never span two offset groups
+        chunks = 0
+        for gi in range(group):
+            c = gi * cpg
+            while c < (gi + 1) * cpg:
+                c = min(c + tiles.RK, (c // cpo + 1) * cpo, (gi + 1) * cpg)
+                chunks += 1
+        flops_tile = 2 * TO * TP * tiles.RK * K * chunks // group  # padded tiles compute zeros too
+        gemm = 2 * N * oC * P * cpg * K
+        samples = N * group * n_ot * cpg * K * P
+        flops = ntiles * flops_tile + samples * 2 * 4  # + 4 corner FMAs per sample (2-D)
+        nbytes = 4 * (N * C * H * W + n_ot * N * og * K * P * (2 + use_mask) + N * oC * P
+                      + 3 * oC * cpg * K + oC)
+        per_sm = gpu["fp32"] * frac / gpu["sms"]
+        t_tiles = -(-ntiles // gpu["sms"]) * flops_tile / per_sm  # each SM works through its tiles
+        t_hbm = nbytes / gpu["hbm"]
+        out.append(dict(case=name, op="deform_conv", flops=flops, gemm_flops=gemm, bytes=nbytes,
+                        t_flop=flops / gpu["fp32"], t_lds=ntiles * flops_tile / (gpu["fp32"] * frac), t_hbm=t_hbm,
+                        blocks=ntiles, threads=tiles.TY * tiles.TX, implied=max(t_tiles, t_hbm),
+                        bound=("tiles < SMs" if ntiles < gpu["sms"]
+                               else "shared loads" if t_tiles >= t_hbm else "HBM")))
+    return out
+
+
+def roofline_table(gpu=H200):
+    """``roofline``'s rows as the text ``numba-ops info --cuda`` prints."""
+    from .deform_conv import GPU_TILES
+    rows = roofline(gpu)
+    out = [f"Roofline on paper, float32, H200 ({gpu['sms']} SMs, FP32 FFMA {gpu['fp32'] / 1e12:.0f} TFLOP/s, "
+           f"HBM {gpu['hbm'] / 1e12:.1f} TB/s; DeformConv's 4x4 register blocks reach "
+           f"{_gemm_fraction(GPU_TILES):.0%} "
+           "of FFMA peak, bound by shared loads). Kernel time only: launches, copies and numba's host "
+           "overhead (~10-20 us per launch) come on top. Unmeasured: bench/gpu_bench.py measures on a GPU.",
+           f"  {'case':<14} {'GFLOP':>8} {'MB':>8} {'FFMA us':>8} {'LDS us':>8} {'HBM us':>8} {'blocks':>7} "
+           f"{'threads':>7} {'implied us':>10}  bound"]
+    for r in rows:
+        lds = f"{r['t_lds'] * 1e6:8.2f}" if "t_lds" in r else f"{'-':>8}"
+        out.append(f"  {r['case']:<14} {r['flops'] / 1e9:8.3f} {r['bytes'] / 1e6:8.2f} {r['t_flop'] * 1e6:8.2f} {lds} "
+                   f"{r['t_hbm'] * 1e6:8.2f} {r['blocks']:7d} {r['threads']:7d} {r['implied'] * 1e6:10.2f}  "
+                   f"{r['bound']}")
     return "\n".join(out)
 
 
@@ -276,7 +366,7 @@ def report(argv=()):
     """Print the report (``numba-ops info --cuda``); 0 on success, 1 if nothing can be measured."""
     if simulator_on():  # the simulator replaces numba-cuda's compiler here: a fresh process without it
         env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0")
-        return subprocess.run([sys.executable, "-m", __name__, *argv], env=env).returncode
+        return subprocess.run([sys.executable, "-m", f"{__package__}.resources", *argv], env=env).returncode
     try:
         from numba.cuda.cudadrv import nvvm
         nvvm.NVVM()
@@ -290,6 +380,9 @@ def report(argv=()):
         return 1
     rows = measure(tools=tools, only=argv[0] if argv else None)
     print(table(rows))
+    if not argv:
+        print(roofline_table())
+        print()
     spilled = [r for r in rows if r.spill_stores or r.spill_loads]
     print(f"{len(rows)} kernel builds, {len(spilled)} with spills" + (
         ": " + ", ".join(sorted({r.label for r in spilled})) if spilled else ""))
