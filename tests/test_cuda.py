@@ -111,34 +111,6 @@ def test_compile_ptx(which, cc, monkeypatch):
         assert any(label.endswith("/" + dt) for label in sizes), dt
 
 
-@pytest.mark.parametrize("which", ["grid_sample", "affine_warp"])
-def test_no_register_spills(which):
-    """Every GridSample / affine_warp kernel specialisation assembles for sm_90 with
-    no spills and no stack frame (the tap arrays stay in registers): the resource
-    report (kernels/cuda/resources.py) on that family, in a process without the
-    simulator. Needs libNVVM and a PTX assembler (ptxas or nvJitLink)."""
-    code = textwrap.dedent(f"""
-        import json
-        from numba_ops.kernels.cuda import resources as R
-        tools = R.assemblers()
-        if not tools:
-            print(json.dumps(None))
-        else:
-            name = sorted(tools)[0]
-            rows = R.measure(ccs=((9, 0),), tools={{name: tools[name]}}, only={which + "/"!r})
-            print(json.dumps([[r.label, r.registers, r.spill_stores, r.spill_loads, r.stack] for r in rows]))
-    """)
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          env=_env(NUMBA_ENABLE_CUDASIM="0"), cwd=HERE, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    rows = json.loads(proc.stdout.strip().splitlines()[-1])
-    if rows is None:
-        pytest.skip("no PTX assembler here (ptxas or nvJitLink)")
-    assert len(rows) == {"grid_sample": 72, "affine_warp": 48}[which]
-    bad = [r for r in rows if r[2] or r[3] or r[4]]
-    assert not bad, bad
-
-
 # --- without a GPU ----------------------------------------------------------------
 
 def _small_inputs(dtype=np.float32):

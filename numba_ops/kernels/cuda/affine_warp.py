@@ -20,7 +20,7 @@ from ..._dtypes import compute
 from .._sample import load_sample, unnormalize
 from .._scalar import base_coord
 from . import _device
-from .grid_sample import MAX_R, MODE_NAMES, geometry, sampler, signatures, x_storage
+from .grid_sample import MAX_R, MODE_NAMES, block_size, blocks, bounds, geometry, sampler, signatures, threads, x_storage  # noqa: F401 (block_size: resources.py)
 
 #: theta dtypes; ``x`` has the same dtype, or uint8
 DTYPES = ("float16", "bfloat16", "float32", "float64")
@@ -39,7 +39,7 @@ def kernel(ct, r, mode):
     R = r
     sample = sampler(ct, r, mode)
 
-    @cuda.jit
+    @cuda.jit(**bounds(ct, r, mode))
     def affine_warp_kernel(xf, theta, out, dims, geo, padding, align):
         total, C, P, S, D, H, W = dims
         one = ct(1)
@@ -107,6 +107,8 @@ def _launch(x, theta, size, mode, padding, align, stream):
         tf = _device.flat(theta, stream)
         D = shape[2] if r == 3 else 1
         dims = (N * P, C, P, S, D, shape[-2], shape[-1])
-        kernel(compute(theta.dtype).type, r, mode)[_device.blocks_for(N * P), _device.THREADS, stream](
+        ct = compute(theta.dtype).type
+        nt = threads(ct, r, mode)
+        kernel(ct, r, mode)[blocks(N * P, nt), nt, stream](
             xf, tf, out, dims, geometry(x.shape[2:]), np.int64(padding), bool(align))
     return _device.finish(out, shape, dtype, to_host, stream)

@@ -20,7 +20,10 @@ positions, ``P`` the output's spatial size, so any launch is correct):
 The taps are computed once per position and serve every channel. The mode and the
 number of spatial axes are compile-time constants of each kernel (``kernel(ct, r,
 mode)``), so the tap loops unroll and the taps live in registers; the padding and
-``align_corners`` are runtime values (one uniform branch). Consecutive threads
+``align_corners`` are runtime values (one uniform branch). Launch bounds: two blocks
+per SM (``threads``: 256 threads and at most 128 registers, or 128 threads for the
+cubic kernels that need more; no spills in any specialisation on sm_80 or sm_90,
+``numba-ops info --cuda``). Consecutive threads
 take consecutive positions: grid reads and output writes coalesce. A
 zeros-padded tap outside the input is read at a clamped index and replaced by an
 exact 0, as on the CPU. All index arithmetic is 64-bit. 16-bit data is widened on
@@ -42,8 +45,37 @@ DTYPES = ("float16", "bfloat16", "float32", "float64")
 MODE_NAMES = {NEAREST: "nearest", LINEAR: "linear", CUBIC: "cubic"}
 #: inline the shared sampler into each kernel at the NVVM level (the simulator takes no option)
 INLINE = {} if _device.SIMULATOR else {"forceinline": True}
+
 #: the most spatial axes (``geo`` holds 3 sizes and 3 strides)
 MAX_R = 3
+
+
+def threads(ct, r, mode):
+    """Threads per block of the kernels for compute type ``ct``, ``r`` axes and
+    ``mode``: ``_device.THREADS`` (256 on a GPU), except cubic in 3-D or in float64
+    on a GPU: 128. Every kernel's launch bounds ask for two such blocks per SM: at
+    most 128 registers per thread at 256, within which those spilled (3-D cubic
+    float64: 36-164 B on sm_80; 2-D cubic float64: 8 B with nvJitLink on sm_90); at
+    128 they take up to ~185 registers and spill nothing."""
+    heavy = mode == CUBIC and (r == 3 or np.dtype(ct) == np.float64)
+    return 128 if heavy and not _device.SIMULATOR else _device.THREADS
+
+
+def blocks(n, nt):
+    """Blocks of ``nt`` threads for ``n`` positions (at most ``_device.MAX_BLOCKS``;
+    the grid-stride loops cover the rest)."""
+    return max(1, min(_device.MAX_BLOCKS, -(-int(n) // nt)))
+
+
+def bounds(ct, r, mode):
+    """``cuda.jit``'s launch-bound options for ``threads(ct, r, mode)`` (the simulator takes none)."""
+    return {} if _device.SIMULATOR else {"launch_bounds": (threads(ct, r, mode), 2)}
+
+
+def block_size(label):
+    """Threads per block the launcher uses for a ``compile_jobs`` label (resources.py)."""
+    parts = label.split("/")  # op/<r>d/<mode>/x_<dtype>/<float dtype>
+    return threads(compute(parts[-1]), int(parts[1][0]), {v: k for k, v in MODE_NAMES.items()}[parts[2]])
 
 
 @functools.lru_cache(maxsize=None)
@@ -137,7 +169,7 @@ def kernel(ct, r, mode):
     R = r
     sample = sampler(ct, r, mode)
 
-    @cuda.jit
+    @cuda.jit(**bounds(ct, r, mode))
     def grid_sample_kernel(xf, gf, out, dims, geo, padding, align):
         total, C, P, S = dims
         one = ct(1)
@@ -215,6 +247,8 @@ def _launch(x, grid, mode, padding, align, stream):
         xf = _device.flat(x, stream)
         gf = _device.flat(grid, stream)
         dims = (N * P, C, P, S)
-        kernel(compute(grid.dtype).type, r, mode)[_device.blocks_for(N * P), _device.THREADS, stream](
+        ct = compute(grid.dtype).type
+        nt = threads(ct, r, mode)
+        kernel(ct, r, mode)[blocks(N * P, nt), nt, stream](
             xf, gf, out, dims, geometry(x.shape[2:]), np.int64(padding), bool(align))
     return _device.finish(out, shape, dtype, to_host, stream)
