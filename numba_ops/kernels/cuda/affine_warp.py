@@ -101,6 +101,7 @@ def _launch(x, theta, size, mode, padding, align, stream):
     S = int(np.prod(x.shape[2:], dtype=np.int64))
     total = N * C * P
     to_host = not _device.any_on_device(x, theta)
+    _device.await_producers((x, theta), stream)
     out = cuda.device_array(total, dtype=x_storage(dtype), stream=stream)
     if total:
         xf = _device.flat(x, stream)

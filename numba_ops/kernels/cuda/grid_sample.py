@@ -242,6 +242,7 @@ def _launch(x, grid, mode, padding, align, stream):
     S = int(np.prod(x.shape[2:], dtype=np.int64))
     total = N * C * P
     to_host = not _device.any_on_device(x, grid)
+    _device.await_producers((x, grid), stream)
     out = cuda.device_array(total, dtype=x_storage(dtype), stream=stream)
     if total:
         xf = _device.flat(x, stream)
