@@ -15,7 +15,7 @@ import numpy as np
 from numba import njit, prange
 
 from ..._dtypes import compute
-from .._sample import TAPS, ZEROS, as_compute, unnormalize
+from .._sample import TAPS, as_compute, unnormalize
 from . import _runtime
 from .affine_grid import _coords
 from .grid_sample import SEG, ZERO, accumulate, kernel_view, output_for, plan, public, scratch
@@ -35,11 +35,10 @@ def _units(x, xf, theta, out, D, H, W, mode, padding, align, zero, u0, u1):
     S = xf.size // (N * C)
     nseg = (W + SEG - 1) // SEG
     one = as_compute(zero, 1)
-    zeros = padding == ZEROS
     xs = _coords(W, align, one)
     ys = _coords(H, align, one)
     zs = _coords(D, align, one)
-    pos, pidx, pw, pok = scratch(zero)
+    pos, pidx, pw, pok, kind = scratch(zero)
     for u in range(u0, u1):
         row = u // nseg
         w0 = (u - row * nseg) * SEG
@@ -61,10 +60,10 @@ def _units(x, xf, theta, out, D, H, W, mode, padding, align, zero, u0, u1):
                 yq = ys[h] * t1
                 for j in range(m):
                     pos[k, j] = unnormalize((t0 * xs[w0 + j] + b) + yq, size, align, one)
-        plan(x, pos, m, mode, padding, align, zero, pidx, pw, pok)
+        plan(x, pos, m, mode, padding, align, zero, pidx, pw, pok, kind)
         for c in range(C):
             nc = n * C + c
-            accumulate(x, xf, out, nc * S, nc * P + row % (D * H) * W + w0, m, mode, zeros, pidx, pw, pok, zero)
+            accumulate(x, xf, out, nc * S, nc * P + row % (D * H) * W + w0, m, mode, pidx, pw, pok, kind, zero)
 
 
 @njit(cache=True)

@@ -27,7 +27,7 @@ import numpy as np
 from numba import njit, prange
 
 from ..._dtypes import compute, storage
-from .._sample import (LINEAR, NEAREST, TAPS, ZEROS, as_compute, cubic_taps, linear_taps, load_sample,
+from .._sample import (BORDER, LINEAR, NEAREST, REFLECTION, TAPS, ZEROS, as_compute, cubic_taps, linear_taps, load_sample,
                        nearest_tap, store_sample, unnormalize)
 from .._scalar import load
 from . import _runtime
@@ -41,17 +41,30 @@ SEG = 256
 
 # --- plan: per-axis taps of a segment ---------------------------------------------------
 
-@njit(cache=True)
-def _plan_axis(pos, m, k, size, stride, mode, padding, align, zero, pidx, pw, pok):
+#: ``kind`` bits of a zeros-padded position: some tap outside; all taps of some axis
+#: outside (then the sample is 0, or NaN at a non-finite position). 0: all inside.
+SOME_OUT, AXIS_OUT = 1, 2
+
+
+@njit(cache=True, inline="always")
+def _kind(kind, j, first, all_in, any_in):
+    b = (0 if all_in else SOME_OUT) | (0 if any_in else AXIS_OUT)
+    kind[j] = b if first else kind[j] | b
+
+
+@njit(cache=True, inline="always")
+def _plan_axis(pos, m, k, size, stride, mode, padding, align, zero, pidx, pw, pok, kind, first):
     """Taps of spatial axis ``k`` for the positions ``pos[k, :m]``: ``pidx[k, t, j]``
     the flat offset (padded index times ``stride``), ``pw`` the weight, ``pok``
-    whether the tap is inside (False only for zeros padding)."""
+    whether the tap is inside (False only for zeros padding, which also folds the
+    axis into ``kind``; ``first``: the first axis planned)."""
     if mode == NEAREST:
         for j in range(m):
             i, w, ok = nearest_tap(pos[k, j], size, padding, align, zero)
             pidx[k, 0, j] = i * stride
             pw[k, 0, j] = w
             pok[k, 0, j] = ok
+            _kind(kind, j, first, ok, ok)
     elif mode == LINEAR:
         for j in range(m):
             i0, i1, w0, w1, ok0, ok1 = linear_taps(pos[k, j], size, padding, align, zero)
@@ -61,6 +74,7 @@ def _plan_axis(pos, m, k, size, stride, mode, padding, align, zero, pidx, pw, po
             pw[k, 1, j] = w1
             pok[k, 0, j] = ok0
             pok[k, 1, j] = ok1
+            _kind(kind, j, first, ok0 & ok1, ok0 | ok1)
     else:
         for j in range(m):
             i0, i1, i2, i3, w0, w1, w2, w3, ok0, ok1, ok2, ok3 = cubic_taps(pos[k, j], size, padding, align, zero)
@@ -76,105 +90,136 @@ def _plan_axis(pos, m, k, size, stride, mode, padding, align, zero, pidx, pw, po
             pok[k, 1, j] = ok1
             pok[k, 2, j] = ok2
             pok[k, 3, j] = ok3
+            _kind(kind, j, first, ok0 & ok1 & ok2 & ok3, ok0 | ok1 | ok2 | ok3)
+
+
+@njit(cache=True, inline="always")
+def _plan_pad(pos, m, k, size, stride, mode, padding, align, zero, pidx, pw, pok, kind, first):
+    # the padding a constant in each inlined copy: its loops are branch-free and vectorise
+    if padding == ZEROS:
+        _plan_axis(pos, m, k, size, stride, mode, ZEROS, align, zero, pidx, pw, pok, kind, first)
+    elif padding == BORDER:
+        _plan_axis(pos, m, k, size, stride, mode, BORDER, align, zero, pidx, pw, pok, kind, first)
+    else:
+        _plan_axis(pos, m, k, size, stride, mode, REFLECTION, align, zero, pidx, pw, pok, kind, first)
 
 
 @njit(cache=True)
-def plan(x, pos, m, mode, padding, align, zero, pidx, pw, pok):
+def plan(x, pos, m, mode, padding, align, zero, pidx, pw, pok, kind):
     """The plan of a segment of ``m`` positions (``pos[k, :m]`` on spatial axis ``k``
-    of ``x``, shape (N, C, D1..Dr))."""
+    of ``x``, shape (N, C, D1..Dr)); under zeros padding also each position's
+    ``kind``, so that only positions with some taps outside pay for masks. The
+    axes are unrolled (``x.ndim`` is a constant), innermost first."""
     r = x.ndim - 2
-    stride = 1
-    for k in range(r - 1, -1, -1):
-        size = x.shape[2 + k]
-        _plan_axis(pos, m, k, size, stride, mode, padding, align, zero, pidx, pw, pok)
-        stride *= size
+    sh = x.shape
+    _plan_pad(pos, m, r - 1, sh[x.ndim - 1], 1, mode, padding, align, zero, pidx, pw, pok, kind, True)
+    if r >= 2:
+        _plan_pad(pos, m, r - 2, sh[x.ndim - 2], sh[x.ndim - 1], mode, padding, align, zero, pidx, pw, pok,
+                  kind, False)
+    if r >= 3:
+        _plan_pad(pos, m, r - 3, sh[x.ndim - 3], sh[x.ndim - 2] * sh[x.ndim - 1], mode, padding, align, zero,
+                  pidx, pw, pok, kind, False)
 
 
 # --- accumulate: one channel's samples of a segment --------------------------------------
 
 @njit(cache=True, inline="always")
-def _acc1(xf, out, xb, ob, m, T, zeros, pidx, pw, pok, zero):
-    for j in range(m):
-        acc = zero
-        for tx in range(T):
-            v = load_sample(xf, np.uint64(xb + pidx[0, tx, j]), zero)
-            if zeros:
-                v = v if pok[0, tx, j] else zero
-            acc += pw[0, tx, j] * v
-        store_sample(out, np.uint64(ob + j), acc)
+def _s1(xf, xb, j, T, masked, pidx, pw, pok, zero):
+    acc = zero
+    for tx in range(T):
+        v = load_sample(xf, np.uint64(xb + pidx[0, tx, j]), zero)
+        if masked:
+            v = v if pok[0, tx, j] else zero
+        acc += pw[0, tx, j] * v
+    return acc
 
 
 @njit(cache=True, inline="always")
-def _acc2(xf, out, xb, ob, m, T, zeros, pidx, pw, pok, zero):
-    for j in range(m):
-        acc = zero
+def _s2(xf, xb, j, T, masked, pidx, pw, pok, zero):
+    acc = zero
+    for ty in range(T):
+        by = xb + pidx[0, ty, j]
+        s = zero
+        for tx in range(T):
+            v = load_sample(xf, np.uint64(by + pidx[1, tx, j]), zero)
+            if masked:
+                v = v if (pok[0, ty, j] & pok[1, tx, j]) else zero
+            s += pw[1, tx, j] * v
+        acc += pw[0, ty, j] * s
+    return acc
+
+
+@njit(cache=True, inline="always")
+def _s3(xf, xb, j, T, masked, pidx, pw, pok, zero):
+    acc = zero
+    for tz in range(T):
+        bz = xb + pidx[0, tz, j]
+        sz = zero
         for ty in range(T):
-            by = xb + pidx[0, ty, j]
+            by = bz + pidx[1, ty, j]
+            oky = pok[0, tz, j] & pok[1, ty, j]
             s = zero
             for tx in range(T):
-                v = load_sample(xf, np.uint64(by + pidx[1, tx, j]), zero)
-                if zeros:
-                    v = v if (pok[0, ty, j] & pok[1, tx, j]) else zero
-                s += pw[1, tx, j] * v
-            acc += pw[0, ty, j] * s
-        store_sample(out, np.uint64(ob + j), acc)
+                v = load_sample(xf, np.uint64(by + pidx[2, tx, j]), zero)
+                if masked:
+                    v = v if (oky & pok[2, tx, j]) else zero
+                s += pw[2, tx, j] * v
+            sz += pw[1, ty, j] * s
+        acc += pw[0, tz, j] * sz
+    return acc
 
 
 @njit(cache=True, inline="always")
-def _acc3(xf, out, xb, ob, m, T, zeros, pidx, pw, pok, zero):
+def _sample(r, xf, xb, j, T, masked, pidx, pw, pok, zero):
+    """Sample ``j`` of the plan (``r`` spatial axes, ``T`` taps per axis), the
+    weights nested innermost axis first as onnxruntime nests them; ``masked``:
+    taps outside (zeros padding) read as exact zeros."""
+    if r == 1:
+        return _s1(xf, xb, j, T, masked, pidx, pw, pok, zero)
+    if r == 2:
+        return _s2(xf, xb, j, T, masked, pidx, pw, pok, zero)
+    return _s3(xf, xb, j, T, masked, pidx, pw, pok, zero)
+
+
+@njit(cache=True, inline="always")
+def _acc(r, xf, out, xb, ob, m, T, pidx, pw, pok, kind, zero):
     for j in range(m):
-        acc = zero
-        for tz in range(T):
-            bz = xb + pidx[0, tz, j]
-            sz = zero
-            for ty in range(T):
-                by = bz + pidx[1, ty, j]
-                oky = pok[0, tz, j] & pok[1, ty, j]
-                s = zero
-                for tx in range(T):
-                    v = load_sample(xf, np.uint64(by + pidx[2, tx, j]), zero)
-                    if zeros:
-                        v = v if (oky & pok[2, tx, j]) else zero
-                    s += pw[2, tx, j] * v
-                sz += pw[1, ty, j] * s
-            acc += pw[0, tz, j] * sz
+        kd = kind[j]
+        if kd == 0:
+            acc = _sample(r, xf, xb, j, T, False, pidx, pw, pok, zero)
+        elif kd >= AXIS_OUT:  # 0, or NaN at a non-finite position
+            acc = pw[0, 0, j] * zero
+            for k in range(1, r):
+                acc *= pw[k, 0, j]
+            acc = zero if acc == acc else acc
+        else:
+            acc = _sample(r, xf, xb, j, T, True, pidx, pw, pok, zero)
         store_sample(out, np.uint64(ob + j), acc)
 
 
 @njit(cache=True)
-def accumulate(x, xf, out, xb, ob, m, mode, zeros, pidx, pw, pok, zero):
+def accumulate(x, xf, out, xb, ob, m, mode, pidx, pw, pok, kind, zero):
     """``out[ob + j] = sample j`` of the segment's plan for ``j < m``, reading the
-    channel image that starts at ``xf[xb]``. ``x`` (N, C, D1..Dr) is passed for
-    its rank alone, which numba folds to a constant, so only that rank's loops
-    are compiled; the mode's tap count is a constant in each (inlined) loop."""
-    if x.ndim == 3:
-        if mode == LINEAR:
-            _acc1(xf, out, xb, ob, m, 2, zeros, pidx, pw, pok, zero)
-        elif mode == NEAREST:
-            _acc1(xf, out, xb, ob, m, 1, zeros, pidx, pw, pok, zero)
-        else:
-            _acc1(xf, out, xb, ob, m, 4, zeros, pidx, pw, pok, zero)
-    elif x.ndim == 4:
-        if mode == LINEAR:
-            _acc2(xf, out, xb, ob, m, 2, zeros, pidx, pw, pok, zero)
-        elif mode == NEAREST:
-            _acc2(xf, out, xb, ob, m, 1, zeros, pidx, pw, pok, zero)
-        else:
-            _acc2(xf, out, xb, ob, m, 4, zeros, pidx, pw, pok, zero)
+    channel image that starts at ``xf[xb]``. Positions with every tap inside
+    (all of them but under zeros padding) take the unmasked loop, those with all
+    taps of an axis outside store 0 without reading. ``x`` (N, C, D1..Dr) is
+    passed for its rank alone, which numba folds to a constant, so only that
+    rank's loops are compiled; the mode's tap count is a constant in each
+    (inlined) loop, so they unroll."""
+    r = x.ndim - 2
+    if mode == LINEAR:
+        _acc(r, xf, out, xb, ob, m, 2, pidx, pw, pok, kind, zero)
+    elif mode == NEAREST:
+        _acc(r, xf, out, xb, ob, m, 1, pidx, pw, pok, kind, zero)
     else:
-        if mode == LINEAR:
-            _acc3(xf, out, xb, ob, m, 2, zeros, pidx, pw, pok, zero)
-        elif mode == NEAREST:
-            _acc3(xf, out, xb, ob, m, 1, zeros, pidx, pw, pok, zero)
-        else:
-            _acc3(xf, out, xb, ob, m, 4, zeros, pidx, pw, pok, zero)
+        _acc(r, xf, out, xb, ob, m, 4, pidx, pw, pok, kind, zero)
 
 
 @njit(cache=True)
 def scratch(zero):
-    """``(pos, pidx, pw, pok)``: one thread's segment buffers."""
+    """``(pos, pidx, pw, pok, kind)``: one thread's segment buffers."""
     return (np.empty((3, SEG), type(zero)), np.empty((3, 4, SEG), np.int64),
-            np.empty((3, 4, SEG), type(zero)), np.empty((3, 4, SEG), np.bool_))
+            np.empty((3, 4, SEG), type(zero)), np.empty((3, 4, SEG), np.bool_), np.empty(SEG, np.uint8))
 
 
 # --- GridSample ------------------------------------------------------------------------
@@ -189,8 +234,7 @@ def _units(x, xf, gf, out, mode, padding, align, zero, u0, u1):
     S = xf.size // (N * C)
     nseg = (P + SEG - 1) // SEG
     one = as_compute(zero, 1)
-    zeros = padding == ZEROS
-    pos, pidx, pw, pok = scratch(zero)
+    pos, pidx, pw, pok, kind = scratch(zero)
     for u in range(u0, u1):
         n = u // nseg
         j0 = (u - n * nseg) * SEG
@@ -201,10 +245,10 @@ def _units(x, xf, gf, out, mode, padding, align, zero, u0, u1):
             a = r - 1 - k  # the grid lists coordinates innermost axis first
             for j in range(m):
                 pos[k, j] = unnormalize(load(gf, g0 + j * r + a), size, align, one)
-        plan(x, pos, m, mode, padding, align, zero, pidx, pw, pok)
+        plan(x, pos, m, mode, padding, align, zero, pidx, pw, pok, kind)
         for c in range(C):
             nc = n * C + c
-            accumulate(x, xf, out, nc * S, nc * P + j0, m, mode, zeros, pidx, pw, pok, zero)
+            accumulate(x, xf, out, nc * S, nc * P + j0, m, mode, pidx, pw, pok, kind, zero)
 
 
 @njit(cache=True)

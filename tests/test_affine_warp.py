@@ -1,0 +1,183 @@
+"""affine_warp: equal to grid_sample(affine_grid(...)), 16-bit without a rounded
+grid, sizes, errors — written once for every device."""
+import ml_dtypes
+import numpy as np
+import pytest
+
+import numba_ops
+from numba_ops._dispatch import LAUNCHERS
+from reference import affine_grid_ref, assert_api_close, grid_sample_ref
+
+BF16 = ml_dtypes.bfloat16
+MODES = ["linear", "nearest", "cubic"]
+PADS = ["zeros", "border", "reflection"]
+
+
+@pytest.fixture
+def dev(device):
+    """``device``, while the device has affine_warp kernels (CUDA's are not written yet)."""
+    if ("affine_warp", device) not in LAUNCHERS:
+        pytest.skip(f"no affine_warp kernels for {device} yet")
+    return device
+
+
+def _host(a):
+    return a.copy_to_host() if hasattr(a, "copy_to_host") else np.asarray(a)
+
+
+def _theta(rng, n, r, dtype=np.float32):
+    """Near-identity transforms with some rotation, scale and shift, so most of the
+    output samples inside and some outside."""
+    t = np.zeros((n, r, r + 1))
+    t[:, :, :r] = np.eye(r) * 1.1 + rng.standard_normal((n, r, r)) * 0.4
+    t[:, :, r] = rng.standard_normal((n, r)) * 0.3
+    return t.astype(dtype)
+
+
+CASES = [((2, 3, 5, 6), None), ((2, 3, 5, 6), (2, 3, 7, 4)), ((1, 2, 1, 5), (1, 2, 3, 1)),
+         ((2, 2, 3, 4, 5), None), ((1, 1, 4, 3, 2), (1, 1, 2, 5, 3))]
+
+
+@pytest.mark.parametrize("xs,size", CASES)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("padding", PADS)
+@pytest.mark.parametrize("align", [0, 1])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_equals_grid_sample_of_affine_grid(xs, size, mode, padding, align, dtype, dev, rng):
+    r = len(xs) - 2
+    x = rng.standard_normal(xs).astype(dtype)
+    theta = _theta(rng, xs[0], r, dtype)
+    out_size = tuple(xs) if size is None else size
+    attrs = dict(mode=mode, padding_mode=padding, align_corners=align)
+    got = _host(numba_ops.affine_warp(x, theta, size, device=dev, **attrs))
+    grid = numba_ops.affine_grid(theta, out_size, align, device="cpu")
+    two_step = numba_ops.grid_sample(x, grid, device="cpu", **attrs)
+    assert got.dtype == dtype and got.shape == out_size
+    assert_api_close(got, two_step, dtype)
+    if dev == "cpu":  # the CPU kernel computes the grid as the CPU AffineGrid does: bit for bit
+        np.testing.assert_array_equal(got, two_step)
+
+
+@pytest.mark.parametrize("r", [2, 3])
+@pytest.mark.parametrize("mode", MODES)
+def test_float64_oracle(r, mode, dev, rng):
+    """Against the float64 composition of the two oracles."""
+    xs = (2, 2, 4, 5) if r == 2 else (1, 2, 3, 4, 3)
+    x = rng.standard_normal(xs)
+    theta = _theta(rng, xs[0], r, np.float64)
+    for padding in PADS:
+        want = grid_sample_ref(x, affine_grid_ref(theta, xs, 0), mode=mode, padding_mode=padding)
+        got = _host(numba_ops.affine_warp(x, theta, mode=mode, padding_mode=padding, device=dev))
+        assert_api_close(got, want, np.float64)
+
+
+def _ulp_diff(a, b, dtype):
+    ia = np.asarray(a).astype(dtype).view(np.int16).astype(np.int64)
+    ib = np.asarray(b).astype(dtype).view(np.int16).astype(np.int64)
+    ia = np.where(ia < 0, -32768 - ia, ia)
+    ib = np.where(ib < 0, -32768 - ib, ib)
+    return np.abs(ia - ib)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, BF16])
+@pytest.mark.parametrize("r", [2, 3])
+@pytest.mark.parametrize("mode", MODES)
+def test_16bit_grid_never_rounded(dtype, r, mode, dev, rng):
+    """16-bit: the float32 composition on upcast inputs (grid in float32), rounded once."""
+    xs = (2, 3, 6, 7) if r == 2 else (1, 2, 3, 4, 5)
+    x = rng.standard_normal(xs).astype(dtype)
+    theta = _theta(rng, xs[0], r, np.float32).astype(dtype)
+    x32, t32 = x.astype(np.float32), theta.astype(np.float32)
+    for padding in PADS:
+        want32 = numba_ops.grid_sample(x32, numba_ops.affine_grid(t32, xs), mode=mode, padding_mode=padding)
+        got = _host(numba_ops.affine_warp(x, theta, mode=mode, padding_mode=padding, device=dev))
+        assert got.dtype == np.dtype(dtype)
+        assert _ulp_diff(got, want32, dtype).max() <= 1
+
+
+@pytest.mark.parametrize("tdtype", [np.float16, np.float32, np.float64])
+def test_uint8(tdtype, dev, rng):
+    x = rng.integers(0, 256, (2, 3, 6, 7)).astype(np.uint8)
+    theta = _theta(rng, 2, 2, tdtype)
+    for mode in MODES:
+        got = _host(numba_ops.affine_warp(x, theta, (2, 3, 5, 8), mode=mode, device=dev))
+        grid = numba_ops.affine_grid(theta.astype(np.float32) if tdtype == np.float16 else theta, (2, 3, 5, 8))
+        want = numba_ops.grid_sample(x, grid, mode=mode)
+        assert got.dtype == np.uint8
+        if tdtype == np.float16:  # the two-step rounds the grid to float16; one off at most
+            assert np.abs(got.astype(int) - want.astype(int)).max() <= 1
+        else:
+            np.testing.assert_array_equal(got, want)
+
+
+def test_long_rows_and_parallel(rng):
+    """Rows longer than a segment, partial segments, and the parallel path (CPU)."""
+    x = rng.standard_normal((3, 2, 9, 40)).astype(np.float32)
+    theta = _theta(rng, 3, 2)
+    size = (3, 2, 30, 700)
+    got = numba_ops.affine_warp(x, theta, size, padding_mode="reflection", mode="cubic")
+    want = numba_ops.grid_sample(x, numba_ops.affine_grid(theta, size), padding_mode="reflection", mode="cubic")
+    np.testing.assert_array_equal(got, want)
+
+
+def test_empty_and_unchanged(dev, rng):
+    x = rng.standard_normal((2, 3, 4, 5)).astype(np.float32)
+    theta = _theta(rng, 2, 2)
+    x0, t0 = x.copy(), theta.copy()
+    assert _host(numba_ops.affine_warp(x, theta, (2, 3, 0, 5), device=dev)).shape == (2, 3, 0, 5)
+    assert _host(numba_ops.affine_warp(x[:0], theta[:0], device=dev)).shape == (0, 3, 4, 5)
+    assert _host(numba_ops.affine_warp(x[:, :0], theta, device=dev)).shape == (2, 0, 4, 5)
+    # non-contiguous and negative strides
+    xv, tv = x[::-1, :, ::-1], theta[::-1]
+    got = _host(numba_ops.affine_warp(xv, tv, [2, 3, 3, 6], device=dev))
+    want = _host(numba_ops.affine_warp(np.ascontiguousarray(xv), np.ascontiguousarray(tv), np.array([2, 3, 3, 6]),
+                                       device=dev))
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(x, x0)
+    np.testing.assert_array_equal(theta, t0)
+
+
+def test_bad_input(rng):
+    x = np.zeros((2, 3, 4, 5), np.float32)
+    theta = np.zeros((2, 2, 3), np.float32)
+    aw = numba_ops.affine_warp
+    with pytest.raises(ValueError, match="size"):
+        aw(x, theta, (2, 4, 4, 5))  # C differs
+    with pytest.raises(ValueError, match="size"):
+        aw(x, theta, (3, 3, 4, 5))  # N differs
+    with pytest.raises(ValueError, match="size"):
+        aw(x, theta, (2, 3, 4))  # length
+    with pytest.raises(ValueError, match="size"):
+        aw(x, theta, (2, 3, -1, 5))
+    with pytest.raises((ValueError, TypeError), match="size"):
+        aw(x, theta, (2, 3, 4.5, 5))
+    with pytest.raises(ValueError, match="theta"):
+        aw(x, np.zeros((2, 3, 4), np.float32))  # 3-D theta for 2-D x
+    with pytest.raises(ValueError, match="theta"):
+        aw(x, np.zeros((1, 2, 3), np.float32))
+    with pytest.raises(ValueError, match="X"):
+        aw(np.zeros((2, 3, 4), np.float32), theta)  # 1-D: affine_grid has no 1-D
+    with pytest.raises(ValueError, match="mode"):
+        aw(x, theta, mode="area")
+    with pytest.raises(ValueError, match="padding_mode"):
+        aw(x, theta, padding_mode="circular")
+    with pytest.raises(ValueError, match="align_corners"):
+        aw(x, theta, align_corners="yes")
+    with pytest.raises(ValueError, match="theta is required"):
+        aw(x, None)
+    with pytest.raises(TypeError, match="theta"):
+        aw(x, theta.astype(np.float64))
+    with pytest.raises(TypeError, match="X"):
+        aw(x.astype(np.int32), theta)
+    with pytest.raises(ValueError, match="X"):
+        aw(np.zeros((2, 3, 0, 5), np.float32), theta)
+
+
+@pytest.mark.parametrize("dtype", ["float64", "bfloat16"])
+def test_warm_calls(dtype):
+    from numba_ops.affine_warp import warm_calls
+    seen = set()
+    for args, kwargs in warm_calls(dtype):
+        y = numba_ops.affine_warp(*args, **kwargs)
+        seen.add((args[0].ndim, args[0].dtype.name, y.dtype == args[0].dtype))
+    assert seen == {(nd, xd, True) for nd in (4, 5) for xd in (dtype, "uint8")}
