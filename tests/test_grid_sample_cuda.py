@@ -90,9 +90,11 @@ def test_device_inputs_give_device_results(dtype, rng):
     assert _is_device(got)
     _equal(got.copy_to_host(), want)
     # strided device inputs (packed on the device), uint8 too
-    got = numba_ops.grid_sample(cuda.to_device(x)[:, ::-1, :, ::2], grid, device="cuda")
-    assert _is_device(got)
-    _equal(got.copy_to_host(), numba_ops.grid_sample(np.ascontiguousarray(x[:, ::-1, :, ::2]), grid))
+    want = numba_ops.grid_sample(np.ascontiguousarray(x[:, ::-1, :, ::2]), grid)
+    for device in ("cuda", "cpu"):
+        got = numba_ops.grid_sample(cuda.to_device(x)[:, ::-1, :, ::2], grid, device=device)
+        assert _is_device(got)
+        _equal(got.copy_to_host(), want)
 
 
 def test_empty_and_unchanged_on_cuda(rng):
