@@ -170,14 +170,22 @@ def test_bad_input(rng):
     with pytest.raises(TypeError, match="X"):
         aw(x.astype(np.int32), theta)
     with pytest.raises(ValueError, match="X"):
-        aw(np.zeros((2, 3, 0, 5), np.float32), theta)
+        aw(np.zeros((2, 3, 0, 5), np.float32), theta, (2, 3, 4, 5))  # nothing to sample from
+    assert aw(np.zeros((2, 3, 0, 5), np.float32), theta).shape == (2, 3, 0, 5)  # nothing to sample
 
 
-@pytest.mark.parametrize("dtype", ["float64", "bfloat16"])
-def test_warm_calls(dtype):
+def test_warm_calls():
+    """The warm-up hook: for each dtype, 2-D and 3-D calls on both x dtypes, both
+    paths; the bfloat16 ones run (each run compiles, so one dtype here)."""
     from numba_ops.affine_warp import warm_calls
-    seen = set()
-    for args, kwargs in warm_calls(dtype):
-        y = numba_ops.affine_warp(*args, **kwargs)
-        seen.add((args[0].ndim, args[0].dtype.name, y.dtype == args[0].dtype))
-    assert seen == {(nd, xd, True) for nd in (4, 5) for xd in (dtype, "uint8")}
+    from numba_ops.kernels.cpu._runtime import PARALLEL_MIN_WORK
+    for dtype in ("float16", "bfloat16", "float32", "float64"):
+        seen = set()
+        for args, kwargs in warm_calls(dtype):
+            x, theta, size = args
+            assert theta.dtype.name == dtype and not kwargs
+            seen.add((x.ndim, x.dtype.name, np.prod(size) * 2 ** (x.ndim - 2) >= PARALLEL_MIN_WORK))
+            if dtype == "bfloat16":
+                y = numba_ops.affine_warp(*args, **kwargs)
+                assert y.dtype == x.dtype and y.shape == tuple(size)
+        assert seen == {(nd, xd, big) for nd in (4, 5) for xd in (dtype, "uint8") for big in (False, True)}

@@ -144,6 +144,26 @@ def test_coordinates_not_rounded_to_float32(mode, padding, align, dev, rng):
     assert_api_close(gs(x, grid, dev, **attrs), want, np.float64)
 
 
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("padding", PADS)
+def test_nonfinite_x(mode, padding, dev, rng):
+    """Inf/NaN in x reach only the samples whose taps read them: a zeros-padded tap
+    outside counts an exact 0 even where its clamped index holds an Inf, and a
+    position wholly outside is 0."""
+    x = rng.standard_normal((1, 2, 4, 5))
+    x[0, 0, 0, :] = np.inf  # the first row: where clamped taps above the image read
+    x[0, 1, :, -1] = np.nan  # the last column: where clamped taps right of it read
+    grid = _grid(rng, 1, (6, 7), 2, np.float64, spread=1.5)
+    attrs = dict(mode=mode, padding_mode=padding)
+    with np.errstate(invalid="ignore"):
+        want = grid_sample_ref(x, grid, **attrs)
+    got = gs(x, grid, dev, **attrs)
+    assert_api_close(got, want, np.float64)
+    if padding == "zeros":
+        far = gs(x, np.full((1, 1, 1, 2), 5.0), dev, **attrs)
+        assert (far == 0).all()
+
+
 # --- special positions ---------------------------------------------------------------------
 
 SPECIALS = [np.nan, np.inf, -np.inf, 1e30, -1e30, 3e38, -3e38, 2.0 ** 63, -(2.0 ** 62), 1.0, -1.0, 0.0,
@@ -357,15 +377,19 @@ def test_cuda_without_gpu_is_a_clear_error():
             numba_ops.grid_sample(x, g, device="cuda")
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float16"])
-def test_warm_calls(dtype):
-    """The warm-up hook: every call runs, both x dtypes, every rank, both paths."""
+def test_warm_calls():
+    """The warm-up hook: for each dtype, calls on both x dtypes, every rank, both
+    paths; the float16 ones run (each run compiles, so one dtype here)."""
     from numba_ops.grid_sample import warm_calls
     from numba_ops.kernels.cpu._runtime import PARALLEL_MIN_WORK
-    calls = warm_calls(dtype)
-    ranks = set()
-    for args, kwargs in calls:
-        y = numba_ops.grid_sample(*args, **kwargs)
-        r = args[0].ndim - 2
-        ranks.add((r, args[0].dtype.name, y.size * 2 ** r >= PARALLEL_MIN_WORK))
-    assert ranks == {(r, xd, big) for r in (1, 2, 3) for xd in (dtype, "uint8") for big in (False, True)}
+    for dtype in ("float16", "bfloat16", "float32", "float64"):
+        seen = set()
+        for args, kwargs in warm_calls(dtype):
+            x, grid = args
+            assert grid.dtype.name == dtype and not kwargs
+            n_out = grid.size // grid.shape[-1] * x.shape[1]
+            seen.add((x.ndim - 2, x.dtype.name, n_out * 2 ** (x.ndim - 2) >= PARALLEL_MIN_WORK))
+            if dtype == "float16":
+                y = numba_ops.grid_sample(*args, **kwargs)
+                assert y.dtype == x.dtype and y.shape == x.shape[:2] + grid.shape[1:-1]
+        assert seen == {(r, xd, big) for r in (1, 2, 3) for xd in (dtype, "uint8") for big in (False, True)}

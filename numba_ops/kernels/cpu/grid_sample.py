@@ -2,33 +2,36 @@
 
 Each image's output positions, in order, are cut into segments of at most
 ``SEG``; a segment is the unit of work (``prange`` goes over chunks of them, so
-the parallel split is over (image, position) whatever the shape). Per segment:
+the parallel split is over (image, positions) whatever the shape). Per segment:
 
 1. positions: the segment's grid values unnormalised, axis by axis, into a
    float buffer (``affine_warp``'s kernel fills the same buffer from theta
    instead: the steps below are shared with it);
-2. plan: per axis and position, the mode's padded taps (flat offsets: index
+2. ``plan``: per axis and position, the mode's padded taps (flat offsets: index
    times the axis' stride), weights and inside-flags, from the shared per-axis
-   math of ``kernels/_sample.py`` (``_plan_axis``);
-3. accumulate: for every channel, each position's sample from the plan, the
+   math of ``kernels/_sample.py``; and per position a ``kind``: every tap inside
+   (always, but under zeros padding), every tap of some axis outside (the sample
+   is 0, or NaN at a non-finite position), or mixed. The padding is a constant
+   in each inlined copy of the per-axis loop and the axes are unrolled, so these
+   loops are branch-free and vectorise;
+3. ``accumulate``: for every channel, each position's sample from the plan, the
    weights nested as onnxruntime nests them (innermost axis first), written
-   once into the output (``_accumulate``): the plan is computed once per
-   position and serves every channel.
+   once into the output. The plan is computed once per position and serves
+   every channel; only mixed positions pay for masks, and outside ones read
+   nothing. The rank and the taps per axis are constants in each loop, so the
+   tap loops unroll.
 
-The mode, the padding (zeros or not) and the number of spatial axes are
-compile-time constants in each accumulation loop (``inline="always"`` bodies
-called with constants), so the tap loops unroll. A zeros-padded tap outside the
-input is read at a clamped index and replaced by an exact 0 (never ``0 * x``,
-which an Inf in ``x`` would turn into NaN). 16-bit data is widened on load and
-rounded once on store (float32 accumulation); uint8 ``x`` is computed in the
-grid's compute type and stored by ``to_uint8``.
+A zeros-padded tap outside the input is read at a clamped index and replaced by
+an exact 0 (never ``0 * x``, which an Inf in ``x`` would turn into NaN). 16-bit
+data is widened on load and rounded once on store (float32 accumulation); uint8
+``x`` is computed in the grid's compute type and stored by ``to_uint8``.
 """
 import numpy as np
 from numba import njit, prange
 
 from ..._dtypes import compute, storage
-from .._sample import (BORDER, LINEAR, NEAREST, REFLECTION, TAPS, ZEROS, as_compute, cubic_taps, linear_taps, load_sample,
-                       nearest_tap, store_sample, unnormalize)
+from .._sample import (BORDER, LINEAR, NEAREST, REFLECTION, TAPS, ZEROS, as_compute, cubic_taps, linear_taps,
+                       load_sample, nearest_tap, store_sample, unnormalize)
 from .._scalar import load
 from . import _runtime
 
