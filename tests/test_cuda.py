@@ -54,21 +54,20 @@ def compile_kernels(which, cc):
     stand-in reporting ``cc`` (see ``_pretend_device``): the PTX produced is the
     same as on a GPU of that capability.
     """
-    from numba import cuda
     from numba.cuda.cudadrv import nvvm
     try:
         nvvm.NVVM()
     except Exception as exc:  # loud: without NVVM nothing here type-checks
         raise AssertionError(f"libNVVM is missing, so the CUDA kernels cannot be compiled or type-checked: {exc}")
-    from numba_ops.kernels.cuda import _device, affine_grid, affine_warp, deform_conv, grid_sample
+    from numba_ops.kernels.cuda import _device, affine_grid, affine_warp, deform_conv, grid_sample, resources
     module = {"affine_grid": affine_grid, "deform_conv": deform_conv, "pack": _device,
               "grid_sample": grid_sample, "affine_warp": affine_warp}[which]
     jobs = list(module.compile_jobs())
     assert jobs, which
     sizes = {}
     for label, kern, sig in jobs:
-        ptx, _ = cuda.compile_ptx(kern.py_func, sig, cc=cc,
-                                  launch_bounds=getattr(kern, "targetoptions", {}).get("launch_bounds"))
+        # at its launch bounds; memoised, so test_resources.py's spill check reuses it
+        ptx = resources.ptx_of(kern, sig, cc)
         assert f".target sm_{cc[0]}{cc[1]}" in ptx, label
         sizes[label] = len(ptx)
     return sizes

@@ -231,9 +231,21 @@ def threads_per_block(mod, label, kern):
     return THREADS
 
 
+_PTX = {}  # (kernel, argument types, cc) -> PTX: the compile_ptx test and the report share it
+
+
+def ptx_of(kern, sig, cc):
+    """``compile_ptx`` of the kernel ``kern`` for ``sig`` and ``cc`` at its launch bounds
+    (under ``pretend_device(cc)`` where no GPU is), memoised per process."""
+    from numba import cuda
+    key = (kern, tuple(sig), tuple(cc))
+    if key not in _PTX:
+        _PTX[key] = cuda.compile_ptx(kern.py_func, sig, cc=cc, launch_bounds=launch_bounds(kern))[0]
+    return _PTX[key]
+
+
 def measure(ccs=CCS, tools=None, only=None):
     """[Usage] of every kernel specialisation for every cc and assembler."""
-    from numba import cuda
     tools = assemblers() if tools is None else tools
     if not tools:
         raise RuntimeError("no PTX assembler here: neither ptxas (CUDA toolkit or the nvidia-cuda-nvcc wheel) "
@@ -243,7 +255,7 @@ def measure(ccs=CCS, tools=None, only=None):
     for cc in ccs:
         with pretend_device(cc):
             for mod, label, kern, sig in jobs:
-                ptx, _ = cuda.compile_ptx(kern.py_func, sig, cc=cc, launch_bounds=launch_bounds(kern))
+                ptx = ptx_of(kern, sig, cc)
                 nt = threads_per_block(mod, label, kern)
                 for name, assemble in tools.items():
                     regs, st, ld, stack, smem = parse(assemble(ptx, cc), ptx)
