@@ -33,6 +33,7 @@ def test_op(benchmark, smoke, simulated, device, dtype, name):
         fn()  # compile (or load from the JIT cache) outside the timing
     benchmark.group = f"{op} {device} {dtype}"
     benchmark.extra_info.update(op=op, case=name, device=device, dtype=dtype, small=small,
-                                work=work, work_unit="bytes written" if op == "affine_grid" else "flops")
+                                work=work, work_unit={"affine_grid": "bytes written", "deform_conv": "flops"}.get(
+                                    op, "bytes read and written"))
     out = _host(benchmark(fn))
-    assert out.dtype == _cases.np_dtype(dtype) and out.size > 0
+    assert out.dtype == _cases.out_dtype(name, dtype) and out.size > 0

@@ -7,13 +7,16 @@ Benchmark cases carry the names of the shared peer benchmark
 * DeformConv: ``dc_seed``, ``dc_r50_c64_56``, ``dc_b8_c32_32``, ``dc_c256_28``, ``dc_s2_g2``;
   and the deep-channel, small-spatial sweep of issue 22 (DCNv2 in ResNet stages
   4-5): ``dc_c512_7``, ``dc_c1024_7``, ``dc_c512_14``, ``dc_b2_c512_14``,
-  ``dc_c256_14``, ``dc_c512_25x42``, ``dc3d_c256_8x14`` (3-D).
+  ``dc_c256_14``, ``dc_c512_25x42``, ``dc3d_c256_8x14`` (3-D);
+* GridSample: ``gs2d_32x256``, ``gs3d_4x64``, ``gs2d_cubic_8x256``; affine_warp:
+  ``aw2d_32x256``, ``aw2d_u8_16x512``.
 
 Each builder returns ``(args, kwargs, work)``: the positional inputs and the
 attributes of the call (ONNX names), and the amount of work that sets the
 machine's limit for the case (bytes written for AffineGrid, FLOPs of the
-equivalent dense convolution for DeformConv). ``small=True`` gives a shrunken
-case of the same structure (kernel, strides, groups, mask) for smoke runs.
+equivalent dense convolution for DeformConv, bytes read and written for
+GridSample and affine_warp). ``small=True`` gives a shrunken case of the same
+structure (kernel, strides, groups, mask; mode, padding) for smoke runs.
 
 The conformance cases of ``numba-ops check`` live here too: the examples of the
 ONNX operator pages (the "seed" examples, values copied from the pages) and the
@@ -50,17 +53,43 @@ DEFORM = {
     "dc3d_c256_8x14": (1, 256, 8, 14, 14, 256, 3, 1, 1, 1, 1, 1, True),
 }
 
+#: name -> GridSample / affine_warp case: the op, x's shape, the AffineGrid case whose
+#: theta (its first N matrices) and align_corners make the positions (GridSample: its
+#: grid, computed by ``affine_grid_f64``; affine_warp: theta itself), mode, padding
+#: and x's dtype (None: the case's float dtype)
+SAMPLE = {
+    "gs2d_32x256": dict(op="grid_sample", x=(32, 3, 256, 256), theta="ag2d_32x256", mode="linear",
+                        padding="zeros", x_dtype=None),
+    "gs3d_4x64": dict(op="grid_sample", x=(4, 1, 64, 64, 64), theta="ag3d_4x64", mode="linear",
+                      padding="border", x_dtype=None),
+    "gs2d_cubic_8x256": dict(op="grid_sample", x=(8, 3, 256, 256), theta="ag2d_32x256", mode="cubic",
+                             padding="reflection", x_dtype=None),
+    "aw2d_32x256": dict(op="affine_warp", x=(32, 3, 256, 256), theta="ag2d_32x256", mode="linear",
+                        padding="zeros", x_dtype=None),
+    "aw2d_u8_16x512": dict(op="affine_warp", x=(16, 3, 512, 512), theta="ag2d_32x256", mode="linear",
+                           padding="zeros", x_dtype="uint8"),
+}
+
 #: every benchmark case as (op, name), AffineGrid first
-CASES = [("affine_grid", n) for n in AFFINE] + [("deform_conv", n) for n in DEFORM]
+CASES = ([("affine_grid", n) for n in AFFINE] + [("deform_conv", n) for n in DEFORM]
+         + [(c["op"], n) for n, c in SAMPLE.items()])
 
 
 def op_of(name):
-    """``"affine_grid"`` or ``"deform_conv"`` for a case name."""
+    """``"affine_grid"``, ``"deform_conv"``, ``"grid_sample"`` or ``"affine_warp"`` for a case name."""
     if name in AFFINE:
         return "affine_grid"
     if name in DEFORM:
         return "deform_conv"
-    raise KeyError(f"unknown case {name!r}; known: {', '.join(list(AFFINE) + list(DEFORM))}")
+    if name in SAMPLE:
+        return SAMPLE[name]["op"]
+    raise KeyError(f"unknown case {name!r}; known: {', '.join(list(AFFINE) + list(DEFORM) + list(SAMPLE))}")
+
+
+def out_dtype(name, dtype="float32"):
+    """The result dtype of case ``name`` run with float ``dtype`` (uint8 for uint8 x)."""
+    xdt = SAMPLE.get(name, {}).get("x_dtype")
+    return np.dtype(xdt) if xdt else np_dtype(dtype)
 
 
 def np_dtype(dtype):
@@ -123,10 +152,38 @@ def deform_inputs(name, dtype="float32", small=False):
     return tuple(_cast(a, dtype) for a in (X, Wt, off, B, mask)), attrs, flops
 
 
+def sample_inputs(name, dtype="float32", small=False):
+    """``(args, kwargs, bytes)`` for GridSample case ``name`` (args ``(X, grid)``) or
+    affine_warp case ``name`` (args ``(X, theta, size)``, size = X's shape): the
+    positions come from AffineGrid case ``theta``'s theta and align_corners (the
+    grid by ``affine_grid_f64``, rounded once to ``dtype``). ``bytes``: the bytes
+    read (X, and the grid or theta) and written (the result)."""
+    case = SAMPLE[name]
+    shape = tuple(case["x"])
+    if small:
+        shape = (min(shape[0], 2), shape[1]) + tuple(min(s, 8) for s in shape[2:])
+    (theta, _), akw, _ = affine_inputs(case["theta"], "float64")
+    theta = theta[: shape[0]].astype(np.float32)  # the AffineGrid case's float32 values
+    align = akw["align_corners"]
+    rng = np.random.default_rng(1)
+    if case["x_dtype"] == "uint8":
+        X = rng.integers(0, 256, size=shape, dtype=np.uint8)
+    else:
+        X = rng.standard_normal(shape).astype(np.float32).astype(np_dtype(dtype))
+    kwargs = {"mode": case["mode"], "padding_mode": case["padding"], "align_corners": align}
+    if case["op"] == "grid_sample":
+        pos = _cast(affine_grid_f64(theta, shape, align), dtype)
+        args = (X, pos)
+    else:
+        pos = _cast(theta, dtype)
+        args = (X, pos, np.array(shape, dtype=np.int64))
+    return args, kwargs, X.nbytes + pos.nbytes + X.nbytes  # the result has X's shape and dtype
+
+
 def inputs(name, dtype="float32", small=False):
     """``(op, args, kwargs, work)`` for any benchmark case."""
     op = op_of(name)
-    build = affine_inputs if op == "affine_grid" else deform_inputs
+    build = {"affine_grid": affine_inputs, "deform_conv": deform_inputs}.get(op, sample_inputs)
     args, kwargs, work = build(name, dtype, small)
     return op, args, kwargs, work
 
@@ -136,11 +193,7 @@ def call(name, dtype="float32", small=False, device=None):
     import numba_ops
     op, args, kwargs, _ = inputs(name, dtype, small)
     fn = getattr(numba_ops, op)
-    if op == "deform_conv":
-        X, W, off, B, mask = args
-        return lambda: fn(X, W, off, B, mask, device=device, **kwargs)
-    theta, size = args
-    return lambda: fn(theta, size, device=device, **kwargs)
+    return lambda: fn(*args, device=device, **kwargs)
 
 
 # --------------------------------------------------------------------------
@@ -247,7 +300,7 @@ def seed_cases():
 
 
 def onnx_backend_cases():
-    """ONNX's backend node cases for AffineGrid and DeformConv.
+    """ONNX's backend node cases for AffineGrid, DeformConv and GridSample.
 
     The onnx wheel ships the case generators but not their data files, so the
     cases are made by running the generators' ``export*`` functions with an
@@ -267,11 +320,12 @@ def onnx_backend_cases():
         attrs = {}
         from onnx import helper
         for a in node.attribute:
-            attrs[a.name] = helper.get_attribute_value(a)
+            v = helper.get_attribute_value(a)
+            attrs[a.name] = v.decode() if isinstance(v, bytes) else v
         found.append(ConformanceCase(name, "onnx", node.op_type, ins, attrs,
                                      np.asarray(outputs[0]), node=node))
 
-    for modname in ("affinegrid", "deformconv"):
+    for modname in ("affinegrid", "deformconv", "gridsample"):
         mod = importlib.import_module("onnx.backend.test.case.node." + modname)
         saved = mod.expect
         mod.expect = capture

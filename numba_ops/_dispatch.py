@@ -25,7 +25,9 @@ LAUNCHERS = {
     ("deform_conv", "cpu"): "numba_ops.kernels.cpu.deform_conv",
     ("deform_conv", "cuda"): "numba_ops.kernels.cuda.deform_conv",
     ("grid_sample", "cpu"): "numba_ops.kernels.cpu.grid_sample",
+    ("grid_sample", "cuda"): "numba_ops.kernels.cuda.grid_sample",
     ("affine_warp", "cpu"): "numba_ops.kernels.cpu.affine_warp",
+    ("affine_warp", "cuda"): "numba_ops.kernels.cuda.affine_warp",
 }
 
 

@@ -112,6 +112,8 @@ def _run_case(case, device):
     import numba_ops
     if case.op == "AffineGrid":
         return numba_ops.affine_grid(*case.inputs, device=device, **case.attrs)
+    if case.op == "GridSample":
+        return numba_ops.grid_sample(*case.inputs, device=device, **case.attrs)
     return numba_ops.deform_conv(*case.inputs, device=device, **case.attrs)
 
 

@@ -94,7 +94,7 @@ def grid_sample(x, grid, *, mode="linear", padding_mode="zeros", align_corners=F
     dtype = sample_dtypes(x, grid, "grid")
     mode, padding, align = parse_attrs(mode, padding_mode, align_corners)
     r = check_x(x)
-    if grid.ndim != r + 2 or grid.shape[-1] != r:
+    if grid.ndim != r + 2 or tuple(grid.shape)[-1] != r:  # (a tuple: the simulator's shapes take no negative index)
         raise ValueError(f"grid must have shape (N, O1..O{r}, {r}) for a rank-{x.ndim} X; got {tuple(grid.shape)}")
     if grid.shape[0] != x.shape[0]:
         raise ValueError(f"grid must have X's batch size N = {x.shape[0]}; got grid shape {tuple(grid.shape)}")

@@ -1,18 +1,23 @@
 """numba_ops kernels as operators of ONNX's reference evaluator.
 
-``AffineGrid`` and ``DeformConv`` are ``onnx.reference.op_run.OpRun`` subclasses
-in the default domain, so they replace the built-in implementations::
+``AffineGrid``, ``DeformConv`` and ``GridSample`` are ``onnx.reference.op_run.OpRun``
+subclasses in the default domain, so they replace the built-in implementations::
 
     from onnx.reference import ReferenceEvaluator
-    from numba_ops.onnx import AffineGrid, DeformConv
+    from numba_ops.onnx import AffineGrid, AffineWarp, DeformConv, GridSample
 
-    sess = ReferenceEvaluator(model, new_ops=[AffineGrid, DeformConv])
+    sess = ReferenceEvaluator(model, new_ops=[AffineGrid, DeformConv, GridSample, AffineWarp])
     y, = sess.run(None, feeds)
 
 Attributes are read from the node, with ONNX's defaults where the node leaves
 one out (``align_corners=0``; ``group=1``, ``offset_group=1``, and strides,
-pads, dilations, kernel_shape from the inputs' shapes). Optional inputs (``B``,
-``mask``) may be absent or given the empty name.
+pads, dilations, kernel_shape from the inputs' shapes; ``mode="linear"``,
+``padding_mode="zeros"``). Optional inputs (``B``, ``mask``) may be absent or
+given the empty name.
+
+``AffineWarp`` (domain ``numba_ops``, opset 1) is ``GridSample(X, AffineGrid(theta,
+size))`` in one kernel (``numba_ops.affine_warp``); ``fuse(model)`` rewrites a
+model's AffineGrid -> GridSample pairs into it.
 
 Device: the class attribute ``device`` (``None``: follow the inputs, i.e. the
 CPU for NumPy inputs; ``"cpu"``; ``"cuda"``). ``ops(device)`` returns the pair
@@ -33,9 +38,17 @@ from onnx.reference.op_run import OpRun
 
 from ._dispatch import check_device
 from .affine_grid import affine_grid
+from .affine_warp import affine_warp
 from .deform_conv import deform_conv
+from .grid_sample import grid_sample
 
-__all__ = ["AffineGrid", "DeformConv", "evaluator", "ops"]
+__all__ = ["AffineGrid", "AffineWarp", "DeformConv", "GridSample", "evaluator", "fuse", "ops"]
+
+#: the domain of AffineWarp, and its opset version
+DOMAIN = "numba_ops"
+DOMAIN_VERSION = 1
+#: GridSample opset 16's mode names (opset 20 renamed them)
+_OPSET16_MODES = {"bilinear": "linear", "bicubic": "cubic"}
 
 
 def _host(a):
@@ -84,15 +97,156 @@ class DeformConv(_Op):
                           offset_group=1 if offset_group is None else offset_group)
 
 
+def _mode(mode):
+    """GridSample's ``mode`` attribute, ONNX's default "linear" when absent; opset 16's
+    "bilinear"/"bicubic" are opset 20's "linear"/"cubic"."""
+    return "linear" if mode is None else _OPSET16_MODES.get(mode, mode)
+
+
+class GridSample(_Op):
+    """ONNX GridSample (opset 20 and 22; opset 16's mode names too) on numba_ops' kernels."""
+
+    def _run(self, X, grid, align_corners=None, mode=None, padding_mode=None):
+        return self._call(grid_sample, X, grid, mode=_mode(mode),
+                          padding_mode="zeros" if padding_mode is None else padding_mode,
+                          align_corners=0 if align_corners is None else align_corners)
+
+
+class AffineWarp(_Op):
+    """``GridSample(X, AffineGrid(theta, size))`` in one pass (``numba_ops.affine_warp``),
+    domain ``numba_ops``, opset 1: what ``fuse`` puts in place of such a pair.
+
+    Inputs ``X`` (N, C, [D,] H, W), ``theta`` (N, r, r+1), ``size`` (AffineGrid's
+    output size (N, C, [D,] H, W); its C is ignored, as AffineGrid ignores it: the
+    output has X's C). Attributes ``mode``, ``padding_mode`` (GridSample's) and
+    ``align_corners`` (both ops'), with GridSample's defaults.
+    """
+    op_domain = DOMAIN
+
+    def _run(self, X, theta, size, align_corners=None, mode=None, padding_mode=None):
+        size = [int(v) for v in np.asarray(size).reshape(-1)]
+        if len(size) >= 2 and np.ndim(X) >= 2:
+            size[1] = int(np.shape(X)[1])
+        return self._call(affine_warp, X, theta, size, mode=_mode(mode),
+                          padding_mode="zeros" if padding_mode is None else padding_mode,
+                          align_corners=0 if align_corners is None else align_corners)
+
+
+_CLASSES = (AffineGrid, DeformConv, GridSample, AffineWarp)
+
+
 def ops(device=None):
-    """``[AffineGrid, DeformConv]`` bound to ``device`` (None, "cpu" or "cuda"), for ``new_ops``.
+    """``[AffineGrid, DeformConv, GridSample, AffineWarp]`` bound to ``device`` (None,
+    "cpu" or "cuda"), for ``new_ops``.
 
     The classes keep their ONNX names, which is how the evaluator matches them to nodes.
     """
     if check_device(device) is None:
-        return [AffineGrid, DeformConv]
-    return [type(cls.__name__, (cls,), {"device": device, "__module__": __name__})
-            for cls in (AffineGrid, DeformConv)]
+        return list(_CLASSES)
+    return [type(cls.__name__, (cls,), {"device": device, "__module__": __name__}) for cls in _CLASSES]
+
+
+# --- fuse: AffineGrid -> GridSample as AffineWarp ----------------------------------------
+
+def _attr(node, name, default):
+    from onnx import helper
+    for a in node.attribute:
+        if a.name == name:
+            v = helper.get_attribute_value(a)
+            return v.decode() if isinstance(v, bytes) else v
+    return default
+
+
+def _is_onnx(node, op_type):
+    return node.op_type == op_type and node.domain in ("", "ai.onnx")
+
+
+def _subgraph_names(node, into):
+    """Every value name that the subgraphs of ``node`` (If, Loop, Scan bodies) read, recursively."""
+    from onnx import AttributeProto
+    for a in node.attribute:
+        graphs = [a.g] if a.type == AttributeProto.GRAPH else list(a.graphs) if a.type == AttributeProto.GRAPHS else []
+        for g in graphs:
+            for n in g.node:
+                into.update(n.input)
+                _subgraph_names(n, into)
+            into.update(o.name for o in g.output)
+    return into
+
+
+def _replace(field, items):
+    """Set the repeated message ``field`` to (copies of) ``items``."""
+    copies = []
+    for item in items:
+        c = type(item)()
+        c.CopyFrom(item)
+        copies.append(c)
+    del field[:]
+    field.extend(copies)
+
+
+def fuse(model):
+    """A copy of the ONNX ``model`` in which every AffineGrid whose grid feeds only
+    GridSample nodes (as their ``grid``) with the AffineGrid's ``align_corners``, and
+    is no graph output, is replaced, with those nodes, by one ``AffineWarp`` node
+    (domain ``numba_ops``, opset 1) per GridSample: inputs the GridSample's ``X``,
+    the AffineGrid's ``theta`` and ``size``; attributes ``mode``, ``padding_mode``
+    and ``align_corners``. The opset import ``numba_ops`` v1 is added when a node
+    is fused. Anything else is left as it was (the main graph is rewritten; subgraphs
+    and local functions are not); ``model`` itself is not modified.
+
+    The outputs are unchanged within affine_warp's accuracy when the model runs on
+    ``ReferenceEvaluator(fused, new_ops=ops())``: for float32/float64 the fused
+    kernel computes the grid as AffineGrid does; for 16-bit data it skips the grid's
+    rounding to 16 bits (API.md, affine_warp).
+    """
+    from onnx import ModelProto, helper
+
+    if not isinstance(model, ModelProto):
+        raise TypeError(f"model must be an onnx.ModelProto; got {type(model).__name__}")
+    out = ModelProto()
+    out.CopyFrom(model)
+    graph = out.graph
+    nodes = list(graph.node)
+    users = {}  # value name -> indices of the nodes that read it
+    for i, node in enumerate(nodes):
+        for name in node.input:
+            users.setdefault(name, []).append(i)
+    graph_outputs = {o.name for o in graph.output}
+    nested = set()
+    for node in nodes:
+        _subgraph_names(node, nested)
+
+    fused = {}  # index of a GridSample node -> its AffineWarp node
+    dropped = set()  # indices of the fused AffineGrid nodes
+    grids = set()
+    for i, node in enumerate(nodes):
+        if not _is_onnx(node, "AffineGrid") or len(node.input) < 2 or not node.output:
+            continue
+        grid = node.output[0]
+        align = _attr(node, "align_corners", 0)
+        readers = users.get(grid, [])
+        if (not grid or grid in graph_outputs or grid in nested or not readers
+                or not all(_is_onnx(nodes[u], "GridSample") and list(nodes[u].input) == [nodes[u].input[0], grid]
+                           and nodes[u].input[0] != grid and _attr(nodes[u], "align_corners", 0) == align
+                           for u in readers)):
+            continue
+        dropped.add(i)
+        grids.add(grid)
+        for u in readers:
+            gs = nodes[u]
+            fused[u] = helper.make_node(
+                "AffineWarp", [gs.input[0], node.input[0], node.input[1]], list(gs.output),
+                name=(gs.name or node.name or "affine_warp") + "/affine_warp", domain=DOMAIN,
+                mode=_mode(_attr(gs, "mode", None)), padding_mode=_attr(gs, "padding_mode", "zeros"),
+                align_corners=int(align))
+    if not fused:
+        return out
+    _replace(graph.node, [fused.get(i, n) for i, n in enumerate(nodes) if i not in dropped])
+    _replace(graph.value_info, [v for v in graph.value_info if v.name not in grids])
+    if not any(o.domain == DOMAIN for o in out.opset_import):
+        out.opset_import.append(helper.make_opsetid(DOMAIN, DOMAIN_VERSION))
+    return out
 
 
 def evaluator(model, device=None, new_ops=(), **kwargs):

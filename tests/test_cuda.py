@@ -59,8 +59,9 @@ def compile_kernels(which, cc):
         nvvm.NVVM()
     except Exception as exc:  # loud: without NVVM nothing here type-checks
         raise AssertionError(f"libNVVM is missing, so the CUDA kernels cannot be compiled or type-checked: {exc}")
-    from numba_ops.kernels.cuda import _device, affine_grid, deform_conv, resources
-    module = {"affine_grid": affine_grid, "deform_conv": deform_conv, "pack": _device}[which]
+    from numba_ops.kernels.cuda import _device, affine_grid, affine_warp, deform_conv, grid_sample, resources
+    module = {"affine_grid": affine_grid, "deform_conv": deform_conv, "pack": _device,
+              "grid_sample": grid_sample, "affine_warp": affine_warp}[which]
     jobs = list(module.compile_jobs())
     assert jobs, which
     sizes = {}
@@ -84,7 +85,7 @@ def _pretend_device(setattr_, cc):
 
 
 @pytest.mark.parametrize("cc", CCS, ids=lambda cc: f"sm_{cc[0]}{cc[1]}")
-@pytest.mark.parametrize("which", ["affine_grid", "deform_conv", "pack"])
+@pytest.mark.parametrize("which", ["affine_grid", "deform_conv", "pack", "grid_sample", "affine_warp"])
 def test_compile_ptx(which, cc, monkeypatch):
     if not SIMULATOR:
         _pretend_device(monkeypatch.setattr, cc)
@@ -101,8 +102,10 @@ def test_compile_ptx(which, cc, monkeypatch):
                               env=_env(NUMBA_ENABLE_CUDASIM="0"), cwd=HERE, timeout=600)
         assert proc.returncode == 0, proc.stderr[-4000:]
         sizes = json.loads(proc.stdout.strip().splitlines()[-1])
-    # every dtype of every kernel variant: 2 kernels x 2 nd; 2 tile variants x 32/64-bit indices + weights; 3 ranks
-    assert len(sizes) == 4 * {"affine_grid": 4, "deform_conv": 5, "pack": 3}[which], sorted(sizes)
+    # every dtype of every kernel variant: 2 kernels x 2 nd; 2 tile variants x 32/64-bit indices + weights;
+    # 3 ranks (uint8 too); GridSample: 3 ranks x 3 modes x x's dtype (the grid's or uint8); affine_warp: 2 ranks
+    assert len(sizes) == {"affine_grid": 16, "deform_conv": 20, "pack": 15, "grid_sample": 72,
+                          "affine_warp": 48}[which], sorted(sizes)
     for dt in ("float16", "bfloat16", "float32", "float64"):
         assert any(label.endswith("/" + dt) for label in sizes), dt
 

@@ -14,7 +14,7 @@ from onnx import TensorProto as TP  # noqa: E402
 from onnx import helper  # noqa: E402
 from onnx.reference import ReferenceEvaluator  # noqa: E402
 
-from numba_ops.onnx import AffineGrid, DeformConv, ops  # noqa: E402
+from numba_ops.onnx import AffineGrid, AffineWarp, DeformConv, GridSample, fuse, ops  # noqa: E402
 
 ELEM = {np.float32: TP.FLOAT, np.float64: TP.DOUBLE}
 
@@ -163,16 +163,17 @@ def test_deform_conv_then_conv(rng):
 
 
 def test_classes_replace_the_builtins():
-    assert AffineGrid.op_domain == "" and DeformConv.op_domain == ""
+    assert AffineGrid.op_domain == "" and DeformConv.op_domain == "" and GridSample.op_domain == ""
+    assert AffineWarp.op_domain == "numba_ops"
     from onnx.reference.op_run import OpRun
-    assert issubclass(AffineGrid, OpRun) and issubclass(DeformConv, OpRun)
+    assert all(issubclass(c, OpRun) for c in (AffineGrid, DeformConv, GridSample, AffineWarp))
 
 
 def test_device_selection(rng):
     cpu = ops("cpu")
-    assert [c.__name__ for c in cpu] == ["AffineGrid", "DeformConv"]
+    assert [c.__name__ for c in cpu] == ["AffineGrid", "DeformConv", "GridSample", "AffineWarp"]
     assert all(c.device == "cpu" for c in cpu) and AffineGrid.device is None
-    assert ops() == [AffineGrid, DeformConv]
+    assert ops() == [AffineGrid, DeformConv, GridSample, AffineWarp]
     with pytest.raises(ValueError, match="device"):
         ops("tpu")
     node = helper.make_node("AffineGrid", ["theta", "size"], ["grid"])
@@ -322,3 +323,174 @@ def test_evaluator_takes_more_ops(rng):
     x, w, o = np.ones((1, 1, 2, 2), np.float32), np.ones((1, 1, 1, 1), np.float32), np.zeros((1, 2, 2, 2), np.float32)
     y, = evaluator(dc, new_ops=[DeformConv]).run(None, {"X": x, "W": w, "O": o})
     np.testing.assert_array_equal(y, np.zeros(1, np.float32))
+
+
+# --- GridSample, AffineWarp and fuse ------------------------------------------------------
+
+def _gs_backend_cases():
+    from numba_ops._cases import onnx_backend_cases
+    return [c for c in onnx_backend_cases() if c.op == "GridSample"]
+
+
+def test_grid_sample_backend_cases_match_onnx_reference():
+    """Every ONNX backend case of GridSample: our operator against onnx's own and the
+    case's expected output."""
+    cases = _gs_backend_cases()
+    assert len(cases) >= 18 and {c.attrs.get("mode", "linear") for c in cases} == {"linear", "nearest", "cubic"}
+    for case in cases:
+        feeds = {n: v for n, v in zip(case.node.input, case.inputs)}
+        sess = ReferenceEvaluator(case.node, new_ops=[GridSample])
+        assert any(isinstance(n, GridSample) for n in sess.rt_nodes_)
+        got = sess.run(None, feeds)[0]
+        want = ReferenceEvaluator(case.node).run(None, feeds)[0]
+        assert got.dtype == want.dtype and got.shape == want.shape, case.name
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=case.name)
+        # the cases quote their expected values to 4 decimals
+        np.testing.assert_allclose(got, case.expected, rtol=0, atol=1e-4 * max(1, np.abs(want).max()),
+                                   err_msg=case.name)
+
+
+@pytest.mark.parametrize("opset", [16, 20, 22])
+def test_grid_sample_attributes_and_defaults(rng, opset):
+    """ONNX's defaults (linear, zeros, align_corners 0) where the node gives none;
+    opset 16's mode names bilinear/bicubic are opset 20's linear/cubic."""
+    x = rng.standard_normal((2, 3, 5, 6)).astype(np.float32)
+    grid = (1.2 * rng.standard_normal((2, 4, 3, 2))).astype(np.float32)
+    feeds = {"X": x, "grid": grid}
+    m = _model([helper.make_node("GridSample", ["X", "grid"], ["Y"])], [("X", TP.FLOAT), ("grid", TP.FLOAT)],
+               [("Y", TP.FLOAT)], opset=opset)
+    got, = _ours_gs(m, feeds)
+    np.testing.assert_array_equal(got, numba_ops.grid_sample(x, grid))
+    names = {16: ("bilinear", "nearest", "bicubic"), 20: ("linear", "nearest", "cubic")}
+    for name, mode in zip(names.get(opset, names[20]), ("linear", "nearest", "cubic")):
+        node = helper.make_node("GridSample", ["X", "grid"], ["Y"], mode=name, padding_mode="reflection",
+                                align_corners=1)
+        m = _model([node], [("X", TP.FLOAT), ("grid", TP.FLOAT)], [("Y", TP.FLOAT)], opset=opset)
+        got, = _ours_gs(m, feeds)
+        want = numba_ops.grid_sample(x, grid, mode=mode, padding_mode="reflection", align_corners=1)
+        np.testing.assert_array_equal(got, want)
+        if opset >= 20:  # onnx's own knows the opset-20 names
+            np.testing.assert_allclose(got, ReferenceEvaluator(m).run(None, feeds)[0], rtol=1e-5, atol=1e-5)
+
+
+def _ours_gs(model, feeds, device=None):
+    sess = ReferenceEvaluator(model, new_ops=ops(device))
+    assert any(isinstance(n, (GridSample, AffineWarp)) for n in sess.rt_nodes_)
+    return sess.run(None, feeds)
+
+
+def _warp_model(nodes, extra_outputs=(), r=2, opset=22, x_names=("X",)):
+    ins = [(n, TP.FLOAT) for n in x_names] + [("theta", TP.FLOAT), ("size", TP.INT64)]
+    outs = [(n, TP.FLOAT) for n in ("Y",) + tuple(extra_outputs)]
+    return _model(nodes, ins, outs, opset=opset)
+
+
+def _warp_feeds(rng, r=2, n=2, c=3, c_size=None):
+    x = rng.standard_normal((n, c) + (6, 7, 5)[3 - r:]).astype(np.float32)
+    theta = (np.eye(r, r + 1) + 0.3 * rng.standard_normal((n, r, r + 1))).astype(np.float32)
+    size = np.array((n, c if c_size is None else c_size) + (4, 5, 6)[3 - r:], np.int64)
+    return {"X": x, "theta": theta, "size": size}
+
+
+def _op_types(model):
+    return [(n.domain, n.op_type) for n in model.graph.node]
+
+
+@pytest.mark.parametrize("r", [2, 3])
+@pytest.mark.parametrize("align", [0, 1])
+@pytest.mark.parametrize("mode,padding", [("linear", "zeros"), ("nearest", "border"), ("cubic", "reflection")])
+def test_fuse_affine_grid_then_grid_sample(rng, r, align, mode, padding):
+    if r == 3 and mode == "cubic" and padding == "reflection":
+        padding = "zeros"
+    nodes = [helper.make_node("Relu", ["X"], ["Xr"]),
+             helper.make_node("AffineGrid", ["theta", "size"], ["grid"], align_corners=align),
+             helper.make_node("GridSample", ["Xr", "grid"], ["S"], align_corners=align, mode=mode,
+                              padding_mode=padding),
+             helper.make_node("Neg", ["S"], ["Y"])]
+    m = _warp_model(nodes)
+    m.graph.value_info.append(helper.make_tensor_value_info("grid", TP.FLOAT, None))
+    before = m.SerializeToString()
+    fused = fuse(m)
+    assert m.SerializeToString() == before  # the input model is not modified
+    assert _op_types(fused) == [("", "Relu"), ("numba_ops", "AffineWarp"), ("", "Neg")]
+    warp = fused.graph.node[1]
+    assert list(warp.input) == ["Xr", "theta", "size"] and list(warp.output) == ["S"]
+    attrs = {a.name: helper.get_attribute_value(a) for a in warp.attribute}
+    assert attrs == {"mode": mode.encode(), "padding_mode": padding.encode(), "align_corners": align}
+    assert {(o.domain, o.version) for o in fused.opset_import} == {("", 22), ("numba_ops", 1)}
+    assert "grid" not in {v.name for v in fused.graph.value_info}
+    feeds = _warp_feeds(rng, r)
+    want, = _ours_gs(m, feeds)
+    got, = _ours_gs(fused, feeds)
+    assert got.shape == want.shape == tuple(feeds["size"])
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    # and the unfused model on onnxruntime
+    if r == 2 or mode != "cubic":
+        np.testing.assert_allclose(got, _ort(m, feeds)[0], rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+def test_fuse_one_grid_many_samplers_and_defaults(rng):
+    """One AffineGrid feeding two GridSamples (different X, modes; attributes left
+    to their defaults, opset 16's mode name): two AffineWarp nodes; size's C is
+    AffineGrid's, which ignores it."""
+    nodes = [helper.make_node("AffineGrid", ["theta", "size"], ["grid"]),
+             helper.make_node("GridSample", ["X", "grid"], ["Y"]),
+             helper.make_node("GridSample", ["X2", "grid"], ["Z"], mode="bicubic", padding_mode="border")]
+    m = _warp_model(nodes, extra_outputs=("Z",), opset=16, x_names=("X", "X2"))
+    feeds = _warp_feeds(rng, c_size=1)
+    feeds["X2"] = rng.standard_normal((2, 5, 3, 4)).astype(np.float32)
+    fused = fuse(m)
+    assert _op_types(fused) == [("numba_ops", "AffineWarp")] * 2
+    attrs = {a.name: helper.get_attribute_value(a) for a in fused.graph.node[1].attribute}
+    assert attrs == {"mode": b"cubic", "padding_mode": b"border", "align_corners": 0}
+    want = _ours_gs(m, feeds)
+    got = _ours_gs(fused, feeds)
+    assert got[1].shape == (2, 5, 5, 6)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5 * np.abs(w).max())
+
+
+def test_fuse_leaves_other_patterns(rng):
+    """Left as they were: a grid that also feeds another op, a grid that is a graph
+    output, a GridSample whose align_corners differs from the AffineGrid's, a grid
+    used as GridSample's X; the model without any fusable pair comes back equal."""
+    ag = helper.make_node("AffineGrid", ["theta", "size"], ["grid"], align_corners=1)
+    gs = helper.make_node("GridSample", ["X", "grid"], ["Y"], align_corners=1)
+    cases = {
+        "another reader": ([ag, gs, helper.make_node("Neg", ["grid"], ["G2"])], ("G2",)),
+        "graph output": ([ag, gs], ("grid",)),
+        "align_corners differ": ([ag, helper.make_node("GridSample", ["X", "grid"], ["Y"], align_corners=0)], ()),
+        "one of two differs": ([ag, gs, helper.make_node("GridSample", ["X", "grid"], ["Y2"])], ("Y2",)),
+    }
+    feeds = _warp_feeds(rng)
+    for what, (nodes, extra) in cases.items():
+        m = _warp_model(nodes, extra_outputs=extra)
+        fused = fuse(m)
+        assert fused.SerializeToString() == m.SerializeToString(), what
+        assert fused is not m
+    # one fusable pair beside one that is not: only the first is fused
+    nodes = [helper.make_node("AffineGrid", ["theta", "size"], ["g1"]),
+             helper.make_node("GridSample", ["X", "g1"], ["Y"]),
+             helper.make_node("AffineGrid", ["theta", "size"], ["g2"]),
+             helper.make_node("GridSample", ["X", "g2"], ["Y2"], align_corners=1)]
+    m = _warp_model(nodes, extra_outputs=("Y2",))
+    fused = fuse(m)
+    assert _op_types(fused) == [("numba_ops", "AffineWarp"), ("", "AffineGrid"), ("", "GridSample")]
+    for g, w in zip(_ours_gs(fused, feeds), _ours_gs(m, feeds)):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5 * np.abs(w).max())
+    with pytest.raises(TypeError, match="model"):
+        fuse(m.graph)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif("cuda" not in numba_ops.devices(), reason="no GPU and no CUDA simulator here")
+def test_grid_sample_and_affine_warp_models_on_cuda(rng):
+    nodes = [helper.make_node("AffineGrid", ["theta", "size"], ["grid"]),
+             helper.make_node("GridSample", ["X", "grid"], ["Y"], mode="cubic", padding_mode="reflection")]
+    m = _warp_model(nodes)
+    feeds = _warp_feeds(rng, n=1)
+    for model in (m, fuse(m)):
+        got, = _ours_gs(model, feeds, device="cuda")
+        want, = _ours_gs(model, feeds, device="cpu")
+        assert isinstance(got, np.ndarray)
+        np.testing.assert_array_equal(got, want)

@@ -108,9 +108,11 @@ def test_roofline_of_the_bench_cases():
     from numba_ops import _cases
     from numba_ops.kernels.cuda.resources import roofline
     rows = {r["case"]: r for r in roofline()}
-    assert set(rows) == set(_cases.AFFINE) | set(_cases.DEFORM)
+    assert set(rows) == set(_cases.AFFINE) | set(_cases.DEFORM) | set(_cases.SAMPLE)
     for name in _cases.AFFINE:
         assert rows[name]["bytes"] == _cases.affine_inputs(name)[2]
+    for name in _cases.SAMPLE:
+        assert rows[name]["bytes"] == _cases.sample_inputs(name)[2]
     for name in _cases.DEFORM:
         r = rows[name]
         assert r["gemm_flops"] == _cases.deform_inputs(name)[2]

@@ -73,9 +73,25 @@ def _cases(rng):
     off = rng.standard_normal((1, 8, 4, 2)).astype(np.float32)
     mask = rng.standard_normal((1, 4, 4, 2)).astype(np.float32)
     b = rng.standard_normal(2).astype(np.float32)
+    grid = rng.standard_normal((1, 2, 3, 2)).astype(np.float32)
+    x8 = rng.integers(0, 256, (1, 2, 2, 3, 2), dtype=np.uint8)
     return [("affine_grid", (th2, [2, 1, 3, 4]), {"align_corners": True}),
             ("affine_grid", (th3, [1, 1, 2, 3, 2]), {}),
-            ("deform_conv", (x, w, off, b, mask), {"pads": [1, 0, 0, 0]})]
+            ("deform_conv", (x, w, off, b, mask), {"pads": [1, 0, 0, 0]}),
+            ("grid_sample", (x, grid), {"mode": "cubic", "padding_mode": "reflection"}),
+            ("grid_sample", (np.ascontiguousarray(x8[:, :, 0]), grid), {"mode": "nearest"}),
+            ("affine_warp", (x8, th3.astype(np.float32), [1, 2, 3, 2, 4]), {"align_corners": True}),
+            ("affine_warp", (x, th2[:1], None), {"padding_mode": "border"})]
+
+
+def _check(op, got, want):
+    """Equal results: the sampling ops are bit-identical on every path (uint8 too);
+    DeformConv within API.md's accuracy."""
+    if op == "deform_conv":
+        assert_api_close(got, want, want.dtype)
+    else:
+        assert got.dtype == want.dtype
+        np.testing.assert_array_equal(got, want)
 
 
 @pytest.mark.parametrize("name,make", STREAMS, ids=[s[0] for s in STREAMS])
@@ -87,13 +103,13 @@ def test_every_stream_kind_gives_the_default_result(name, make):
         stream, keep = make()
         got = f(*args, **kw, device="cuda", stream=stream)  # NumPy in: NumPy out, after the copy
         assert type(got) is np.ndarray
-        assert_api_close(got, want, got.dtype) if op == "deform_conv" else np.testing.assert_array_equal(got, want)
+        _check(op, got, want)
         dargs = [cuda.to_device(a) if isinstance(a, np.ndarray) and a.ndim > 1 else a for a in args]
         dev = f(*dargs, **kw, stream=stream)  # device in: a device array, ready when the stream is
         assert not isinstance(dev, np.ndarray)
         if keep is not None:
             keep.synchronize()
-        assert_api_close(dev.copy_to_host(), want, want.dtype)
+        _check(op, dev.copy_to_host(), want)
         del keep
 
 

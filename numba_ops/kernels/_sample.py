@@ -55,7 +55,10 @@ _HUGE = 1 << 62
 
 
 def as_compute(ref, v):
-    """``v`` converted to the float type of the scalar ``ref`` (float32 or float64)."""
+    """``v`` converted to the float type of the scalar ``ref`` (float32 or float64).
+    (The Python bodies of these overloaded helpers are what numba's CUDA simulator
+    runs; compiled code uses the overloads.)"""
+    return type(ref)(v)
 
 
 @overload(as_compute, jit_options={"inline": "always"})
@@ -68,6 +71,7 @@ def _as_compute_ol(ref, v):
 def fmod(a, b):
     """The exact remainder of ``a / b`` (floats of one type): ``np.fmod`` on the CPU
     (numba's CPU target has no ``math.fmod``), ``math.fmod`` elsewhere (CUDA)."""
+    return np.fmod(a, b)
 
 
 @overload(fmod, target="generic", jit_options={"inline": "always"})
@@ -83,6 +87,7 @@ def _fmod_cpu(a, b):
 def load_sample(a, i, zero):
     """``a[i]`` in the compute type of ``zero``: 16-bit storage widened (``load``),
     uint8 converted."""
+    return as_compute(zero, a[i] if a.dtype == np.uint8 else load(a, i))
 
 
 @overload(load_sample, jit_options={"inline": "always"})
@@ -105,6 +110,10 @@ def to_uint8(v):
 
 def store_sample(out, i, v):
     """``out[i] = v``: rounded once to 16-bit storage (``store``), or cast to uint8 (``to_uint8``)."""
+    if out.dtype == np.uint8:
+        out[i] = to_uint8(v)
+    else:
+        store(out, i, v)
 
 
 @overload(store_sample, jit_options={"inline": "always"})

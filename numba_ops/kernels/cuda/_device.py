@@ -310,8 +310,9 @@ def _pack(src, dst):
 def flat(a, stream=0):
     """``a`` (NumPy or numba device array of a public dtype) as a contiguous 1-D
     device array of its storage dtype (float16 -> int16, bfloat16 -> uint16 bits);
-    copies and packing on ``stream`` (``as_stream``'s result)."""
-    st = storage(a.dtype)
+    copies and packing on ``stream`` (``as_stream``'s result). uint8 (GridSample's
+    ``x``) is its own storage dtype."""
+    st = np.dtype(np.uint8) if np.dtype(a.dtype) == np.uint8 else storage(a.dtype)
     if isinstance(a, np.ndarray):
         return cuda.to_device(np.ascontiguousarray(a).view(st).reshape(-1), stream=stream)
     v = a.view(st)  # same item size: a view even when strided
@@ -326,12 +327,12 @@ def flat(a, stream=0):
 
 
 def compile_jobs():
-    """(label, kernel, argument types) of ``_pack`` for every storage dtype and a
-    few ranks: what ``compile_ptx`` type-checks (tests/test_cuda.py)."""
+    """(label, kernel, argument types) of ``_pack`` for every storage dtype (and
+    uint8) and a few ranks: what ``compile_ptx`` type-checks (tests/test_cuda.py)."""
     from numba import types
     from numba.np.numpy_support import from_dtype
-    for dt in DTYPES:
-        st = from_dtype(storage(dt))
+    for dt in list(DTYPES) + [np.dtype(np.uint8)]:  # uint8: GridSample's x
+        st = from_dtype(np.dtype(np.uint8) if dt == np.uint8 else storage(dt))
         for rank in (1, 3, 5):
             yield f"pack/rank{rank}/{dt}", _pack, (types.Array(st, rank, "A"), types.Array(st, 1, "C"))
 
@@ -364,7 +365,7 @@ def to_host(a):
     those to the host only after they are packed) as a NumPy array of its dtype."""
     with launch_guard():
         await_producers((a,), 0)
-        if np.dtype(a.dtype) not in DTYPES:  # not one of ours: the front end says so
+        if np.dtype(a.dtype) not in DTYPES and np.dtype(a.dtype) != np.uint8:  # not ours: the front end says so
             return a.copy_to_host()
         return finish(flat(a), a.shape, a.dtype, to_host=True)
 

@@ -347,6 +347,36 @@ def roofline(gpu=H200):
                         blocks=ntiles, threads=tiles.TY * tiles.TX, implied=max(t_tiles, t_hbm),
                         bound=("tiles < SMs" if ntiles < gpu["sms"]
                                else "shared loads" if t_tiles >= t_hbm else "HBM")))
+    out += _sample_roofline(gpu)
+    return out
+
+
+def _sample_roofline(gpu):
+    """The GridSample / affine_warp bench cases: one thread per output position,
+    taps^r multiply-adds per output element (plus ~40 operations per position and
+    axis for its taps and weights); the bytes are the case's work (x, grid or theta,
+    and the result once each: an image fits in L2, so the taps' reuse stays on chip)."""
+    import numpy as np
+
+    from ... import _cases
+    from .._sample import MODES, TAPS
+    from . import grid_sample as gsk
+    out = []
+    for name, case in _cases.SAMPLE.items():
+        shape = case["x"]
+        r = len(shape) - 2
+        mode = MODES[case["mode"]]
+        N, C = shape[:2]
+        P = int(np.prod(shape[2:]))
+        item = 1 if case["x_dtype"] == "uint8" else 4
+        pos_bytes = N * P * r * 4 if case["op"] == "grid_sample" else N * r * (r + 1) * 4
+        nbytes = 2 * N * C * P * item + pos_bytes
+        flops = N * C * P * 2 * TAPS[mode] ** r + N * P * r * 40
+        nt = gsk.threads(np.float32, r, mode)
+        t_flop, t_hbm = flops / gpu["fp32"], nbytes / gpu["hbm"]
+        out.append(dict(case=name, op=case["op"], flops=flops, bytes=nbytes, t_flop=t_flop, t_hbm=t_hbm,
+                        blocks=min(-(-N * P // nt), 1 << 16), threads=nt, implied=max(t_flop, t_hbm),
+                        bound="HBM" if t_hbm >= t_flop else "FP32"))
     return out
 
 
@@ -359,11 +389,11 @@ def roofline_table(gpu=H200):
            f"{_gemm_fraction(GPU_TILES):.0%} "
            "of FFMA peak, bound by shared loads). Kernel time only: launches, copies and numba's host "
            "overhead (~10-20 us per launch) come on top. Unmeasured: bench/gpu_bench.py measures on a GPU.",
-           f"  {'case':<14} {'GFLOP':>8} {'MB':>8} {'FFMA us':>8} {'LDS us':>8} {'HBM us':>8} {'blocks':>7} "
+           f"  {'case':<16} {'GFLOP':>8} {'MB':>8} {'FFMA us':>8} {'LDS us':>8} {'HBM us':>8} {'blocks':>7} "
            f"{'threads':>7} {'implied us':>10}  bound"]
     for r in rows:
         lds = f"{r['t_lds'] * 1e6:8.2f}" if "t_lds" in r else f"{'-':>8}"
-        out.append(f"  {r['case']:<14} {r['flops'] / 1e9:8.3f} {r['bytes'] / 1e6:8.2f} {r['t_flop'] * 1e6:8.2f} {lds} "
+        out.append(f"  {r['case']:<16} {r['flops'] / 1e9:8.3f} {r['bytes'] / 1e6:8.2f} {r['t_flop'] * 1e6:8.2f} {lds} "
                    f"{r['t_hbm'] * 1e6:8.2f} {r['blocks']:7d} {r['threads']:7d} {r['implied'] * 1e6:10.2f}  "
                    f"{r['bound']}")
     return "\n".join(out)
