@@ -3,9 +3,9 @@ reference/GridSample-onnx-schema.txt; the per-axis math is kernels/_sample.py.""
 import numpy as np
 
 from ._dispatch import LAUNCHERS, as_array, launcher, on_device, resolve_device, result_for
-from ._dtypes import DTYPES, SUPPORTED, common_float_dtype
+from ._dtypes import SUPPORTED, common_float_dtype, entry
 from ._validate import as_bool
-from .kernels._sample import MODES, PADDING_MODES
+from .kernels._modes import MODES, PADDING_MODES
 
 #: the most spatial axes the kernels take (API.md requires 1 to 3)
 MAX_SPATIAL = 3
@@ -30,7 +30,7 @@ def sample_dtypes(x, other, other_name):
     is uint8 (API.md, grid_sample dtypes); TypeError naming the input otherwise."""
     if np.dtype(x.dtype) == np.uint8:
         dtype = common_float_dtype({other_name: other})
-    elif np.dtype(x.dtype) not in DTYPES:
+    elif entry(np.dtype(x.dtype)) is None:
         raise TypeError(f"X has dtype {np.dtype(x.dtype)}; expected uint8 or one of {SUPPORTED}")
     else:
         dtype = common_float_dtype({other_name: other, "X": x})

@@ -41,15 +41,8 @@ import numpy as np
 from numba import njit, types
 from numba.extending import overload
 
+from ._modes import BORDER, CUBIC, LINEAR, MODES, NEAREST, PADDING_MODES, REFLECTION, TAPS, ZEROS  # noqa: F401
 from ._scalar import load, split_position, store
-
-NEAREST, LINEAR, CUBIC = 0, 1, 2
-ZEROS, BORDER, REFLECTION = 0, 1, 2
-#: the public attribute values -> the kernels' codes (API.md: grid_sample)
-MODES = {"linear": LINEAR, "nearest": NEAREST, "cubic": CUBIC}
-PADDING_MODES = {"zeros": ZEROS, "border": BORDER, "reflection": REFLECTION}
-#: taps per axis, by mode code
-TAPS = (1, 2, 4)
 
 _HUGE = 1 << 62
 

@@ -321,9 +321,10 @@ def roofline(gpu=H200):
     TO, TP = tiles.TY * tiles.TM, tiles.TX * tiles.TN
     frac = _gemm_fraction(tiles)
     for name in _cases.DEFORM:
-        N, C, H, W, oC, k, pad, stride, dil, group, og, use_mask = _cases.deform_params(name)
-        oH, oW = (out_size(D, pad, pad, k, dil, stride) for D in (H, W))
-        P, K, cpg, ocg, cpo = oH * oW, k * k, C // group, oC // group, C // og
+        N, C, spatial, oC, k, pad, stride, dil, group, og, use_mask = _cases.deform_params(name)
+        nd = len(spatial)
+        P = int(np.prod([out_size(D, pad, pad, k, dil, stride) for D in spatial]))
+        K, cpg, ocg, cpo = k ** nd, C // group, oC // group, C // og
         n_ot, n_pt = -(-ocg // TO), -(-P // TP)
         ntiles = N * group * n_ot * n_pt
         # reduction rows as the kernel walks them: chunks of RK that never span two offset groups
@@ -336,8 +337,8 @@ def roofline(gpu=H200):
         flops_tile = 2 * TO * TP * tiles.RK * K * chunks // group  # padded tiles compute zeros too
         gemm = 2 * N * oC * P * cpg * K
         samples = N * group * n_ot * cpg * K * P
-        flops = ntiles * flops_tile + samples * 2 * 4  # + 4 corner FMAs per sample (2-D)
-        nbytes = 4 * (N * C * H * W + n_ot * N * og * K * P * (2 + use_mask) + N * oC * P
+        flops = ntiles * flops_tile + samples * 2 * 2 ** nd  # + 2**n corner FMAs per sample
+        nbytes = 4 * (N * C * int(np.prod(spatial)) + n_ot * N * og * K * P * (nd + use_mask) + N * oC * P
                       + 3 * oC * cpg * K + oC)
         per_sm = gpu["fp32"] * frac / gpu["sms"]
         t_tiles = -(-ntiles // gpu["sms"]) * flops_tile / per_sm  # each SM works through its tiles
