@@ -4,7 +4,7 @@ import numpy as np
 
 from ._dispatch import as_array, launcher, on_device, resolve_device, result_for
 from ._validate import int_tuple
-from .grid_sample import check_input_sizes, cuda_launcher, parse_attrs, sample_dtypes
+from .grid_sample import check_input_sizes, parse_attrs, sample_dtypes
 
 
 def affine_warp(x, theta, size=None, *, mode="linear", padding_mode="zeros", align_corners=False,
@@ -56,7 +56,7 @@ def affine_warp(x, theta, size=None, *, mode="linear", padding_mode="zeros", ali
                          f"{tuple(x.shape)}; got {tuple(theta.shape)}")
     check_input_sizes(x, size)
     if device == "cuda":
-        y = cuda_launcher("affine_warp", dtype)(x, theta, size, mode, padding, align, stream=stream)
+        y = launcher("affine_warp", "cuda", dtype)(x, theta, size, mode, padding, align, stream=stream)
     else:
         y = launcher("affine_warp", "cpu", dtype)(x, theta, size, mode, padding, align)
     return result_for(y, back)

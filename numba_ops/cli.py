@@ -11,7 +11,6 @@ The benchmark itself (workers, timing, limits, statistics, tables, plots) lives
 in ``numba_ops.benchmark``.
 """
 import argparse
-import importlib.metadata
 import json
 import os
 import sys
@@ -20,18 +19,12 @@ import time
 import numpy as np
 
 from . import _cases
+from .benchmark.machine import version
 
 
 # --------------------------------------------------------------------------
 # info
 # --------------------------------------------------------------------------
-
-def _version(dist):
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
 
 def _cache_location():
     """Where numba keeps numba_ops' compiled kernels, as numba's cache locator decides."""
@@ -55,10 +48,10 @@ def cmd_info(args):
             ("python", sys.version.split()[0]),
             ("numpy", np.__version__),
             ("numba", numba.__version__),
-            ("numba-cuda", _version("numba-cuda") or "not installed"),
-            ("ml_dtypes", _version("ml_dtypes") or "not installed")]
+            ("numba-cuda", version("numba-cuda") or "not installed"),
+            ("ml_dtypes", version("ml_dtypes") or "not installed")]
     for dist in ("onnx", "onnxruntime", "torch", "torchvision"):
-        rows.append((dist, _version(dist) or "not installed (optional)"))
+        rows.append((dist, version(dist) or "not installed (optional)"))
     devs = numba_ops.devices()
     dev_s = ", ".join(devs)
     if "cuda" in devs:

@@ -2,7 +2,7 @@
 reference/GridSample-onnx-schema.txt; the per-axis math is kernels/_sample.py."""
 import numpy as np
 
-from ._dispatch import LAUNCHERS, as_array, launcher, on_device, resolve_device, result_for
+from ._dispatch import as_array, launcher, on_device, resolve_device, result_for
 from ._dtypes import SUPPORTED, common_float_dtype, entry
 from ._validate import as_bool
 from .kernels._modes import MODES, PADDING_MODES
@@ -52,13 +52,6 @@ def check_input_sizes(x, out_shape):
                          f"is not empty); got shape {tuple(x.shape)}")
 
 
-def cuda_launcher(op, dtype):
-    """The CUDA ``launch`` of ``op``, or a clear error while it has none."""
-    if (op, "cuda") not in LAUNCHERS:
-        raise NotImplementedError(f"{op} has no CUDA kernels yet; use device='cpu'")
-    return launcher(op, "cuda", dtype)
-
-
 def grid_sample(x, grid, *, mode="linear", padding_mode="zeros", align_corners=False, device=None,
                 stream=None):
     """Sample ``x`` at the positions of ``grid``, as ONNX GridSample.
@@ -100,7 +93,7 @@ def grid_sample(x, grid, *, mode="linear", padding_mode="zeros", align_corners=F
         raise ValueError(f"grid must have X's batch size N = {x.shape[0]}; got grid shape {tuple(grid.shape)}")
     check_input_sizes(x, tuple(x.shape[:2]) + tuple(grid.shape[1:-1]))
     if device == "cuda":
-        y = cuda_launcher("grid_sample", dtype)(x, grid, mode, padding, align, stream=stream)
+        y = launcher("grid_sample", "cuda", dtype)(x, grid, mode, padding, align, stream=stream)
     else:
         y = launcher("grid_sample", "cpu", dtype)(x, grid, mode, padding, align)
     return result_for(y, back)

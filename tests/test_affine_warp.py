@@ -5,20 +5,12 @@ import numpy as np
 import pytest
 
 import numba_ops
-from numba_ops._dispatch import LAUNCHERS
 from reference import affine_grid_ref, assert_api_close, grid_sample_ref
 
 BF16 = ml_dtypes.bfloat16
 MODES = ["linear", "nearest", "cubic"]
 PADS = ["zeros", "border", "reflection"]
 
-
-@pytest.fixture
-def dev(device):
-    """``device``, while the device has affine_warp kernels (CUDA's are not written yet)."""
-    if ("affine_warp", device) not in LAUNCHERS:
-        pytest.skip(f"no affine_warp kernels for {device} yet")
-    return device
 
 
 def _host(a):
@@ -43,31 +35,31 @@ CASES = [((2, 3, 5, 6), None), ((2, 3, 5, 6), (2, 3, 7, 4)), ((1, 2, 1, 5), (1, 
 @pytest.mark.parametrize("padding", PADS)
 @pytest.mark.parametrize("align", [0, 1])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_equals_grid_sample_of_affine_grid(xs, size, mode, padding, align, dtype, dev, rng):
+def test_equals_grid_sample_of_affine_grid(xs, size, mode, padding, align, dtype, device, rng):
     r = len(xs) - 2
     x = rng.standard_normal(xs).astype(dtype)
     theta = _theta(rng, xs[0], r, dtype)
     out_size = tuple(xs) if size is None else size
     attrs = dict(mode=mode, padding_mode=padding, align_corners=align)
-    got = _host(numba_ops.affine_warp(x, theta, size, device=dev, **attrs))
+    got = _host(numba_ops.affine_warp(x, theta, size, device=device, **attrs))
     grid = numba_ops.affine_grid(theta, out_size, align, device="cpu")
     two_step = numba_ops.grid_sample(x, grid, device="cpu", **attrs)
     assert got.dtype == dtype and got.shape == out_size
     assert_api_close(got, two_step, dtype)
-    if dev == "cpu":  # the CPU kernel computes the grid as the CPU AffineGrid does: bit for bit
+    if device == "cpu":  # the CPU kernel computes the grid as the CPU AffineGrid does: bit for bit
         np.testing.assert_array_equal(got, two_step)
 
 
 @pytest.mark.parametrize("r", [2, 3])
 @pytest.mark.parametrize("mode", MODES)
-def test_float64_oracle(r, mode, dev, rng):
+def test_float64_oracle(r, mode, device, rng):
     """Against the float64 composition of the two oracles."""
     xs = (2, 2, 4, 5) if r == 2 else (1, 2, 3, 4, 3)
     x = rng.standard_normal(xs)
     theta = _theta(rng, xs[0], r, np.float64)
     for padding in PADS:
         want = grid_sample_ref(x, affine_grid_ref(theta, xs, 0), mode=mode, padding_mode=padding)
-        got = _host(numba_ops.affine_warp(x, theta, mode=mode, padding_mode=padding, device=dev))
+        got = _host(numba_ops.affine_warp(x, theta, mode=mode, padding_mode=padding, device=device))
         assert_api_close(got, want, np.float64)
 
 
@@ -82,7 +74,7 @@ def _ulp_diff(a, b, dtype):
 @pytest.mark.parametrize("dtype", [np.float16, BF16])
 @pytest.mark.parametrize("r", [2, 3])
 @pytest.mark.parametrize("mode", MODES)
-def test_16bit_grid_never_rounded(dtype, r, mode, dev, rng):
+def test_16bit_grid_never_rounded(dtype, r, mode, device, rng):
     """16-bit: the float32 composition on upcast inputs (grid in float32), rounded once."""
     xs = (2, 3, 6, 7) if r == 2 else (1, 2, 3, 4, 5)
     x = rng.standard_normal(xs).astype(dtype)
@@ -90,17 +82,17 @@ def test_16bit_grid_never_rounded(dtype, r, mode, dev, rng):
     x32, t32 = x.astype(np.float32), theta.astype(np.float32)
     for padding in PADS:
         want32 = numba_ops.grid_sample(x32, numba_ops.affine_grid(t32, xs), mode=mode, padding_mode=padding)
-        got = _host(numba_ops.affine_warp(x, theta, mode=mode, padding_mode=padding, device=dev))
+        got = _host(numba_ops.affine_warp(x, theta, mode=mode, padding_mode=padding, device=device))
         assert got.dtype == np.dtype(dtype)
         assert _ulp_diff(got, want32, dtype).max() <= 1
 
 
 @pytest.mark.parametrize("tdtype", [np.float16, np.float32, np.float64])
-def test_uint8(tdtype, dev, rng):
+def test_uint8(tdtype, device, rng):
     x = rng.integers(0, 256, (2, 3, 6, 7)).astype(np.uint8)
     theta = _theta(rng, 2, 2, tdtype)
     for mode in MODES:
-        got = _host(numba_ops.affine_warp(x, theta, (2, 3, 5, 8), mode=mode, device=dev))
+        got = _host(numba_ops.affine_warp(x, theta, (2, 3, 5, 8), mode=mode, device=device))
         grid = numba_ops.affine_grid(theta.astype(np.float32) if tdtype == np.float16 else theta, (2, 3, 5, 8))
         want = numba_ops.grid_sample(x, grid, mode=mode)
         assert got.dtype == np.uint8
@@ -120,18 +112,18 @@ def test_long_rows_and_parallel(rng):
     np.testing.assert_array_equal(got, want)
 
 
-def test_empty_and_unchanged(dev, rng):
+def test_empty_and_unchanged(device, rng):
     x = rng.standard_normal((2, 3, 4, 5)).astype(np.float32)
     theta = _theta(rng, 2, 2)
     x0, t0 = x.copy(), theta.copy()
-    assert _host(numba_ops.affine_warp(x, theta, (2, 3, 0, 5), device=dev)).shape == (2, 3, 0, 5)
-    assert _host(numba_ops.affine_warp(x[:0], theta[:0], device=dev)).shape == (0, 3, 4, 5)
-    assert _host(numba_ops.affine_warp(x[:, :0], theta, device=dev)).shape == (2, 0, 4, 5)
+    assert _host(numba_ops.affine_warp(x, theta, (2, 3, 0, 5), device=device)).shape == (2, 3, 0, 5)
+    assert _host(numba_ops.affine_warp(x[:0], theta[:0], device=device)).shape == (0, 3, 4, 5)
+    assert _host(numba_ops.affine_warp(x[:, :0], theta, device=device)).shape == (2, 0, 4, 5)
     # non-contiguous and negative strides
     xv, tv = x[::-1, :, ::-1], theta[::-1]
-    got = _host(numba_ops.affine_warp(xv, tv, [2, 3, 3, 6], device=dev))
+    got = _host(numba_ops.affine_warp(xv, tv, [2, 3, 3, 6], device=device))
     want = _host(numba_ops.affine_warp(np.ascontiguousarray(xv), np.ascontiguousarray(tv), np.array([2, 3, 3, 6]),
-                                       device=dev))
+                                       device=device))
     np.testing.assert_array_equal(got, want)
     np.testing.assert_array_equal(x, x0)
     np.testing.assert_array_equal(theta, t0)
