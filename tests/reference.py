@@ -170,3 +170,13 @@ def to_uint8_ref(v):
     """ONNX's cast of a computed sample to uint8: NaN -> 0, clamped to 0..255, truncated."""
     v = np.nan_to_num(np.asarray(v, dtype=np.float64), nan=0.0, posinf=255.0, neginf=0.0)
     return np.trunc(np.clip(v, 0, 255)).astype(np.uint8)
+
+
+def ulp_diff(a, b, dtype):
+    """Distance in units of the last place of the 16-bit ``dtype`` between two arrays of it."""
+    ia = np.asarray(a).astype(dtype).view(np.int16).astype(np.int64)
+    ib = np.asarray(b).astype(dtype).view(np.int16).astype(np.int64)
+    # map sign-magnitude bit patterns onto a monotonic integer line
+    ia = np.where(ia < 0, -32768 - ia, ia)
+    ib = np.where(ib < 0, -32768 - ib, ib)
+    return np.abs(ia - ib)

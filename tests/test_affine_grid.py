@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import numba_ops
-from reference import affine_grid_ref, assert_api_close
+from reference import affine_grid_ref, assert_api_close, ulp_diff
 from seed_examples import AFFINE_GRID_EXAMPLES
 
 BF16 = ml_dtypes.bfloat16
@@ -78,16 +78,6 @@ def test_onnxruntime(size, align, rng):
         np.testing.assert_allclose(got, want, rtol=max(rtol, 1e-6), atol=max(rtol, 1e-6) * np.abs(want).max())
 
 
-def _ulp_diff(a, b, dtype):
-    """Distance in units of the last place of ``dtype`` between two arrays of it."""
-    ia = a.astype(dtype).view(np.int16).astype(np.int64)
-    ib = b.astype(dtype).view(np.int16).astype(np.int64)
-    # map sign-magnitude bit patterns onto a monotonic integer line
-    ia = np.where(ia < 0, -32768 - ia, ia)
-    ib = np.where(ib < 0, -32768 - ib, ib)
-    return np.abs(ia - ib)
-
-
 @pytest.mark.parametrize("dtype", [np.float16, BF16])
 @pytest.mark.parametrize("size", [(2, 1, 5, 7), (2, 1, 3, 4, 5)])
 @pytest.mark.parametrize("align", [0, 1])
@@ -96,7 +86,7 @@ def test_16bit_is_float32_rounded_once(dtype, size, align, device, rng):
     want32 = numba_ops.affine_grid(theta.astype(np.float32), size, align, device="cpu")
     got = numba_ops.affine_grid(theta, size, align, device=device)
     assert got.dtype == np.dtype(dtype) and got.shape == want32.shape
-    assert _ulp_diff(_host(got), want32, dtype).max() <= 1
+    assert ulp_diff(_host(got), want32, dtype).max() <= 1
 
 
 @pytest.mark.parametrize("dtype", [np.float16, BF16])
@@ -127,7 +117,7 @@ def test_large_16bit_matches_upcast(rng):
     theta = _theta(rng, 4, 2, np.float32).astype(np.float16)
     got = numba_ops.affine_grid(theta, [4, 1, 96, 128], False)
     want = numba_ops.affine_grid(theta.astype(np.float32), [4, 1, 96, 128], False)
-    assert _ulp_diff(got, want, np.float16).max() <= 1
+    assert ulp_diff(got, want, np.float16).max() <= 1
 
 
 @pytest.mark.parametrize("size", [(0, 3, 4, 5), (2, 3, 0, 5), (2, 3, 4, 0), (0, 1, 2, 3, 4), (1, 1, 2, 0, 4)])

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import numba_ops
-from reference import affine_grid_ref, assert_api_close, grid_sample_ref
+from reference import affine_grid_ref, assert_api_close, grid_sample_ref, ulp_diff
 
 BF16 = ml_dtypes.bfloat16
 MODES = ["linear", "nearest", "cubic"]
@@ -63,14 +63,6 @@ def test_float64_oracle(r, mode, device, rng):
         assert_api_close(got, want, np.float64)
 
 
-def _ulp_diff(a, b, dtype):
-    ia = np.asarray(a).astype(dtype).view(np.int16).astype(np.int64)
-    ib = np.asarray(b).astype(dtype).view(np.int16).astype(np.int64)
-    ia = np.where(ia < 0, -32768 - ia, ia)
-    ib = np.where(ib < 0, -32768 - ib, ib)
-    return np.abs(ia - ib)
-
-
 @pytest.mark.parametrize("dtype", [np.float16, BF16])
 @pytest.mark.parametrize("r", [2, 3])
 @pytest.mark.parametrize("mode", MODES)
@@ -84,7 +76,7 @@ def test_16bit_grid_never_rounded(dtype, r, mode, device, rng):
         want32 = numba_ops.grid_sample(x32, numba_ops.affine_grid(t32, xs), mode=mode, padding_mode=padding)
         got = _host(numba_ops.affine_warp(x, theta, mode=mode, padding_mode=padding, device=device))
         assert got.dtype == np.dtype(dtype)
-        assert _ulp_diff(got, want32, dtype).max() <= 1
+        assert ulp_diff(got, want32, dtype).max() <= 1
 
 
 @pytest.mark.parametrize("tdtype", [np.float16, np.float32, np.float64])

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import numba_ops
-from reference import assert_api_close, grid_sample_ref, to_uint8_ref
+from reference import assert_api_close, grid_sample_ref, to_uint8_ref, ulp_diff
 
 BF16 = ml_dtypes.bfloat16
 MODES = ["linear", "nearest", "cubic"]
@@ -207,14 +207,6 @@ def test_nearest_ties_round_to_even(padding, align, r, device):
 
 # --- dtypes -----------------------------------------------------------------------------------
 
-def _ulp_diff(a, b, dtype):
-    ia = np.asarray(a).astype(dtype).view(np.int16).astype(np.int64)
-    ib = np.asarray(b).astype(dtype).view(np.int16).astype(np.int64)
-    ia = np.where(ia < 0, -32768 - ia, ia)
-    ib = np.where(ib < 0, -32768 - ib, ib)
-    return np.abs(ia - ib)
-
-
 @pytest.mark.parametrize("dtype", [np.float16, BF16])
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("r", [1, 2, 3])
@@ -227,7 +219,7 @@ def test_16bit_is_float32_rounded_once(dtype, mode, r, device, rng):
                                        padding_mode=padding, device="cpu")
         got = gs(x, grid, device, mode=mode, padding_mode=padding)
         assert got.dtype == np.dtype(dtype) and got.shape == want32.shape
-        assert _ulp_diff(got, want32, dtype).max() <= 1
+        assert ulp_diff(got, want32, dtype).max() <= 1
 
 
 @pytest.mark.parametrize("gdtype", [np.float16, BF16, np.float32, np.float64])

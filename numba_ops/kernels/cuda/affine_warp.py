@@ -20,7 +20,7 @@ from ..._dtypes import compute
 from .._sample import load_sample, unnormalize
 from .._scalar import base_coord
 from . import _device
-from .grid_sample import MAX_R, MODE_NAMES, block_size, blocks, bounds, geometry, sampler, signatures, threads, x_storage  # noqa: F401 (block_size: resources.py)
+from .grid_sample import MAX_R, MODE_NAMES, block_size, bounds, run, sampler, signatures  # noqa: F401 (block_size: resources.py)
 
 #: theta dtypes; ``x`` has the same dtype, or uint8
 DTYPES = ("float16", "bfloat16", "float32", "float64")
@@ -93,23 +93,6 @@ def launch(x, theta, size, mode, padding, align, stream=None):
 
 
 def _launch(x, theta, size, mode, padding, align, stream):
-    dtype = np.dtype(x.dtype)
-    r = x.ndim - 2
     shape = tuple(int(s) for s in size)
-    N, C = shape[0], shape[1]
-    P = int(np.prod(shape[2:], dtype=np.int64))
-    S = int(np.prod(x.shape[2:], dtype=np.int64))
-    total = N * C * P
-    to_host = not _device.any_on_device(x, theta)
-    _device.await_producers((x, theta), stream)
-    out = cuda.device_array(total, dtype=x_storage(dtype), stream=stream)
-    if total:
-        xf = _device.flat(x, stream)
-        tf = _device.flat(theta, stream)
-        D = shape[2] if r == 3 else 1
-        dims = (N * P, C, P, S, D, shape[-2], shape[-1])
-        ct = compute(theta.dtype).type
-        nt = threads(ct, r, mode)
-        kernel(ct, r, mode)[blocks(N * P, nt), nt, stream](
-            xf, tf, out, dims, geometry(x.shape[2:]), np.int64(padding), bool(align))
-    return _device.finish(out, shape, dtype, to_host, stream)
+    D = shape[2] if x.ndim == 5 else 1
+    return run(kernel, x, theta, shape, (D, shape[-2], shape[-1]), mode, padding, align, stream)

@@ -234,22 +234,29 @@ def launch(x, grid, mode, padding, align, stream=None):
 
 
 def _launch(x, grid, mode, padding, align, stream):
+    shape = (int(x.shape[0]), int(x.shape[1])) + tuple(int(s) for s in grid.shape[1:-1])
+    return run(kernel, x, grid, shape, (), mode, padding, align, stream)
+
+
+def run(make, x, pos, shape, extra, mode, padding, align, stream):
+    """The launch shared by grid_sample and affine_warp: the result ``shape`` (N, C,
+    O1..Or) in x's dtype, one thread per output position, from the kernel
+    ``make(ct, r, mode)`` given x, the positions ``pos`` (the grid, or theta) flat, and
+    ``dims = (N*P, C, P, S) + extra``."""
     dtype = np.dtype(x.dtype)
     r = x.ndim - 2
-    N, C = int(x.shape[0]), int(x.shape[1])
-    shape = (N, C) + tuple(int(s) for s in grid.shape[1:-1])
+    N, C = shape[0], shape[1]
     P = int(np.prod(shape[2:], dtype=np.int64))
     S = int(np.prod(x.shape[2:], dtype=np.int64))
     total = N * C * P
-    to_host = not _device.any_on_device(x, grid)
-    _device.await_producers((x, grid), stream)
+    to_host = not _device.any_on_device(x, pos)
+    _device.await_producers((x, pos), stream)
     out = cuda.device_array(total, dtype=x_storage(dtype), stream=stream)
     if total:
         xf = _device.flat(x, stream)
-        gf = _device.flat(grid, stream)
-        dims = (N * P, C, P, S)
-        ct = compute(grid.dtype).type
+        pf = _device.flat(pos, stream)
+        ct = compute(pos.dtype).type
         nt = threads(ct, r, mode)
-        kernel(ct, r, mode)[blocks(N * P, nt), nt, stream](
-            xf, gf, out, dims, geometry(x.shape[2:]), np.int64(padding), bool(align))
+        make(ct, r, mode)[blocks(N * P, nt), nt, stream](
+            xf, pf, out, (N * P, C, P, S) + extra, geometry(x.shape[2:]), np.int64(padding), bool(align))
     return _device.finish(out, shape, dtype, to_host, stream)
