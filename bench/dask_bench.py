@@ -42,7 +42,7 @@ def _task_threads():
     import numba
 
     import numba_ops.dask as nd
-    nd._share_threads()
+    nd._share_threads(1)
     return numba.get_num_threads()
 
 

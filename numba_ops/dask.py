@@ -34,6 +34,7 @@ import functools
 import math
 import os
 import sys
+import threading
 import time
 
 import dask.array as da
@@ -200,13 +201,42 @@ def _nthreads(worker):
     return int(getattr(state, "nthreads", None) or getattr(worker, "nthreads", 1))
 
 
-def _share_threads():
+def _scheduler_threads():
+    """Threads of the local (threaded) scheduler running this task: dask's
+    ``num_workers``, or its pool's size, else dask's CPU count."""
+    import dask
+    n = dask.config.get("num_workers", None)
+    pool = dask.config.get("pool", None)
+    if not n and pool is not None:
+        n = getattr(pool, "_max_workers", None)
+    if not n:
+        from dask.system import CPU_COUNT
+        n = CPU_COUNT
+    return int(n)
+
+
+def _share_threads(blocks):
+    """Set numba's thread count (thread-local) for a task of a graph of ``blocks``
+    tasks: on a distributed worker, the worker's share; on a thread of the local
+    threaded scheduler, the cores over the tasks that can run at once (so that
+    concurrent tasks each run their own share, serial ones without the pool, instead
+    of queueing for one pool); on the calling thread itself (synchronous), untouched."""
     n = _worker_threads()
-    if n is not None:
+    if n is None:
+        if threading.current_thread() is threading.main_thread():
+            return
         import numba
-        from .kernels.cpu import _runtime
-        if _runtime.num_threads() != n:
-            numba.set_num_threads(n)
+        n = max(1, min(numba.config.NUMBA_NUM_THREADS, _cores() // max(1, min(blocks, _scheduler_threads()))))
+    import numba
+    from .kernels.cpu import _runtime
+    if _runtime.num_threads() != n:
+        numba.set_num_threads(n)
+
+
+def _in_share(blocks, fn, *args):
+    """``fn(*args)`` with this task's share of numba's threads (``_share_threads``)."""
+    _share_threads(blocks)
+    return fn(*args)
 
 
 def _is_cupy(a):
@@ -223,13 +253,11 @@ def _block_result(y, like):
 
 
 def _affine_grid_block(theta, *, tail, align_corners, kw):
-    _share_threads()
     y = _affine_grid(theta, (theta.shape[0],) + tail, align_corners, **kw)
     return _block_result(y, theta)
 
 
 def _deform_conv_block(x, w, offset, b, mask, *, attrs):
-    _share_threads()
     return _block_result(_deform_conv(x, w, offset, b, mask, **attrs), x)
 
 
@@ -237,7 +265,6 @@ def _deform_conv_region(x, w, offset, b, mask, *, p, origin, device):
     """The output region ``origin .. origin + p.out_spatial`` of ``x``'s images:
     ``offset``/``mask`` hold that region, ``x`` whole images. The arguments passed
     the front end's checks when the graph was built (as ``deform_conv`` does them)."""
-    _share_threads()
     inputs = (x, w, offset, b, mask)
     dev = resolve_device(device, inputs)
     back = any(on_device(a) for a in inputs)
@@ -258,6 +285,10 @@ def _canonical(p):
 
 
 def _graph(name, tasks, deps, chunks, meta):
+    """The lazy array of ``tasks`` (key -> (block function, args...)); every task
+    first takes its share of numba's threads (``_in_share``)."""
+    blocks = len(tasks)
+    tasks = {k: (_in_share, blocks) + t for k, t in tasks.items()}
     graph = HighLevelGraph.from_collections(name, tasks, dependencies=[d for d in deps if d is not None])
     return da.Array(graph, name, chunks, meta=meta)
 
@@ -474,7 +505,6 @@ def affine_warp(x, theta, size=None, **kw):
 
 
 def _sample_block(x, other, *, op, kw, tail=None):
-    _share_threads()
     fn = _sampling_front(op)[0]
     if op == "affine_warp":
         y = fn(x, other, None if tail is None else (x.shape[0],) + tail, **kw)

@@ -289,7 +289,7 @@ def _deps(task):
 
 def _threads_in_task():
     import numba
-    nd._share_threads()
+    nd._share_threads(1)
     return numba.get_num_threads()
 
 

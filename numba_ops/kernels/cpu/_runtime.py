@@ -15,8 +15,8 @@ Measured on 2-core VMs (README, "Devices"):
 
 A user's NUMBA_THREADING_LAYER / NUMBA_THREADING_LAYER_PRIORITY / GOMP_SPINCOUNT
 win. Parallel launches from several Python threads are serialised here (the
-workqueue layer must not be entered twice); serial kernels run without the lock
-(but for deform_conv's one-thread tiled run, which holds it for SciPy's BLAS setting).
+workqueue layer must not be entered twice); serial kernels (small calls, and every
+call of a thread whose numba thread count is 1) run without the lock, concurrently.
 
 GNU OpenMP cannot run in a process forked after it started (numba terminates
 such a child at its first parallel launch), so in a child forked after the pool
@@ -81,11 +81,15 @@ def num_threads():
 
 
 def run(serial, parallel, work, *args):
-    """``serial(*args)`` for small work (or where the pool cannot run), else
+    """``serial(*args)`` for small work, at one thread (the caller's count, e.g. a
+    Dask task's share) or where the pool cannot run, without the lock; else
     ``parallel(*args, nchunks)`` under the pool lock, ``nchunks`` being a few pieces
     per thread for balance."""
     if work < PARALLEL_MIN_WORK or not pool_usable():
         return serial(*args)
+    nth = num_threads()
+    if nth == 1:
+        return serial(*args)
     with POOL_LOCK:
-        return parallel(*args, 4 * num_threads())
+        return parallel(*args, 4 * nth)
 

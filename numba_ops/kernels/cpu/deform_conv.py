@@ -963,13 +963,16 @@ def _parallel(x, w, off, m, b, y, meta, fws, iws):
 
 class _BlasThreads:
     """Holds SciPy's OpenBLAS (the BLAS numba's np.dot calls) at one thread while
-    numba's workers call it, then restores the caller's setting. Other BLAS builds
-    are left alone."""
+    numba_ops' kernels call it, from any number of Python threads at once (a count
+    of the holders: the first sets 1, the last restores the caller's setting).
+    Other BLAS builds are left alone."""
 
     def __init__(self):
         self._lock = threading.Lock()
         self._get = self._set = None
         self._loaded = False
+        self._holders = 0
+        self._prev = None
 
     def _load(self):
         self._loaded = True
@@ -990,21 +993,23 @@ class _BlasThreads:
             pass
 
     def __enter__(self):
-        if not self._loaded:
-            with self._lock:
-                if not self._loaded:
-                    self._load()
-        self._prev = None
-        if self._get is not None:
-            prev = self._get()
-            if prev != 1:
-                self._set(1)
-                self._prev = prev
+        with self._lock:
+            if not self._loaded:
+                self._load()
+            self._holders += 1
+            if self._holders == 1 and self._get is not None:
+                prev = self._get()
+                if prev != 1:
+                    self._set(1)
+                    self._prev = prev
         return self
 
     def __exit__(self, *exc):
-        if self._prev is not None:
-            self._set(self._prev)
+        with self._lock:
+            self._holders -= 1
+            if self._holders == 0 and self._prev is not None:
+                self._set(self._prev)
+                self._prev = None
 
 
 _BLAS = _BlasThreads()
@@ -1168,9 +1173,10 @@ def launch(x, w, offset, b, mask, p, origin=None):
     if plan is None:  # the caller changed numba's thread count
         plan = st.meta[nth] = _State(x, w, p, origin).meta[nth]
     metas, nf, ni = plan
-    with _runtime.POOL_LOCK, _BLAS:
-        if nth == 1:
+    if nth == 1:  # the caller's thread alone: no pool, so no pool lock (Dask tasks run side by side)
+        with _BLAS:
             _serial(*args, metas[i])
-        else:
-            _parallel(*args, metas[i], _workspace(st.ctype, nf), _workspace(np.int64, ni))
+        return y
+    with _runtime.POOL_LOCK, _BLAS:
+        _parallel(*args, metas[i], _workspace(st.ctype, nf), _workspace(np.int64, ni))
     return y
