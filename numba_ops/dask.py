@@ -24,7 +24,11 @@ threads, processes, or a ``dask.distributed`` cluster of many machines.
   per process at a time, so the worker's tasks take turns on that share and the
   workers of a host together use its cores, not a multiple of them (workers that
   share a process, ``LocalCluster(processes=False)``, share one pool: their
-  threads count together). Outside a worker (threaded or synchronous scheduler)
+  threads count together). On the threaded scheduler each task takes the cores
+  over the tasks that can run at once (the fewer of the graph's tasks and the
+  scheduler's threads: dask's ``num_workers``, else its CPU count); a task at one
+  thread runs its kernel serially on its own thread, without the pool lock, so
+  such tasks run side by side. On the synchronous scheduler (the calling thread)
   numba's setting is left alone.
 
 This module imports dask; ``import numba_ops`` never does (install the extra

@@ -287,6 +287,11 @@ def _deps(task):
 
 # --- threads on distributed workers --------------------------------------------------------------
 
+def _cases_inputs():
+    from numba_ops import _cases
+    return _cases.deform_inputs("dc_r50_c64_56", small=True)
+
+
 def _threads_in_task():
     import numba
     nd._share_threads(1)
@@ -318,10 +323,67 @@ def test_in_process_workers_share_one_pool():
     assert got == [max(1, min(numba.config.NUMBA_NUM_THREADS, cores))] * 2
 
 
-def test_threaded_scheduler_leaves_threads_alone():
+def test_synchronous_scheduler_leaves_threads_alone():
+    """Tasks run on the calling thread: numba's setting there is the caller's."""
     import numba
     before = numba.get_num_threads()
     assert _threads_in_task() == before
+    x = np.arange(2 * 2 * 8 * 8, dtype=np.float32).reshape(2, 2, 8, 8)
+    theta = np.tile(np.array([[1, 0.1, 0], [0, 1, 0]], np.float32), (2, 1, 1))
+    nd.affine_warp(da.from_array(x, chunks=1), theta).compute(scheduler="synchronous")
+    assert numba.get_num_threads() == before
+
+
+def _threads_of_tasks(blocks, workers):
+    """numba's thread count inside the tasks of a ``blocks``-task graph on the threaded
+    scheduler with ``workers`` threads."""
+    import dask
+    import numba
+    seen = []
+
+    def probe(b):
+        seen.append(numba.get_num_threads())
+        return np.array([b])
+
+    graph = nd._graph("probe-threads", {("probe-threads", i): (probe, i) for i in range(blocks)}, [],
+                      ((1,) * blocks,), np.empty(0, np.int64))
+    with dask.config.set(num_workers=workers):
+        graph.compute(scheduler="threads")
+    return seen
+
+
+@pytest.mark.parametrize("blocks,workers", [(4, 2), (1, 2), (3, 8)])
+def test_threaded_scheduler_tasks_share_the_cores(blocks, workers):
+    """On the threaded scheduler the tasks that can run at once (the fewer of the
+    graph's tasks and the scheduler's threads) split the cores between them, so that
+    concurrent calls run side by side rather than queue for numba's one pool."""
+    import numba
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    want = max(1, min(numba.config.NUMBA_NUM_THREADS, cores // min(blocks, workers)))
+    assert _threads_of_tasks(blocks, workers) == [want] * blocks
+
+
+def test_threaded_scheduler_one_thread_calls_run_concurrently():
+    """Calls at one numba thread (a threaded-scheduler task's share on 2 cores) take
+    neither the pool lock nor each other's BLAS setting: results equal one call."""
+    import threading
+
+    import numba
+    (x, w, off, b, m), attrs, _ = _cases_inputs()
+    want = numba_ops.deform_conv(x, w, off, b, m, **attrs)
+    got = [None] * 4
+
+    def run(i):
+        numba.set_num_threads(1)
+        got[i] = numba_ops.deform_conv(x, w, off, b, m, **attrs)
+
+    ts = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    for g in got:
+        np.testing.assert_allclose(g, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
 def test_import_numba_ops_does_not_import_dask():

@@ -38,7 +38,7 @@ def _units(x, xf, theta, out, D, H, W, mode, padding, align, zero, u0, u1):
     xs = _coords(W, align, one)
     ys = _coords(H, align, one)
     zs = _coords(D, align, one)
-    pos, pidx, pw, pok, kind = scratch(zero)
+    pos, base, pidx, pw, pok, kind = scratch(zero)
     for u in range(u0, u1):
         row = u // nseg
         w0 = (u - row * nseg) * SEG
@@ -53,17 +53,16 @@ def _units(x, xf, theta, out, D, H, W, mode, padding, align, zero, u0, u1):
             t0, t1, t2 = theta[n, a, 0], theta[n, a, 1], theta[n, a, 2]
             if r == 2:
                 b = t1 * ys[h] + t2
-                for j in range(m):
-                    pos[k, j] = unnormalize(t0 * xs[w0 + j] + b, size, align, one)
+                for j in range(m):  # unsigned indices: the loop vectorises
+                    pos[k, np.uint64(j)] = unnormalize(t0 * xs[np.uint64(w0 + j)] + b, size, align, one)
             else:
                 b = t2 * zs[d] + theta[n, a, 3]
                 yq = ys[h] * t1
                 for j in range(m):
-                    pos[k, j] = unnormalize((t0 * xs[w0 + j] + b) + yq, size, align, one)
-        plan(x, pos, m, mode, padding, align, zero, pidx, pw, pok, kind)
-        for c in range(C):
-            nc = n * C + c
-            accumulate(x, xf, out, nc * S, nc * P + row % (D * H) * W + w0, m, mode, pidx, pw, pok, kind, zero)
+                    pos[k, np.uint64(j)] = unnormalize((t0 * xs[np.uint64(w0 + j)] + b) + yq, size, align, one)
+        nout = plan(x, pos, m, mode, padding, align, zero, base, pidx, pw, pok, kind)
+        accumulate(x, xf, out, n * C * S, S, n * C * P + row % (D * H) * W + w0, P, C, m, mode, nout, base, pidx, pw, pok,
+                   kind, zero)
 
 
 @njit(cache=True)

@@ -30,8 +30,8 @@ import numpy as np
 from numba import njit, prange
 
 from ..._dtypes import compute, storage
-from .._sample import (BORDER, LINEAR, NEAREST, REFLECTION, TAPS, ZEROS, as_compute, cubic_taps, linear_taps,
-                       load_sample, nearest_tap, store_sample, unnormalize)
+from .._sample import (BORDER, LINEAR, NEAREST, REFLECTION, TAPS, ZEROS, as_compute, cubic_taps, cubic_weights,
+                       linear_taps, load_sample, nearest_tap, store_sample, unnormalize)
 from .._scalar import load
 from . import _runtime
 
@@ -44,32 +44,85 @@ SEG = 256
 
 # --- plan: per-axis taps of a segment ---------------------------------------------------
 
-#: ``kind`` bits of a zeros-padded position: some tap outside; all taps of some axis
-#: outside (then the sample is 0, or NaN at a non-finite position). 0: all inside.
-SOME_OUT, AXIS_OUT = 1, 2
+#: ``kind`` of a position: 0, interior (every tap of every axis inside the input, the
+#: taps consecutive: read at ``base`` without padding or masks); GENERIC bit: some tap
+#: outside or padded (read through ``pidx``/``pok``); AXIS_OUT bit (zeros padding):
+#: every tap of some axis outside at a finite position (the sample is 0, or NaN when
+#: another axis is not finite).
+GENERIC, AXIS_OUT = 1, 2
 
 
 @njit(cache=True, inline="always")
-def _kind(kind, j, first, all_in, any_in):
-    b = (0 if all_in else SOME_OUT) | (0 if any_in else AXIS_OUT)
-    kind[j] = b if first else kind[j] | b
+def _split(p, zero, size):
+    """``(i, t, scale, finite)``: ``floor(p)`` as an int64 and the fraction, of ``p``
+    clamped to [-4, size + 2] (far and non-finite positions stay clear of integer
+    overflow; no tap of an interior position changes), and the weights' scale (1,
+    or NaN for a non-finite position)."""
+    finite = (p - p) == zero
+    pmin = as_compute(zero, -4)
+    pmax = as_compute(zero, size + 2)
+    pc = p if p > pmin else pmin
+    pc = pc if pc < pmax else pmax
+    f = np.floor(pc)
+    return np.int64(f), pc - f, as_compute(zero, 1) if finite else as_compute(zero, np.nan), finite
 
 
 @njit(cache=True, inline="always")
-def _plan_axis(pos, m, k, size, stride, mode, padding, align, zero, pidx, pw, pok, kind, first):
-    """Taps of spatial axis ``k`` for the positions ``pos[k, :m]``: ``pidx[k, t, j]``
-    the flat offset (padded index times ``stride``), ``pw`` the weight, ``pok``
-    whether the tap is inside (False only for zeros padding, which also folds the
-    axis into ``kind``; ``first``: the first axis planned)."""
+def _mark(j, i, lo, hi, size, finite, zmask, off, base, kind, first):
+    """``base[j]``'s share ``off`` and the axis' ``kind`` bits for taps ``i - lo ..
+    i + hi`` (``zmask``: AXIS_OUT | GENERIC under zeros padding, else GENERIC)."""
+    base[j] = off if first else base[j] + off
+    bits = (0 if (i - lo >= 0) & (i + hi <= size - 1) else GENERIC) | \
+        ((AXIS_OUT if ((i + hi < 0) | (i - lo > size - 1)) & finite else 0) & zmask)
+    kind[j] = bits if first else kind[j] | bits
+
+
+@njit(cache=True, inline="always")
+def _fast_axis(pos, m, k, size, stride, mode, zmask, zero, base, pw, kind, first):
+    """Spatial axis ``k`` of the positions ``pos[k, :m]``: the weights ``pw[k, :, j]``
+    of the mode's taps from the position's fraction (NaN for a non-finite position),
+    ``base[j]``'s share (the first tap's index times ``stride``) and the axis' bits
+    of ``kind`` (``first``: the first axis planned). One branch-free loop per mode
+    (``j`` unsigned, so no index pays for negative wraparound): they vectorise."""
+    one = as_compute(zero, 1)
     if mode == NEAREST:
-        for j in range(m):
+        half = as_compute(zero, 0.5)
+        for j in range(np.uint64(m)):
+            i, t, sc, finite = _split(pos[k, j], zero, size)
+            i += np.int64(1) if (t > half) | ((t == half) & ((i & 1) == 1)) else np.int64(0)  # half to even
+            pw[k, 0, j] = sc
+            _mark(j, i, 0, 0, size, finite, zmask, i * stride, base, kind, first)
+    elif mode == LINEAR:
+        for j in range(np.uint64(m)):
+            i, t, sc, finite = _split(pos[k, j], zero, size)
+            pw[k, 0, j] = (one - t) * sc
+            pw[k, 1, j] = t * sc
+            _mark(j, i, 0, 1, size, finite, zmask, i * stride, base, kind, first)
+    else:
+        for j in range(np.uint64(m)):
+            i, t, sc, finite = _split(pos[k, j], zero, size)
+            c0, c1, c2, c3 = cubic_weights(t, one)
+            pw[k, 0, j] = c0 * sc
+            pw[k, 1, j] = c1 * sc
+            pw[k, 2, j] = c2 * sc
+            pw[k, 3, j] = c3 * sc
+            _mark(j, i, 1, 2, size, finite, zmask, (i - 1) * stride, base, kind, first)
+
+
+@njit(cache=True, inline="always")
+def _taps_axis(pos, m, k, size, stride, mode, padding, align, zero, pidx, pw, pok):
+    """The padded taps of spatial axis ``k`` for the positions ``pos[k, :m]``:
+    ``pidx[k, t, j]`` the flat offset (padded index times ``stride``), ``pw`` the
+    weight, ``pok`` whether the tap is inside (False only for zeros padding). The
+    padding is a constant in each inlined copy, so the loops vectorise."""
+    if mode == NEAREST:
+        for j in range(np.uint64(m)):
             i, w, ok = nearest_tap(pos[k, j], size, padding, align, zero)
             pidx[k, 0, j] = i * stride
             pw[k, 0, j] = w
             pok[k, 0, j] = ok
-            _kind(kind, j, first, ok, ok)
     elif mode == LINEAR:
-        for j in range(m):
+        for j in range(np.uint64(m)):
             i0, i1, w0, w1, ok0, ok1 = linear_taps(pos[k, j], size, padding, align, zero)
             pidx[k, 0, j] = i0 * stride
             pidx[k, 1, j] = i1 * stride
@@ -77,9 +130,8 @@ def _plan_axis(pos, m, k, size, stride, mode, padding, align, zero, pidx, pw, po
             pw[k, 1, j] = w1
             pok[k, 0, j] = ok0
             pok[k, 1, j] = ok1
-            _kind(kind, j, first, ok0 & ok1, ok0 | ok1)
     else:
-        for j in range(m):
+        for j in range(np.uint64(m)):
             i0, i1, i2, i3, w0, w1, w2, w3, ok0, ok1, ok2, ok3 = cubic_taps(pos[k, j], size, padding, align, zero)
             pidx[k, 0, j] = i0 * stride
             pidx[k, 1, j] = i1 * stride
@@ -93,35 +145,50 @@ def _plan_axis(pos, m, k, size, stride, mode, padding, align, zero, pidx, pw, po
             pok[k, 1, j] = ok1
             pok[k, 2, j] = ok2
             pok[k, 3, j] = ok3
-            _kind(kind, j, first, ok0 & ok1 & ok2 & ok3, ok0 | ok1 | ok2 | ok3)
 
 
 @njit(cache=True, inline="always")
-def _plan_pad(pos, m, k, size, stride, mode, padding, align, zero, pidx, pw, pok, kind, first):
-    # the padding a constant in each inlined copy: its loops are branch-free and vectorise
-    if padding == ZEROS:
-        _plan_axis(pos, m, k, size, stride, mode, ZEROS, align, zero, pidx, pw, pok, kind, first)
-    elif padding == BORDER:
-        _plan_axis(pos, m, k, size, stride, mode, BORDER, align, zero, pidx, pw, pok, kind, first)
-    else:
-        _plan_axis(pos, m, k, size, stride, mode, REFLECTION, align, zero, pidx, pw, pok, kind, first)
+def _generic(r, sh, pos, m, mode, padding, align, zero, pidx, pw, pok):
+    """Padded taps (``_taps_axis``) of the segment's positions on every axis."""
+    nd = r + 2
+    _taps_axis(pos, m, r - 1, sh[nd - 1], 1, mode, padding, align, zero, pidx, pw, pok)
+    if r >= 2:
+        _taps_axis(pos, m, r - 2, sh[nd - 2], sh[nd - 1], mode, padding, align, zero, pidx, pw, pok)
+    if r >= 3:
+        _taps_axis(pos, m, r - 3, sh[nd - 3], sh[nd - 2] * sh[nd - 1], mode, padding, align, zero, pidx, pw, pok)
 
 
 @njit(cache=True)
-def plan(x, pos, m, mode, padding, align, zero, pidx, pw, pok, kind):
+def plan(x, pos, m, mode, padding, align, zero, base, pidx, pw, pok, kind):
     """The plan of a segment of ``m`` positions (``pos[k, :m]`` on spatial axis ``k``
-    of ``x``, shape (N, C, D1..Dr)); under zeros padding also each position's
-    ``kind``, so that only positions with some taps outside pay for masks. The
-    axes are unrolled (``x.ndim`` is a constant), innermost first."""
+    of ``x``, shape (N, C, D1..Dr)): every position's ``kind``; for interior ones
+    their ``base`` and weights (``_fast_axis``); when some are GENERIC, every
+    position's padded taps (``_generic``: vectorised, cheaper for all than a
+    scalar loop for a few). The axes
+    are unrolled (``x.ndim`` is a constant), innermost first; the padding is a
+    constant in each inlined copy."""
     r = x.ndim - 2
     sh = x.shape
-    _plan_pad(pos, m, r - 1, sh[x.ndim - 1], 1, mode, padding, align, zero, pidx, pw, pok, kind, True)
+    nd = x.ndim
+    zmask = GENERIC | AXIS_OUT if padding == ZEROS else GENERIC
+    _fast_axis(pos, m, r - 1, sh[nd - 1], 1, mode, zmask, zero, base, pw, kind, True)
     if r >= 2:
-        _plan_pad(pos, m, r - 2, sh[x.ndim - 2], sh[x.ndim - 1], mode, padding, align, zero, pidx, pw, pok,
-                  kind, False)
+        _fast_axis(pos, m, r - 2, sh[nd - 2], sh[nd - 1], mode, zmask, zero, base, pw, kind, False)
     if r >= 3:
-        _plan_pad(pos, m, r - 3, sh[x.ndim - 3], sh[x.ndim - 2] * sh[x.ndim - 1], mode, padding, align, zero,
-                  pidx, pw, pok, kind, False)
+        _fast_axis(pos, m, r - 3, sh[nd - 3], sh[nd - 2] * sh[nd - 1], mode, zmask, zero, base, pw, kind, False)
+    ngeneric = 0
+    nout = 0
+    for j in range(np.uint64(m)):
+        ngeneric += kind[j] == GENERIC
+        nout += kind[j] >= AXIS_OUT
+    if ngeneric:
+        if padding == ZEROS:
+            _generic(r, sh, pos, m, mode, ZEROS, align, zero, pidx, pw, pok)
+        elif padding == BORDER:
+            _generic(r, sh, pos, m, mode, BORDER, align, zero, pidx, pw, pok)
+        else:
+            _generic(r, sh, pos, m, mode, REFLECTION, align, zero, pidx, pw, pok)
+    return nout
 
 
 # --- accumulate: one channel's samples of a segment --------------------------------------
@@ -185,43 +252,96 @@ def _sample(r, xf, xb, j, T, masked, pidx, pw, pok, zero):
 
 
 @njit(cache=True, inline="always")
-def _acc(r, xf, out, xb, ob, m, T, pidx, pw, pok, kind, zero):
-    for j in range(m):
+def _interior(r, xf, b, j, T, s1, s2, pw, zero):
+    """Sample ``j`` of an interior position: its taps are ``b + tz * s2 + ty * s1 + tx``
+    (``s1``, ``s2``: the strides of the second and third axes from the innermost),
+    summed in ``_sample``'s order, so the result is the same bit for bit."""
+    acc = zero
+    if r == 1:
+        for tx in range(T):
+            acc += pw[0, tx, j] * load_sample(xf, np.uint64(b + tx), zero)
+    elif r == 2:
+        for ty in range(T):
+            by = b + ty * s1
+            s = zero
+            for tx in range(T):
+                s += pw[1, tx, j] * load_sample(xf, np.uint64(by + tx), zero)
+            acc += pw[0, ty, j] * s
+    else:
+        for tz in range(T):
+            bz = b + tz * s2
+            sz = zero
+            for ty in range(T):
+                by = bz + ty * s1
+                s = zero
+                for tx in range(T):
+                    s += pw[2, tx, j] * load_sample(xf, np.uint64(by + tx), zero)
+                sz += pw[1, ty, j] * s
+            acc += pw[0, tz, j] * sz
+    return acc
+
+
+@njit(cache=True, inline="always")
+def _acc(r, xf, out, xb, xs, ob, os, C, m, T, s1, s2, nout, base, pidx, pw, pok, kind, zero):
+    obu = np.uint64(ob)
+    osu = np.uint64(os)
+    if nout:
+        # first every position as if every tap of an axis were outside (0, or NaN at a
+        # non-finite position; branch-free, so it vectorises), then the others over it
+        o = obu
+        for c in range(C):
+            for j in range(np.uint64(m)):
+                acc = pw[0, 0, j] * zero
+                for k in range(1, r):
+                    acc *= pw[k, 0, j]
+                store_sample(out, o + j, zero if acc == acc else acc)
+            o += osu
+        if nout == m:
+            return
+    for j in range(np.uint64(m)):
         kd = kind[j]
+        o = obu + j
         if kd == 0:
-            acc = _sample(r, xf, xb, j, T, False, pidx, pw, pok, zero)
-        elif kd >= AXIS_OUT:  # 0, or NaN at a non-finite position
-            acc = pw[0, 0, j] * zero
-            for k in range(1, r):
-                acc *= pw[k, 0, j]
-            acc = zero if acc == acc else acc
-        else:
-            acc = _sample(r, xf, xb, j, T, True, pidx, pw, pok, zero)
-        store_sample(out, np.uint64(ob + j), acc)
+            b = xb + base[j]
+            for c in range(C):
+                store_sample(out, o, _interior(r, xf, b, j, T, s1, s2, pw, zero))
+                b += xs
+                o += osu
+        elif kd == GENERIC:
+            b = xb
+            for c in range(C):
+                store_sample(out, o, _sample(r, xf, b, j, T, True, pidx, pw, pok, zero))
+                b += xs
+                o += osu
 
 
 @njit(cache=True)
-def accumulate(x, xf, out, xb, ob, m, mode, pidx, pw, pok, kind, zero):
-    """``out[ob + j] = sample j`` of the segment's plan for ``j < m``, reading the
-    channel image that starts at ``xf[xb]``. Positions with every tap inside
-    (all of them but under zeros padding) take the unmasked loop, those with all
-    taps of an axis outside store 0 without reading. ``x`` (N, C, D1..Dr) is
-    passed for its rank alone, which numba folds to a constant, so only that
-    rank's loops are compiled; the mode's tap count is a constant in each
-    (inlined) loop, so they unroll."""
+def accumulate(x, xf, out, xb, xs, ob, os, C, m, mode, nout, base, pidx, pw, pok, kind, zero):
+    """``out[ob + c * os + j] = sample j`` of the segment's plan in channel ``c`` (the
+    channel image starting at ``xf[xb + c * xs]``), for ``j < m`` and ``c < C``:
+    position by position, every channel of a position in turn, so that its plan is
+    read once for all channels. Interior positions read their taps from ``base``
+    on, GENERIC ones through their padded taps and masks, and those with every tap
+    of an axis outside store 0 without reading. ``x`` (N, C, D1..Dr) is passed for
+    its rank alone, which numba folds to a constant, so only that rank's loops are
+    compiled; the mode's tap count is a constant in each (inlined) loop, so they
+    unroll."""
     r = x.ndim - 2
+    nd = x.ndim
+    s1 = x.shape[nd - 1]
+    s2 = s1 * x.shape[nd - 2] if r >= 2 else s1
     if mode == LINEAR:
-        _acc(r, xf, out, xb, ob, m, 2, pidx, pw, pok, kind, zero)
+        _acc(r, xf, out, xb, xs, ob, os, C, m, 2, s1, s2, nout, base, pidx, pw, pok, kind, zero)
     elif mode == NEAREST:
-        _acc(r, xf, out, xb, ob, m, 1, pidx, pw, pok, kind, zero)
+        _acc(r, xf, out, xb, xs, ob, os, C, m, 1, s1, s2, nout, base, pidx, pw, pok, kind, zero)
     else:
-        _acc(r, xf, out, xb, ob, m, 4, pidx, pw, pok, kind, zero)
+        _acc(r, xf, out, xb, xs, ob, os, C, m, 4, s1, s2, nout, base, pidx, pw, pok, kind, zero)
 
 
 @njit(cache=True)
 def scratch(zero):
-    """``(pos, pidx, pw, pok, kind)``: one thread's segment buffers."""
-    return (np.empty((3, SEG), type(zero)), np.empty((3, 4, SEG), np.int64),
+    """``(pos, base, pidx, pw, pok, kind)``: one thread's segment buffers."""
+    return (np.empty((3, SEG), type(zero)), np.empty(SEG, np.int64), np.empty((3, 4, SEG), np.int64),
             np.empty((3, 4, SEG), type(zero)), np.empty((3, 4, SEG), np.bool_), np.empty(SEG, np.uint8))
 
 
@@ -237,7 +357,7 @@ def _units(x, xf, gf, out, mode, padding, align, zero, u0, u1):
     S = xf.size // (N * C)
     nseg = (P + SEG - 1) // SEG
     one = as_compute(zero, 1)
-    pos, pidx, pw, pok, kind = scratch(zero)
+    pos, base, pidx, pw, pok, kind = scratch(zero)
     for u in range(u0, u1):
         n = u // nseg
         j0 = (u - n * nseg) * SEG
@@ -246,12 +366,10 @@ def _units(x, xf, gf, out, mode, padding, align, zero, u0, u1):
         for k in range(r):
             size = x.shape[2 + k]
             a = r - 1 - k  # the grid lists coordinates innermost axis first
-            for j in range(m):
+            for j in range(m):  # unsigned indices: no negative wraparound, so the loop vectorises
                 pos[k, j] = unnormalize(load(gf, g0 + j * r + a), size, align, one)
-        plan(x, pos, m, mode, padding, align, zero, pidx, pw, pok, kind)
-        for c in range(C):
-            nc = n * C + c
-            accumulate(x, xf, out, nc * S, nc * P + j0, m, mode, pidx, pw, pok, kind, zero)
+        nout = plan(x, pos, m, mode, padding, align, zero, base, pidx, pw, pok, kind)
+        accumulate(x, xf, out, n * C * S, S, n * C * P + j0, P, C, m, mode, nout, base, pidx, pw, pok, kind, zero)
 
 
 @njit(cache=True)
