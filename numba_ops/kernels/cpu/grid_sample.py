@@ -7,18 +7,21 @@ the parallel split is over (image, positions) whatever the shape). Per segment:
 1. positions: the segment's grid values unnormalised, axis by axis, into a
    float buffer (``affine_warp``'s kernel fills the same buffer from theta
    instead: the steps below are shared with it);
-2. ``plan``: per axis and position, the mode's padded taps (flat offsets: index
-   times the axis' stride), weights and inside-flags, from the shared per-axis
-   math of ``kernels/_sample.py``; and per position a ``kind``: every tap inside
-   (always, but under zeros padding), every tap of some axis outside (the sample
-   is 0, or NaN at a non-finite position), or mixed. The padding is a constant
-   in each inlined copy of the per-axis loop and the axes are unrolled, so these
-   loops are branch-free and vectorise;
-3. ``accumulate``: for every channel, each position's sample from the plan, the
-   weights nested as onnxruntime nests them (innermost axis first), written
-   once into the output. The plan is computed once per position and serves
-   every channel; only mixed positions pay for masks, and outside ones read
-   nothing. The rank and the taps per axis are constants in each loop, so the
+2. ``plan``: per axis, branch-free loops over the segment (they vectorise: the
+   padding and mode are constants in each inlined loop and the indices unsigned,
+   so no access pays for negative-index wraparound) give every position its
+   ``kind``: interior (every tap of every axis inside and none padded: its taps
+   are consecutive from ``base``, the flat index of the first, with the mode's
+   weights), GENERIC (some tap outside or padded), or, under zeros padding, every
+   tap of some axis outside (the sample is 0, or NaN at a non-finite position).
+   Only a segment with GENERIC positions pays for the padded taps (flat offsets,
+   weights, inside-flags from the shared per-axis math of ``kernels/_sample.py``);
+3. ``accumulate``: position by position, each position's sample in every channel
+   in turn (its plan read once for all channels), the weights nested as
+   onnxruntime nests them (innermost axis first), stored into the output;
+   interior positions read their taps from ``base``, GENERIC ones through the
+   padded taps and masks, outside ones nothing (a branch-free pass writes their
+   0s first). The rank and the taps per axis are constants in each loop, so the
    tap loops unroll.
 
 A zeros-padded tap outside the input is read at a clamped index and replaced by
