@@ -173,7 +173,17 @@ def plan(x, pos, m, mode, padding, align, zero, base, pidx, pw, pok, kind):
     r = x.ndim - 2
     sh = x.shape
     nd = x.ndim
-    zmask = GENERIC | AXIS_OUT if padding == ZEROS else GENERIC
+    if padding != ZEROS:
+        # border, reflection: no position is 0 and no tap masked; one plan of padded
+        # taps for all costs less than telling the interior positions apart first
+        for j in range(np.uint64(m)):
+            kind[j] = GENERIC
+        if padding == BORDER:
+            _generic(r, sh, pos, m, mode, BORDER, align, zero, pidx, pw, pok)
+        else:
+            _generic(r, sh, pos, m, mode, REFLECTION, align, zero, pidx, pw, pok)
+        return 0
+    zmask = GENERIC | AXIS_OUT
     _fast_axis(pos, m, r - 1, sh[nd - 1], 1, mode, zmask, zero, base, pw, kind, True)
     if r >= 2:
         _fast_axis(pos, m, r - 2, sh[nd - 2], sh[nd - 1], mode, zmask, zero, base, pw, kind, False)
@@ -185,12 +195,7 @@ def plan(x, pos, m, mode, padding, align, zero, base, pidx, pw, pok, kind):
         ngeneric += kind[j] == GENERIC
         nout += kind[j] >= AXIS_OUT
     if ngeneric:
-        if padding == ZEROS:
-            _generic(r, sh, pos, m, mode, ZEROS, align, zero, pidx, pw, pok)
-        elif padding == BORDER:
-            _generic(r, sh, pos, m, mode, BORDER, align, zero, pidx, pw, pok)
-        else:
-            _generic(r, sh, pos, m, mode, REFLECTION, align, zero, pidx, pw, pok)
+        _generic(r, sh, pos, m, mode, ZEROS, align, zero, pidx, pw, pok)
     return nout
 
 
@@ -285,9 +290,18 @@ def _interior(r, xf, b, j, T, s1, s2, pw, zero):
 
 
 @njit(cache=True, inline="always")
-def _acc(r, xf, out, xb, xs, ob, os, C, m, T, s1, s2, nout, base, pidx, pw, pok, kind, zero):
+def _acc(r, xf, out, xb, xs, ob, os, C, m, T, s1, s2, masked, nout, base, pidx, pw, pok, kind, zero):
     obu = np.uint64(ob)
     osu = np.uint64(os)
+    if not masked:  # border, reflection: every position through its padded taps
+        b = xb
+        o = obu
+        for c in range(C):
+            for j in range(np.uint64(m)):
+                store_sample(out, o + j, _sample(r, xf, b, j, T, False, pidx, pw, pok, zero))
+            b += xs
+            o += osu
+        return
     if nout:
         # first every position as if every tap of an axis were outside (0, or NaN at a
         # non-finite position; branch-free, so it vectorises), then the others over it
@@ -310,7 +324,7 @@ def _acc(r, xf, out, xb, xs, ob, os, C, m, T, s1, s2, nout, base, pidx, pw, pok,
                 store_sample(out, o, _interior(r, xf, b, j, T, s1, s2, pw, zero))
                 b += xs
                 o += osu
-        elif kd == GENERIC:
+        elif kd == GENERIC:  # taps outside read as exact zeros
             b = xb
             for c in range(C):
                 store_sample(out, o, _sample(r, xf, b, j, T, True, pidx, pw, pok, zero))
@@ -319,7 +333,7 @@ def _acc(r, xf, out, xb, xs, ob, os, C, m, T, s1, s2, nout, base, pidx, pw, pok,
 
 
 @njit(cache=True)
-def accumulate(x, xf, out, xb, xs, ob, os, C, m, mode, nout, base, pidx, pw, pok, kind, zero):
+def accumulate(x, xf, out, xb, xs, ob, os, C, m, mode, padding, nout, base, pidx, pw, pok, kind, zero):
     """``out[ob + c * os + j] = sample j`` of the segment's plan in channel ``c`` (the
     channel image starting at ``xf[xb + c * xs]``), for ``j < m`` and ``c < C``:
     position by position, every channel of a position in turn, so that its plan is
@@ -333,12 +347,13 @@ def accumulate(x, xf, out, xb, xs, ob, os, C, m, mode, nout, base, pidx, pw, pok
     nd = x.ndim
     s1 = x.shape[nd - 1]
     s2 = s1 * x.shape[nd - 2] if r >= 2 else s1
+    masked = padding == ZEROS
     if mode == LINEAR:
-        _acc(r, xf, out, xb, xs, ob, os, C, m, 2, s1, s2, nout, base, pidx, pw, pok, kind, zero)
+        _acc(r, xf, out, xb, xs, ob, os, C, m, 2, s1, s2, masked, nout, base, pidx, pw, pok, kind, zero)
     elif mode == NEAREST:
-        _acc(r, xf, out, xb, xs, ob, os, C, m, 1, s1, s2, nout, base, pidx, pw, pok, kind, zero)
+        _acc(r, xf, out, xb, xs, ob, os, C, m, 1, s1, s2, masked, nout, base, pidx, pw, pok, kind, zero)
     else:
-        _acc(r, xf, out, xb, xs, ob, os, C, m, 4, s1, s2, nout, base, pidx, pw, pok, kind, zero)
+        _acc(r, xf, out, xb, xs, ob, os, C, m, 4, s1, s2, masked, nout, base, pidx, pw, pok, kind, zero)
 
 
 @njit(cache=True)
@@ -372,7 +387,7 @@ def _units(x, xf, gf, out, mode, padding, align, zero, u0, u1):
             for j in range(m):  # unsigned indices: no negative wraparound, so the loop vectorises
                 pos[k, j] = unnormalize(load(gf, g0 + j * r + a), size, align, one)
         nout = plan(x, pos, m, mode, padding, align, zero, base, pidx, pw, pok, kind)
-        accumulate(x, xf, out, n * C * S, S, n * C * P + j0, P, C, m, mode, nout, base, pidx, pw, pok, kind, zero)
+        accumulate(x, xf, out, n * C * S, S, n * C * P + j0, P, C, m, mode, padding, nout, base, pidx, pw, pok, kind, zero)
 
 
 @njit(cache=True)
