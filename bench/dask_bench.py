@@ -4,7 +4,10 @@ A 16-image batch of the shared case ``dc_r50_c64_56`` (numba_ops/_cases.py: 64 -
 channels, 56 x 56, 3 x 3, mask) computed
 
 - as one call of ``numba_ops.deform_conv`` (numba's pool on every core),
-- by ``numba_ops.dask.deform_conv`` on the threaded scheduler (one task per image),
+- by ``numba_ops.dask.deform_conv`` on the threaded scheduler (``--chunk`` images a
+  task), "compute" gathering the blocks into a new array (one more copy of the
+  result than the one call makes), "store" writing each block into a preallocated
+  array as its task ends (``da.store``, as results written to a file or a buffer),
 - on a ``LocalCluster`` of 2 worker processes x 1 thread (inputs persisted on the
   workers first; "persist" leaves the result there, "compute" also gathers it to
   the client), each worker's numba pool at its share of the cores,
@@ -79,6 +82,11 @@ def main(argv=None):
     by_n = lambda t: da.from_array(t, chunks=(a.chunk,) + t.shape[1:])  # noqa: E731
     xs, offs, masks = by_n(X), by_n(off), by_n(mask)
     threaded = lambda: lazy(xs, offs, masks).compute(scheduler="threads")  # noqa: E731
+    stored = np.empty_like(one_call())
+
+    def threaded_store():
+        da.store(lazy(xs, offs, masks), stored, lock=False, scheduler="threads")
+        return stored
     want = one_call()
     ntasks = len(xs.chunks[0])
 
@@ -107,7 +115,9 @@ def main(argv=None):
         np.testing.assert_allclose(threaded(), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
         np.testing.assert_allclose(cluster_compute(), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
         cluster_persist()
-        runs = {"one call": one_call, "threaded": threaded, "cluster persist": cluster_persist,
+        np.testing.assert_allclose(threaded_store(), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+        runs = {"one call": one_call, "threaded": threaded, "threaded store": threaded_store,
+                "cluster persist": cluster_persist,
                 "cluster compute": cluster_compute}
         times = {k: [] for k in runs}
         cpu = {k: [] for k in runs}

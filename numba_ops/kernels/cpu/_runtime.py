@@ -15,8 +15,9 @@ Measured on 2-core VMs (README, "Devices"):
 
 A user's NUMBA_THREADING_LAYER / NUMBA_THREADING_LAYER_PRIORITY / GOMP_SPINCOUNT
 win. Parallel launches from several Python threads are serialised here (the
-workqueue layer must not be entered twice); serial kernels (small calls, and every
-call of a thread whose numba thread count is 1) run without the lock, concurrently.
+workqueue layer must not be entered twice). Every kernel entry releases the GIL
+(``nogil=True``), so serial kernels (small calls, and every call of a thread whose
+numba thread count is 1) run without the lock, concurrently.
 
 GNU OpenMP cannot run in a process forked after it started (numba terminates
 such a child at its first parallel launch), so in a child forked after the pool

@@ -113,12 +113,12 @@ def _rows(theta, grid, D, H, W, align, one, r0, r1):
         r += h1 - h0
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _serial(theta, grid, D, H, W, align, one):
     _rows(theta, grid, D, H, W, align, one, 0, grid.size // (W * theta.shape[1]))
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, parallel=True, nogil=True)
 def _parallel(theta, grid, D, H, W, align, one, nchunks):
     rows = grid.size // (W * theta.shape[1])
     nchunks = min(rows, nchunks)

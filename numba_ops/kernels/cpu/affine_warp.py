@@ -65,13 +65,13 @@ def _units(x, xf, theta, out, D, H, W, mode, padding, align, zero, u0, u1):
                    base, pidx, pw, pok, kind, zero)
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _serial(x, xf, theta, out, D, H, W, mode, padding, align, zero):
     units = x.shape[0] * D * H * ((W + SEG - 1) // SEG)
     _units(x, xf, theta, out, D, H, W, mode, padding, align, zero, 0, units)
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, parallel=True, nogil=True)
 def _parallel(x, xf, theta, out, D, H, W, mode, padding, align, zero, nchunks):
     units = x.shape[0] * D * H * ((W + SEG - 1) // SEG)
     nchunks = min(units, nchunks)

@@ -721,7 +721,7 @@ def _corner_offsets(pstr, C):
 
 # --- tiny calls: straight from the definition, no scratch ------------------------------------
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _direct(x, w, off, m, b, y, meta):
     """Tiny calls: every output straight from the definition; no scratch, no
     pool, no BLAS (samples are recomputed per output channel, which costs less
@@ -851,7 +851,7 @@ def _padded_setup(buf, x3, geo, pstr, nb):
     return rows, _padded_buffer(buf, nb, sites, tail, C), _corner_offsets(pstr, C)
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _serial(x, w, off, m, b, y, meta):
     """The tiled path on the caller's thread: any rank and layout. (One entry, not a
     wrapper around a 3-D body: numba optimises again, per function, all the jitted
@@ -885,7 +885,7 @@ def _serial(x, w, off, m, b, y, meta):
                   geo, pstr, coff, segs, dims, cols, outb, pidx, pw, pm, True, 0, oC)
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, parallel=True, nogil=True)
 def _parallel(x, w, off, m, b, y, meta, fws, iws):
     """The tiled path on numba's pool: any rank and layout. ``fws``/``iws``: the
     caller's workspaces (see ``_ws_sizes``), reused across calls: fresh scratch

@@ -390,14 +390,14 @@ def _units(x, xf, gf, out, mode, padding, align, zero, u0, u1):
         accumulate(x, xf, out, n * C * S, S, n * C * P + j0, P, C, m, mode, padding, nout, base, pidx, pw, pok, kind, zero)
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _serial(x, xf, gf, out, mode, padding, align, zero):
     N, C = x.shape[0], x.shape[1]
     P = out.size // (N * C)
     _units(x, xf, gf, out, mode, padding, align, zero, 0, N * ((P + SEG - 1) // SEG))
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, parallel=True, nogil=True)
 def _parallel(x, xf, gf, out, mode, padding, align, zero, nchunks):
     N, C = x.shape[0], x.shape[1]
     P = out.size // (N * C)
