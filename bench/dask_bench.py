@@ -24,6 +24,7 @@ import json
 import os
 import statistics
 import time
+import uuid
 
 import numpy as np
 
@@ -144,6 +145,18 @@ def main(argv=None):
             "threaded": _median_time(lambda: tiny.map_blocks(_noop).compute(scheduler="threads"), 5) / n,
             "cluster": _median_time(lambda: wait(client.persist(tiny_c.map_blocks(_noop))), 5) / n,
         }
+        # per-graph overhead: a graph of `ntasks` no-op tasks, as many as the batch's
+        few = client.persist(da.zeros(ntasks, chunks=1))
+        wait(few)
+
+        def cluster_graph():  # a new name each time: the scheduler has no result to find
+            wait(client.persist(few.map_blocks(_noop, name=f"noop-{uuid.uuid4().hex}")))
+
+        per_graph = {
+            "threaded": _median_time(lambda: da.zeros(ntasks, chunks=1).map_blocks(_noop).compute(
+                scheduler="threads"), 21),
+            "cluster": _median_time(cluster_graph, 21),
+        }
         # numba's threads as a task sees them (each task sets its worker's share)
         worker_threads = {w: client.submit(_task_threads, pure=False, workers=[w]).result()
                           for w in client.scheduler_info()["workers"]}
@@ -172,9 +185,12 @@ def main(argv=None):
           f"{cmed['one call'] / (cmed['cluster persist'] - idle_rate * med['cluster persist']):.2f}x the one call's")
     print(f"per-task overhead (no-op tasks): threaded {overhead['threaded'] * 1e6:.0f} us, "
           f"LocalCluster {overhead['cluster'] * 1e6:.0f} us; one image of this case: {base / a.images * 1e3:.1f} ms")
+    print(f"per-graph overhead ({ntasks} no-op tasks, wall): threaded {per_graph['threaded'] * 1e3:.1f} ms, "
+          f"LocalCluster persist {per_graph['cluster'] * 1e3:.1f} ms")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"case": a.case, "images": a.images, "chunk": a.chunk, "cores": cores, "times": times,
+                       "per_graph": per_graph,
                        "median": med, "cpu": cpu, "cpu_median": cmed, "idle_cpu_per_s": idle_rate, "ratio": {k: base / t for k, t in med.items()},
                        "task_overhead_s": overhead, "dask": dask.__version__}, f, indent=1)
 
