@@ -16,6 +16,8 @@ the parallel split is over (image, positions) whatever the shape). Per segment:
    tap of some axis outside (the sample is 0, or NaN at a non-finite position).
    Only a segment with GENERIC positions pays for the padded taps (flat offsets,
    weights, inside-flags from the shared per-axis math of ``kernels/_sample.py``);
+   under border and reflection padding every position takes them (no position is
+   0 and no tap masked there, so sorting them first would cost more than it saves);
 3. ``accumulate``: position by position, each position's sample in every channel
    in turn (its plan read once for all channels), the weights nested as
    onnxruntime nests them (innermost axis first), stored into the output;
@@ -71,17 +73,17 @@ def _split(p, zero, size):
 
 
 @njit(cache=True, inline="always")
-def _mark(j, i, lo, hi, size, finite, zmask, off, base, kind, first):
+def _mark(j, i, lo, hi, size, finite, off, base, kind, first):
     """``base[j]``'s share ``off`` and the axis' ``kind`` bits for taps ``i - lo ..
-    i + hi`` (``zmask``: AXIS_OUT | GENERIC under zeros padding, else GENERIC)."""
+    i + hi`` (zeros padding)."""
     base[j] = off if first else base[j] + off
     bits = (0 if (i - lo >= 0) & (i + hi <= size - 1) else GENERIC) | \
-        ((AXIS_OUT if ((i + hi < 0) | (i - lo > size - 1)) & finite else 0) & zmask)
+        (AXIS_OUT if ((i + hi < 0) | (i - lo > size - 1)) & finite else 0)
     kind[j] = bits if first else kind[j] | bits
 
 
 @njit(cache=True, inline="always")
-def _fast_axis(pos, m, k, size, stride, mode, zmask, zero, base, pw, kind, first):
+def _fast_axis(pos, m, k, size, stride, mode, zero, base, pw, kind, first):
     """Spatial axis ``k`` of the positions ``pos[k, :m]``: the weights ``pw[k, :, j]``
     of the mode's taps from the position's fraction (NaN for a non-finite position),
     ``base[j]``'s share (the first tap's index times ``stride``) and the axis' bits
@@ -94,13 +96,13 @@ def _fast_axis(pos, m, k, size, stride, mode, zmask, zero, base, pw, kind, first
             i, t, sc, finite = _split(pos[k, j], zero, size)
             i += np.int64(1) if (t > half) | ((t == half) & ((i & 1) == 1)) else np.int64(0)  # half to even
             pw[k, 0, j] = sc
-            _mark(j, i, 0, 0, size, finite, zmask, i * stride, base, kind, first)
+            _mark(j, i, 0, 0, size, finite, i * stride, base, kind, first)
     elif mode == LINEAR:
         for j in range(np.uint64(m)):
             i, t, sc, finite = _split(pos[k, j], zero, size)
             pw[k, 0, j] = (one - t) * sc
             pw[k, 1, j] = t * sc
-            _mark(j, i, 0, 1, size, finite, zmask, i * stride, base, kind, first)
+            _mark(j, i, 0, 1, size, finite, i * stride, base, kind, first)
     else:
         for j in range(np.uint64(m)):
             i, t, sc, finite = _split(pos[k, j], zero, size)
@@ -109,7 +111,7 @@ def _fast_axis(pos, m, k, size, stride, mode, zmask, zero, base, pw, kind, first
             pw[k, 1, j] = c1 * sc
             pw[k, 2, j] = c2 * sc
             pw[k, 3, j] = c3 * sc
-            _mark(j, i, 1, 2, size, finite, zmask, (i - 1) * stride, base, kind, first)
+            _mark(j, i, 1, 2, size, finite, (i - 1) * stride, base, kind, first)
 
 
 @njit(cache=True, inline="always")
@@ -164,10 +166,11 @@ def _generic(r, sh, pos, m, mode, padding, align, zero, pidx, pw, pok):
 @njit(cache=True)
 def plan(x, pos, m, mode, padding, align, zero, base, pidx, pw, pok, kind):
     """The plan of a segment of ``m`` positions (``pos[k, :m]`` on spatial axis ``k``
-    of ``x``, shape (N, C, D1..Dr)): every position's ``kind``; for interior ones
-    their ``base`` and weights (``_fast_axis``); when some are GENERIC, every
-    position's padded taps (``_generic``: vectorised, cheaper for all than a
-    scalar loop for a few). The axes
+    of ``x``, shape (N, C, D1..Dr)); returns how many are all-outside. Zeros
+    padding: every position's ``kind``, the ``base`` and weights of interior ones
+    (``_fast_axis``) and, when some are GENERIC, every position's padded taps
+    (``_generic``: vectorised, cheaper for all than a scalar loop for a few).
+    Border and reflection: every position GENERIC, with its padded taps. The axes
     are unrolled (``x.ndim`` is a constant), innermost first; the padding is a
     constant in each inlined copy."""
     r = x.ndim - 2
@@ -183,12 +186,11 @@ def plan(x, pos, m, mode, padding, align, zero, base, pidx, pw, pok, kind):
         else:
             _generic(r, sh, pos, m, mode, REFLECTION, align, zero, pidx, pw, pok)
         return 0
-    zmask = GENERIC | AXIS_OUT
-    _fast_axis(pos, m, r - 1, sh[nd - 1], 1, mode, zmask, zero, base, pw, kind, True)
+    _fast_axis(pos, m, r - 1, sh[nd - 1], 1, mode, zero, base, pw, kind, True)
     if r >= 2:
-        _fast_axis(pos, m, r - 2, sh[nd - 2], sh[nd - 1], mode, zmask, zero, base, pw, kind, False)
+        _fast_axis(pos, m, r - 2, sh[nd - 2], sh[nd - 1], mode, zero, base, pw, kind, False)
     if r >= 3:
-        _fast_axis(pos, m, r - 3, sh[nd - 3], sh[nd - 2] * sh[nd - 1], mode, zmask, zero, base, pw, kind, False)
+        _fast_axis(pos, m, r - 3, sh[nd - 3], sh[nd - 2] * sh[nd - 1], mode, zero, base, pw, kind, False)
     ngeneric = 0
     nout = 0
     for j in range(np.uint64(m)):
