@@ -225,13 +225,12 @@ def _share_threads(blocks):
     threaded scheduler, the cores over the tasks that can run at once (so that
     concurrent tasks each run their own share, serial ones without the pool, instead
     of queueing for one pool); on the calling thread itself (synchronous), untouched."""
+    import numba
     n = _worker_threads()
     if n is None:
         if threading.current_thread() is threading.main_thread():
             return
-        import numba
         n = max(1, min(numba.config.NUMBA_NUM_THREADS, _cores() // max(1, min(blocks, _scheduler_threads()))))
-    import numba
     from .kernels.cpu import _runtime
     if _runtime.num_threads() != n:
         numba.set_num_threads(n)
