@@ -1,6 +1,7 @@
 """Slow float64 oracles, written from the ONNX pages and API.md, kept out of test bodies."""
 import itertools
 import math
+import threading
 
 import ml_dtypes
 import numpy as np
@@ -180,3 +181,17 @@ def ulp_diff(a, b, dtype):
     ia = np.where(ia < 0, -32768 - ia, ia)
     ib = np.where(ib < 0, -32768 - ib, ib)
     return np.abs(ia - ib)
+
+
+def in_threads(fn, n):
+    """``[fn(0), ..., fn(n - 1)]``, each called on a thread of its own, all at once."""
+    results = [None] * n
+
+    def work(i):
+        results[i] = fn(i)
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results

@@ -16,7 +16,7 @@ import numba_ops
 from numba_ops._dispatch import launcher
 from numba_ops.deform_conv import _params
 from numba_ops.kernels.cpu import deform_conv as cpu_dc
-from reference import assert_api_close, deform_conv_ref
+from reference import assert_api_close, deform_conv_ref, in_threads
 
 da = pytest.importorskip("dask.array")
 import numba_ops.dask as nd  # noqa: E402
@@ -366,23 +366,15 @@ def test_threaded_scheduler_tasks_share_the_cores(blocks, workers):
 def test_threaded_scheduler_one_thread_calls_run_concurrently():
     """Calls at one numba thread (a threaded-scheduler task's share on 2 cores) take
     neither the pool lock nor each other's BLAS setting: results equal one call."""
-    import threading
-
     import numba
     (x, w, off, b, m), attrs, _ = _cases_inputs()
     want = numba_ops.deform_conv(x, w, off, b, m, **attrs)
-    got = [None] * 4
 
     def run(i):
         numba.set_num_threads(1)
-        got[i] = numba_ops.deform_conv(x, w, off, b, m, **attrs)
+        return numba_ops.deform_conv(x, w, off, b, m, **attrs)
 
-    ts = [threading.Thread(target=run, args=(i,)) for i in range(4)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
-    for g in got:
+    for g in in_threads(run, 4):
         np.testing.assert_allclose(g, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 

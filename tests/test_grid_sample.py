@@ -1,13 +1,12 @@
 """GridSample: the ONNX reference, onnxruntime, a float64 oracle, dtypes, edges,
 errors, threads — written once for every device."""
-import threading
 
 import ml_dtypes
 import numpy as np
 import pytest
 
 import numba_ops
-from reference import assert_api_close, grid_sample_ref, to_uint8_ref, ulp_diff
+from reference import assert_api_close, grid_sample_ref, in_threads, to_uint8_ref, ulp_diff
 
 BF16 = ml_dtypes.bfloat16
 MODES = ["linear", "nearest", "cubic"]
@@ -294,16 +293,7 @@ def test_threads(device, rng):
     x = rng.standard_normal((4, 2, 30, 40)).astype(np.float32)
     grid = _grid(rng, 4, (50, 60), 2)
     want = gs(x, grid, device)
-    results = [None] * 4
-
-    def work(i):
-        results[i] = gs(x, grid, device)
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    for res in results:
+    for res in in_threads(lambda i: gs(x, grid, device), 4):
         np.testing.assert_array_equal(res, want)
 
 

@@ -204,10 +204,17 @@ def plan(x, pos, m, mode, padding, align, zero, base, pidx, pw, pok, kind):
 # --- accumulate: one channel's samples of a segment --------------------------------------
 
 @njit(cache=True, inline="always")
-def _s1(xf, xb, j, T, masked, pidx, pw, pok, zero):
+def _off(k, t, j, interior, stride, pidx):
+    """Tap ``t``'s flat offset on axis ``k``: ``t * stride`` for an interior position
+    (its taps consecutive from its base), else the planned padded offset."""
+    return t * stride if interior else pidx[k, t, j]
+
+
+@njit(cache=True, inline="always")
+def _s1(xf, xb, j, T, masked, interior, pidx, pw, pok, zero):
     acc = zero
     for tx in range(T):
-        v = load_sample(xf, np.uint64(xb + pidx[0, tx, j]), zero)
+        v = load_sample(xf, np.uint64(xb + _off(0, tx, j, interior, 1, pidx)), zero)
         if masked:
             v = v if pok[0, tx, j] else zero
         acc += pw[0, tx, j] * v
@@ -215,13 +222,13 @@ def _s1(xf, xb, j, T, masked, pidx, pw, pok, zero):
 
 
 @njit(cache=True, inline="always")
-def _s2(xf, xb, j, T, masked, pidx, pw, pok, zero):
+def _s2(xf, xb, j, T, masked, interior, s1, pidx, pw, pok, zero):
     acc = zero
     for ty in range(T):
-        by = xb + pidx[0, ty, j]
+        by = xb + _off(0, ty, j, interior, s1, pidx)
         s = zero
         for tx in range(T):
-            v = load_sample(xf, np.uint64(by + pidx[1, tx, j]), zero)
+            v = load_sample(xf, np.uint64(by + _off(1, tx, j, interior, 1, pidx)), zero)
             if masked:
                 v = v if (pok[0, ty, j] & pok[1, tx, j]) else zero
             s += pw[1, tx, j] * v
@@ -230,17 +237,17 @@ def _s2(xf, xb, j, T, masked, pidx, pw, pok, zero):
 
 
 @njit(cache=True, inline="always")
-def _s3(xf, xb, j, T, masked, pidx, pw, pok, zero):
+def _s3(xf, xb, j, T, masked, interior, s1, s2, pidx, pw, pok, zero):
     acc = zero
     for tz in range(T):
-        bz = xb + pidx[0, tz, j]
+        bz = xb + _off(0, tz, j, interior, s2, pidx)
         sz = zero
         for ty in range(T):
-            by = bz + pidx[1, ty, j]
+            by = bz + _off(1, ty, j, interior, s1, pidx)
             oky = pok[0, tz, j] & pok[1, ty, j]
             s = zero
             for tx in range(T):
-                v = load_sample(xf, np.uint64(by + pidx[2, tx, j]), zero)
+                v = load_sample(xf, np.uint64(by + _off(2, tx, j, interior, 1, pidx)), zero)
                 if masked:
                     v = v if (oky & pok[2, tx, j]) else zero
                 s += pw[2, tx, j] * v
@@ -250,45 +257,17 @@ def _s3(xf, xb, j, T, masked, pidx, pw, pok, zero):
 
 
 @njit(cache=True, inline="always")
-def _sample(r, xf, xb, j, T, masked, pidx, pw, pok, zero):
+def _sample(r, xf, xb, j, T, masked, interior, s1, s2, pidx, pw, pok, zero):
     """Sample ``j`` of the plan (``r`` spatial axes, ``T`` taps per axis), the
     weights nested innermost axis first as onnxruntime nests them; ``masked``:
-    taps outside (zeros padding) read as exact zeros."""
+    taps outside (zeros padding) read as exact zeros; ``interior``: the taps are
+    ``xb + tz * s2 + ty * s1 + tx`` (``s1``, ``s2``: the strides of the second and
+    third axes from the innermost; ``xb`` the position's base), not ``pidx``'s."""
     if r == 1:
-        return _s1(xf, xb, j, T, masked, pidx, pw, pok, zero)
+        return _s1(xf, xb, j, T, masked, interior, pidx, pw, pok, zero)
     if r == 2:
-        return _s2(xf, xb, j, T, masked, pidx, pw, pok, zero)
-    return _s3(xf, xb, j, T, masked, pidx, pw, pok, zero)
-
-
-@njit(cache=True, inline="always")
-def _interior(r, xf, b, j, T, s1, s2, pw, zero):
-    """Sample ``j`` of an interior position: its taps are ``b + tz * s2 + ty * s1 + tx``
-    (``s1``, ``s2``: the strides of the second and third axes from the innermost),
-    summed in ``_sample``'s order, so the result is the same bit for bit."""
-    acc = zero
-    if r == 1:
-        for tx in range(T):
-            acc += pw[0, tx, j] * load_sample(xf, np.uint64(b + tx), zero)
-    elif r == 2:
-        for ty in range(T):
-            by = b + ty * s1
-            s = zero
-            for tx in range(T):
-                s += pw[1, tx, j] * load_sample(xf, np.uint64(by + tx), zero)
-            acc += pw[0, ty, j] * s
-    else:
-        for tz in range(T):
-            bz = b + tz * s2
-            sz = zero
-            for ty in range(T):
-                by = bz + ty * s1
-                s = zero
-                for tx in range(T):
-                    s += pw[2, tx, j] * load_sample(xf, np.uint64(by + tx), zero)
-                sz += pw[1, ty, j] * s
-            acc += pw[0, tz, j] * sz
-    return acc
+        return _s2(xf, xb, j, T, masked, interior, s1, pidx, pw, pok, zero)
+    return _s3(xf, xb, j, T, masked, interior, s1, s2, pidx, pw, pok, zero)
 
 
 @njit(cache=True, inline="always")
@@ -300,7 +279,7 @@ def _acc(r, xf, out, xb, xs, ob, os, C, m, T, s1, s2, masked, nout, base, pidx, 
         o = obu
         for c in range(C):
             for j in range(np.uint64(m)):
-                store_sample(out, o + j, _sample(r, xf, b, j, T, False, pidx, pw, pok, zero))
+                store_sample(out, o + j, _sample(r, xf, b, j, T, False, False, s1, s2, pidx, pw, pok, zero))
             b += xs
             o += osu
         return
@@ -323,13 +302,13 @@ def _acc(r, xf, out, xb, xs, ob, os, C, m, T, s1, s2, masked, nout, base, pidx, 
         if kd == 0:
             b = xb + base[j]
             for c in range(C):
-                store_sample(out, o, _interior(r, xf, b, j, T, s1, s2, pw, zero))
+                store_sample(out, o, _sample(r, xf, b, j, T, False, True, s1, s2, pidx, pw, pok, zero))
                 b += xs
                 o += osu
         elif kd == GENERIC:  # taps outside read as exact zeros
             b = xb
             for c in range(C):
-                store_sample(out, o, _sample(r, xf, b, j, T, True, pidx, pw, pok, zero))
+                store_sample(out, o, _sample(r, xf, b, j, T, True, False, s1, s2, pidx, pw, pok, zero))
                 b += xs
                 o += osu
 
