@@ -5,6 +5,7 @@ import numpy as np
 from ._dispatch import as_array, launcher, on_device, resolve_device, result_for
 from ._validate import int_tuple
 from .grid_sample import check_input_sizes, parse_attrs, sample_dtypes
+from .kernels._modes import MODES, PADDING_MODES
 
 
 def affine_warp(x, theta, size=None, *, mode="linear", padding_mode="zeros", align_corners=False,
@@ -65,16 +66,18 @@ def affine_warp(x, theta, size=None, *, mode="linear", padding_mode="zeros", ali
 def warm_calls(dtype):
     """``(args, kwargs)`` of tiny CPU calls of ``affine_warp`` that together compile
     every kernel variant for the float dtype named ``dtype`` (theta's; x of that
-    dtype and uint8): 2-D and 3-D, on the serial and the parallel path."""
+    dtype and uint8): 2-D and 3-D, each mode and padding mode (each compiles its
+    own kernels), on the serial and the parallel path."""
     from .kernels.cpu._runtime import PARALLEL_MIN_WORK
     dt = np.dtype(dtype)
     calls = []
     for r in (2, 3):
         theta = np.zeros((1, r, r + 1), dt)
         for big in (False, True):
-            width = PARALLEL_MIN_WORK // (2 ** r) + 1 if big else 1
+            width = PARALLEL_MIN_WORK + 1 if big else 1  # parallel: at least 1 tap per position
             size = (1, 1) + (1,) * (r - 1) + (width,)
             for xdt in (dt, np.dtype(np.uint8)):
                 x = np.zeros((1, 1) + (2,) * r, xdt)
-                calls.append(((x, theta, size), {}))
+                calls += [((x, theta, size), {"mode": mode, "padding_mode": padding})
+                          for mode in MODES for padding in PADDING_MODES]
     return calls

@@ -102,17 +102,18 @@ def grid_sample(x, grid, *, mode="linear", padding_mode="zeros", align_corners=F
 def warm_calls(dtype):
     """``(args, kwargs)`` of tiny CPU calls of ``grid_sample`` that together compile
     every kernel variant for the float dtype named ``dtype`` (the grid's; x of that
-    dtype and uint8): each r = 1, 2, 3, on the serial and the parallel path (the
-    mode and padding are runtime values inside one kernel)."""
+    dtype and uint8): each r = 1, 2, 3, mode and padding mode (each compiles its
+    own kernels), on the serial and the parallel path."""
     from .kernels.cpu._runtime import PARALLEL_MIN_WORK
     dt = np.dtype(dtype)
     calls = []
     for r in (1, 2, 3):
         for big in (False, True):
-            # parallel: more work (output elements x taps) than the pool's threshold
-            n_out = PARALLEL_MIN_WORK // (2 ** r) + 1 if big else 1
+            # parallel: more work (output elements x taps, at least 1 tap) than the pool's threshold
+            n_out = PARALLEL_MIN_WORK + 1 if big else 1
             grid = np.zeros((1, n_out) + (1,) * (r - 1) + (r,), dt)
             for xdt in (dt, np.dtype(np.uint8)):
                 x = np.zeros((1, 1) + (2,) * r, xdt)
-                calls.append(((x, grid), {}))
+                calls += [((x, grid), {"mode": mode, "padding_mode": padding})
+                          for mode in MODES for padding in PADDING_MODES]
     return calls

@@ -159,17 +159,20 @@ def test_bad_input(rng):
 
 
 def test_warm_calls():
-    """The warm-up hook: for each dtype, 2-D and 3-D calls on both x dtypes, both
-    paths; the bfloat16 ones run (each run compiles, so one dtype here)."""
+    """The warm-up hook: for each dtype, 2-D and 3-D calls on both x dtypes, every
+    mode and padding mode, both paths; the bfloat16 linear/zeros ones run (each
+    variant compiles, so one dtype and one mode here)."""
     from numba_ops.affine_warp import warm_calls
     from numba_ops.kernels.cpu._runtime import PARALLEL_MIN_WORK
     for dtype in ("float16", "bfloat16", "float32", "float64"):
         seen = set()
         for args, kwargs in warm_calls(dtype):
             x, theta, size = args
-            assert theta.dtype.name == dtype and not kwargs
-            seen.add((x.ndim, x.dtype.name, np.prod(size) * 2 ** (x.ndim - 2) >= PARALLEL_MIN_WORK))
-            if dtype == "bfloat16":
+            assert theta.dtype.name == dtype and set(kwargs) == {"mode", "padding_mode"}
+            seen.add((x.ndim, x.dtype.name, np.prod(size) >= PARALLEL_MIN_WORK,
+                      kwargs["mode"], kwargs["padding_mode"]))
+            if dtype == "bfloat16" and kwargs == {"mode": "linear", "padding_mode": "zeros"}:
                 y = numba_ops.affine_warp(*args, **kwargs)
                 assert y.dtype == x.dtype and y.shape == tuple(size)
-        assert seen == {(nd, xd, big) for nd in (4, 5) for xd in (dtype, "uint8") for big in (False, True)}
+        assert seen == {(nd, xd, big, mode, pad) for nd in (4, 5) for xd in (dtype, "uint8")
+                        for big in (False, True) for mode in MODES for pad in PADS}

@@ -348,18 +348,21 @@ def test_cuda_without_gpu_is_a_clear_error():
 
 
 def test_warm_calls():
-    """The warm-up hook: for each dtype, calls on both x dtypes, every rank, both
-    paths; the float16 ones run (each run compiles, so one dtype here)."""
+    """The warm-up hook: for each dtype, calls on both x dtypes, every rank, mode and
+    padding mode, both paths; the float16 linear/zeros ones run (each variant
+    compiles, so one dtype and one mode here)."""
     from numba_ops.grid_sample import warm_calls
     from numba_ops.kernels.cpu._runtime import PARALLEL_MIN_WORK
     for dtype in ("float16", "bfloat16", "float32", "float64"):
         seen = set()
         for args, kwargs in warm_calls(dtype):
             x, grid = args
-            assert grid.dtype.name == dtype and not kwargs
+            assert grid.dtype.name == dtype and set(kwargs) == {"mode", "padding_mode"}
             n_out = grid.size // grid.shape[-1] * x.shape[1]
-            seen.add((x.ndim - 2, x.dtype.name, n_out * 2 ** (x.ndim - 2) >= PARALLEL_MIN_WORK))
-            if dtype == "float16":
+            seen.add((x.ndim - 2, x.dtype.name, n_out >= PARALLEL_MIN_WORK, kwargs["mode"],
+                      kwargs["padding_mode"]))
+            if dtype == "float16" and kwargs == {"mode": "linear", "padding_mode": "zeros"}:
                 y = numba_ops.grid_sample(*args, **kwargs)
                 assert y.dtype == x.dtype and y.shape == x.shape[:2] + grid.shape[1:-1]
-        assert seen == {(r, xd, big) for r in (1, 2, 3) for xd in (dtype, "uint8") for big in (False, True)}
+        assert seen == {(r, xd, big, mode, pad) for r in (1, 2, 3) for xd in (dtype, "uint8")
+                        for big in (False, True) for mode in MODES for pad in PADS}

@@ -21,6 +21,10 @@ from numba_ops import _warm
 
 ROOT = Path(__file__).resolve().parents[1]
 DTYPE = "float32"
+#: the ops of the full check (GridSample and affine_warp compile a kernel per rank x x dtype
+#: x mode x padding x path, minutes for one dtype: their warm-up calls are checked in
+#: test_grid_sample.py / test_affine_warp.py, and a sample of them end to end below)
+OPS = ("affine_grid", "deform_conv")
 
 # Calls of every op x rank x path (direct / serial / parallel, with and without B and
 # mask), shaped independently of the ops' warm_calls; numba's "numba:compile" event
@@ -84,7 +88,7 @@ def _compiled(out):
 def test_warm_leaves_nothing_to_compile(tmp_path):
     cache = tmp_path / "jit"
     env = _env(cache)
-    rc, out, err = _cli("--dtype", DTYPE, "--device", "cpu", env=env)
+    rc, out, err = _cli("--op", *OPS, "--dtype", DTYPE, "--device", "cpu", env=env)
     assert rc == 0, out + err
     compiled, _ = _compiled(out)
     assert compiled > 0
@@ -98,10 +102,52 @@ def test_warm_leaves_nothing_to_compile(tmp_path):
     assert got["calls"] == 4 + 3 * 3 * 2
     assert got["compiled"] == [], f"compiled after warm: {got['compiled']}"
     # warm again: everything is in the cache
-    rc, out, err = _cli("--dtype", DTYPE, "--device", "cpu", env=env)
+    rc, out, err = _cli("--op", *OPS, "--dtype", DTYPE, "--device", "cpu", env=env)
     assert rc == 0, out + err
     compiled, loaded = _compiled(out)
     assert compiled == 0 and loaded > 0, out
+
+
+SAMPLE = r"""
+import importlib, json, sys
+import numpy as np
+from numba.core import event
+import numba_ops
+front = importlib.import_module("numba_ops.grid_sample")  # the module (numba_ops.grid_sample is the function)
+
+if sys.argv[1] == "warm":  # the warm-up calls of one mode and padding, 1-D
+    calls = front.warm_calls("float32")
+    front.warm_calls = lambda dtype: [(a, k) for a, k in calls if a[0].ndim == 3
+                                      and k == {"mode": "nearest", "padding_mode": "reflection"}]
+    r = numba_ops.warm("grid_sample", "float32", "cpu", quiet=True)
+    print(json.dumps({"calls": r["calls"], "failures": r["failures"]}))
+else:  # a user's calls of that mode and padding: shapes, layouts, align, both paths, uint8 x
+    compiles = event.RecordingListener()
+    event.register("numba:compile", compiles)
+    rng = np.random.default_rng(0)
+    for xdt, n, align in [(np.float32, 5, False), (np.uint8, 7, True), (np.float32, 40000, True),
+                          (np.uint8, 40000, False)]:
+        x = (rng.random((2, 6, 9)) * 200).astype(xdt)[:, ::2]
+        g = rng.uniform(-1.5, 1.5, (2, n, 1)).astype(np.float32)
+        numba_ops.grid_sample(x, g, mode="nearest", padding_mode="reflection", align_corners=align)
+    print(json.dumps({"compiled": sorted({e.data["dispatcher"].py_func.__qualname__
+                                          for _, e in compiles.buffer if e.is_start})}))
+"""
+
+
+def test_warm_grid_sample_sample(tmp_path):
+    """GridSample's warm-up calls (a sample: one mode and padding, 1-D) leave a later
+    process's calls of that kind nothing to compile."""
+    env = _env(tmp_path / "jit")
+
+    def run(what):
+        p = subprocess.run([sys.executable, "-c", SAMPLE, what], capture_output=True, text=True, cwd=ROOT,
+                           env=env, timeout=600)
+        assert p.returncode == 0, p.stderr[-3000:]
+        return json.loads(p.stdout.strip().splitlines()[-1])
+
+    assert run("warm") == {"calls": 4, "failures": []}
+    assert run("call") == {"compiled": []}
 
 
 def test_warm_result(capsys):

@@ -18,14 +18,14 @@ from ..._dtypes import compute
 from .._sample import TAPS, as_compute, unnormalize
 from . import _runtime
 from .affine_grid import _coords
-from .grid_sample import SEG, ZERO, accumulate, kernel_view, output_for, plan, public, scratch
+from .grid_sample import SEG, TOKEN, ZERO, accumulate, kernel_view, output_for, plan, public, scratch
 
 #: theta dtypes; ``x`` has the same dtype, or uint8
 DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 
 @njit(cache=True)
-def _units(x, xf, theta, out, D, H, W, mode, padding, align, zero, u0, u1):
+def _units(x, xf, theta, out, D, H, W, mtok, ptok, align, zero, u0, u1):
     """Segments ``u0:u1`` (row-major over rows (n, d, h)) of ``out`` (flat, N*C*D*H*W;
     D = 1 in 2-D); ``x`` (N, C, [Di,] Hi, Wi) C-contiguous, ``xf`` its flat view,
     ``theta`` (N, r, r+1) in the compute type."""
@@ -60,23 +60,23 @@ def _units(x, xf, theta, out, D, H, W, mode, padding, align, zero, u0, u1):
                 yq = ys[h] * t1
                 for j in range(m):
                     pos[k, np.uint64(j)] = unnormalize((t0 * xs[np.uint64(w0 + j)] + b) + yq, size, align, one)
-        nout = plan(x, pos, m, mode, padding, align, zero, base, pidx, pw, pok, kind)
-        accumulate(x, xf, out, n * C * S, S, n * C * P + row % (D * H) * W + w0, P, C, m, mode, padding, nout,
+        nout = plan(x, pos, m, mtok, ptok, align, zero, base, pidx, pw, pok, kind)
+        accumulate(x, xf, out, n * C * S, S, n * C * P + row % (D * H) * W + w0, P, C, m, mtok, ptok, nout,
                    base, pidx, pw, pok, kind, zero)
 
 
 @njit(cache=True, nogil=True)
-def _serial(x, xf, theta, out, D, H, W, mode, padding, align, zero):
+def _serial(x, xf, theta, out, D, H, W, mtok, ptok, align, zero):
     units = x.shape[0] * D * H * ((W + SEG - 1) // SEG)
-    _units(x, xf, theta, out, D, H, W, mode, padding, align, zero, 0, units)
+    _units(x, xf, theta, out, D, H, W, mtok, ptok, align, zero, 0, units)
 
 
 @njit(cache=True, parallel=True, nogil=True)
-def _parallel(x, xf, theta, out, D, H, W, mode, padding, align, zero, nchunks):
+def _parallel(x, xf, theta, out, D, H, W, mtok, ptok, align, zero, nchunks):
     units = x.shape[0] * D * H * ((W + SEG - 1) // SEG)
     nchunks = min(units, nchunks)
     for c in prange(nchunks):
-        _units(x, xf, theta, out, D, H, W, mode, padding, align, zero,
+        _units(x, xf, theta, out, D, H, W, mtok, ptok, align, zero,
                c * units // nchunks, (c + 1) * units // nchunks)
 
 
@@ -94,5 +94,5 @@ def launch(x, theta, size, mode, padding, align, stream=None):
         D = size[2] if r == 3 else 1
         work = out.size * TAPS[mode] ** r
         _runtime.run(_serial, _parallel, work, xs, xs.reshape(-1), th, out.reshape(-1), D, size[-2], size[-1],
-                     mode, padding, bool(align), ZERO[ct])
+                     TOKEN[mode], TOKEN[padding], bool(align), ZERO[ct])
     return public(out, x)

@@ -35,7 +35,7 @@ import numpy as np
 from numba import njit, prange
 
 from ..._dtypes import compute, storage
-from .._sample import (BORDER, LINEAR, NEAREST, REFLECTION, TAPS, ZEROS, as_compute, cubic_taps, cubic_weights,
+from .._sample import (LINEAR, NEAREST, TAPS, ZEROS, as_compute, cubic_taps, cubic_weights,
                        linear_taps, load_sample, nearest_tap, store_sample, unnormalize)
 from .._scalar import load
 from . import _runtime
@@ -57,7 +57,7 @@ SEG = 256
 GENERIC, AXIS_OUT = 1, 2
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True, forceinline=True)
 def _split(p, zero, size):
     """``(i, t, scale, finite)``: ``floor(p)`` as an int64 and the fraction, of ``p``
     clamped to [-4, size + 2] (far and non-finite positions stay clear of integer
@@ -72,7 +72,7 @@ def _split(p, zero, size):
     return np.int64(f), pc - f, as_compute(zero, 1) if finite else as_compute(zero, np.nan), finite
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True, forceinline=True)
 def _mark(j, i, lo, hi, size, finite, off, base, kind, first):
     """``base[j]``'s share ``off`` and the axis' ``kind`` bits for taps ``i - lo ..
     i + hi`` (zeros padding)."""
@@ -82,22 +82,22 @@ def _mark(j, i, lo, hi, size, finite, off, base, kind, first):
     kind[j] = bits if first else kind[j] | bits
 
 
-@njit(cache=True, inline="always")
-def _fast_axis(pos, m, k, size, stride, mode, zero, base, pw, kind, first):
+@njit(cache=True)
+def _fast_axis(pos, m, k, size, stride, mtok, zero, base, pw, kind, first):
     """Spatial axis ``k`` of the positions ``pos[k, :m]``: the weights ``pw[k, :, j]``
     of the mode's taps from the position's fraction (NaN for a non-finite position),
     ``base[j]``'s share (the first tap's index times ``stride``) and the axis' bits
     of ``kind`` (``first``: the first axis planned). One branch-free loop per mode
     (``j`` unsigned, so no index pays for negative wraparound): they vectorise."""
     one = as_compute(zero, 1)
-    if mode == NEAREST:
+    if len(mtok) == NEAREST:
         half = as_compute(zero, 0.5)
         for j in range(np.uint64(m)):
             i, t, sc, finite = _split(pos[k, j], zero, size)
             i += np.int64(1) if (t > half) | ((t == half) & ((i & 1) == 1)) else np.int64(0)  # half to even
             pw[k, 0, j] = sc
             _mark(j, i, 0, 0, size, finite, i * stride, base, kind, first)
-    elif mode == LINEAR:
+    elif len(mtok) == LINEAR:
         for j in range(np.uint64(m)):
             i, t, sc, finite = _split(pos[k, j], zero, size)
             pw[k, 0, j] = (one - t) * sc
@@ -114,21 +114,21 @@ def _fast_axis(pos, m, k, size, stride, mode, zero, base, pw, kind, first):
             _mark(j, i, 1, 2, size, finite, (i - 1) * stride, base, kind, first)
 
 
-@njit(cache=True, inline="always")
-def _taps_axis(pos, m, k, size, stride, mode, padding, align, zero, pidx, pw, pok):
+@njit(cache=True)
+def _taps_axis(pos, m, k, size, stride, mtok, ptok, align, zero, pidx, pw, pok):
     """The padded taps of spatial axis ``k`` for the positions ``pos[k, :m]``:
     ``pidx[k, t, j]`` the flat offset (padded index times ``stride``), ``pw`` the
     weight, ``pok`` whether the tap is inside (False only for zeros padding). The
     padding is a constant in each inlined copy, so the loops vectorise."""
-    if mode == NEAREST:
+    if len(mtok) == NEAREST:
         for j in range(np.uint64(m)):
-            i, w, ok = nearest_tap(pos[k, j], size, padding, align, zero)
+            i, w, ok = nearest_tap(pos[k, j], size, len(ptok), align, zero)
             pidx[k, 0, j] = i * stride
             pw[k, 0, j] = w
             pok[k, 0, j] = ok
-    elif mode == LINEAR:
+    elif len(mtok) == LINEAR:
         for j in range(np.uint64(m)):
-            i0, i1, w0, w1, ok0, ok1 = linear_taps(pos[k, j], size, padding, align, zero)
+            i0, i1, w0, w1, ok0, ok1 = linear_taps(pos[k, j], size, len(ptok), align, zero)
             pidx[k, 0, j] = i0 * stride
             pidx[k, 1, j] = i1 * stride
             pw[k, 0, j] = w0
@@ -137,7 +137,7 @@ def _taps_axis(pos, m, k, size, stride, mode, padding, align, zero, pidx, pw, po
             pok[k, 1, j] = ok1
     else:
         for j in range(np.uint64(m)):
-            i0, i1, i2, i3, w0, w1, w2, w3, ok0, ok1, ok2, ok3 = cubic_taps(pos[k, j], size, padding, align, zero)
+            i0, i1, i2, i3, w0, w1, w2, w3, ok0, ok1, ok2, ok3 = cubic_taps(pos[k, j], size, len(ptok), align, zero)
             pidx[k, 0, j] = i0 * stride
             pidx[k, 1, j] = i1 * stride
             pidx[k, 2, j] = i2 * stride
@@ -152,19 +152,19 @@ def _taps_axis(pos, m, k, size, stride, mode, padding, align, zero, pidx, pw, po
             pok[k, 3, j] = ok3
 
 
-@njit(cache=True, inline="always")
-def _generic(r, sh, pos, m, mode, padding, align, zero, pidx, pw, pok):
+@njit(cache=True, forceinline=True)
+def _generic(r, sh, pos, m, mtok, ptok, align, zero, pidx, pw, pok):
     """Padded taps (``_taps_axis``) of the segment's positions on every axis."""
     nd = r + 2
-    _taps_axis(pos, m, r - 1, sh[nd - 1], 1, mode, padding, align, zero, pidx, pw, pok)
+    _taps_axis(pos, m, r - 1, sh[nd - 1], 1, mtok, ptok, align, zero, pidx, pw, pok)
     if r >= 2:
-        _taps_axis(pos, m, r - 2, sh[nd - 2], sh[nd - 1], mode, padding, align, zero, pidx, pw, pok)
+        _taps_axis(pos, m, r - 2, sh[nd - 2], sh[nd - 1], mtok, ptok, align, zero, pidx, pw, pok)
     if r >= 3:
-        _taps_axis(pos, m, r - 3, sh[nd - 3], sh[nd - 2] * sh[nd - 1], mode, padding, align, zero, pidx, pw, pok)
+        _taps_axis(pos, m, r - 3, sh[nd - 3], sh[nd - 2] * sh[nd - 1], mtok, ptok, align, zero, pidx, pw, pok)
 
 
 @njit(cache=True)
-def plan(x, pos, m, mode, padding, align, zero, base, pidx, pw, pok, kind):
+def plan(x, pos, m, mtok, ptok, align, zero, base, pidx, pw, pok, kind):
     """The plan of a segment of ``m`` positions (``pos[k, :m]`` on spatial axis ``k``
     of ``x``, shape (N, C, D1..Dr)); returns how many are all-outside. Zeros
     padding: every position's ``kind``, the ``base`` and weights of interior ones
@@ -176,41 +176,38 @@ def plan(x, pos, m, mode, padding, align, zero, base, pidx, pw, pok, kind):
     r = x.ndim - 2
     sh = x.shape
     nd = x.ndim
-    if padding != ZEROS:
+    if len(ptok) != ZEROS:
         # border, reflection: no position is 0 and no tap masked; one plan of padded
         # taps for all costs less than telling the interior positions apart first
         for j in range(np.uint64(m)):
             kind[j] = GENERIC
-        if padding == BORDER:
-            _generic(r, sh, pos, m, mode, BORDER, align, zero, pidx, pw, pok)
-        else:
-            _generic(r, sh, pos, m, mode, REFLECTION, align, zero, pidx, pw, pok)
+        _generic(r, sh, pos, m, mtok, ptok, align, zero, pidx, pw, pok)
         return 0
-    _fast_axis(pos, m, r - 1, sh[nd - 1], 1, mode, zero, base, pw, kind, True)
+    _fast_axis(pos, m, r - 1, sh[nd - 1], 1, mtok, zero, base, pw, kind, True)
     if r >= 2:
-        _fast_axis(pos, m, r - 2, sh[nd - 2], sh[nd - 1], mode, zero, base, pw, kind, False)
+        _fast_axis(pos, m, r - 2, sh[nd - 2], sh[nd - 1], mtok, zero, base, pw, kind, False)
     if r >= 3:
-        _fast_axis(pos, m, r - 3, sh[nd - 3], sh[nd - 2] * sh[nd - 1], mode, zero, base, pw, kind, False)
+        _fast_axis(pos, m, r - 3, sh[nd - 3], sh[nd - 2] * sh[nd - 1], mtok, zero, base, pw, kind, False)
     ngeneric = 0
     nout = 0
     for j in range(np.uint64(m)):
         ngeneric += kind[j] == GENERIC
         nout += kind[j] >= AXIS_OUT
     if ngeneric:
-        _generic(r, sh, pos, m, mode, ZEROS, align, zero, pidx, pw, pok)
+        _generic(r, sh, pos, m, mtok, ptok, align, zero, pidx, pw, pok)
     return nout
 
 
 # --- accumulate: one channel's samples of a segment --------------------------------------
 
-@njit(cache=True, inline="always")
+@njit(cache=True, forceinline=True)
 def _off(k, t, j, interior, stride, pidx):
     """Tap ``t``'s flat offset on axis ``k``: ``t * stride`` for an interior position
     (its taps consecutive from its base), else the planned padded offset."""
     return t * stride if interior else pidx[k, t, j]
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True, forceinline=True)
 def _s1(xf, xb, j, T, masked, interior, pidx, pw, pok, zero):
     acc = zero
     for tx in range(T):
@@ -221,7 +218,7 @@ def _s1(xf, xb, j, T, masked, interior, pidx, pw, pok, zero):
     return acc
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True, forceinline=True)
 def _s2(xf, xb, j, T, masked, interior, s1, pidx, pw, pok, zero):
     acc = zero
     for ty in range(T):
@@ -236,7 +233,7 @@ def _s2(xf, xb, j, T, masked, interior, s1, pidx, pw, pok, zero):
     return acc
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True, forceinline=True)
 def _s3(xf, xb, j, T, masked, interior, s1, s2, pidx, pw, pok, zero):
     acc = zero
     for tz in range(T):
@@ -256,30 +253,49 @@ def _s3(xf, xb, j, T, masked, interior, s1, s2, pidx, pw, pok, zero):
     return acc
 
 
-@njit(cache=True, inline="always")
-def _sample(r, xf, xb, j, T, masked, interior, s1, s2, pidx, pw, pok, zero):
-    """Sample ``j`` of the plan (``r`` spatial axes, ``T`` taps per axis), the
-    weights nested innermost axis first as onnxruntime nests them; ``masked``:
-    taps outside (zeros padding) read as exact zeros; ``interior``: the taps are
-    ``xb + tz * s2 + ty * s1 + tx`` (``s1``, ``s2``: the strides of the second and
-    third axes from the innermost; ``xb`` the position's base), not ``pidx``'s."""
-    if r == 1:
+@njit(cache=True, forceinline=True)
+def _sample(x, xf, xb, j, T, masked, interior, s1, s2, pidx, pw, pok, zero):
+    """Sample ``j`` of the plan (``T`` taps per axis on each of ``x``'s spatial axes:
+    ``x`` is passed for its rank alone), the weights nested innermost axis first as
+    onnxruntime nests them; ``masked``: taps outside (zeros padding) read as exact
+    zeros; ``interior``: the taps are ``xb + tz * s2 + ty * s1 + tx`` (``s1``,
+    ``s2``: the strides of the second and third axes from the innermost; ``xb`` the
+    position's base), not ``pidx``'s."""
+    if x.ndim == 3:
         return _s1(xf, xb, j, T, masked, interior, pidx, pw, pok, zero)
-    if r == 2:
+    if x.ndim == 4:
         return _s2(xf, xb, j, T, masked, interior, s1, pidx, pw, pok, zero)
     return _s3(xf, xb, j, T, masked, interior, s1, s2, pidx, pw, pok, zero)
 
 
-@njit(cache=True, inline="always")
-def _acc(r, xf, out, xb, xs, ob, os, C, m, T, s1, s2, masked, nout, base, pidx, pw, pok, kind, zero):
+@njit(cache=True)
+def accumulate(x, xf, out, xb, xs, ob, os, C, m, mtok, ptok, nout, base, pidx, pw, pok, kind, zero):
+    """``out[ob + c * os + j] = sample j`` of the segment's plan in channel ``c`` (the
+    channel image starting at ``xf[xb + c * xs]``), for ``j < m`` and ``c < C``:
+    position by position, every channel of a position in turn, so that its plan is
+    read once for all channels. Interior positions read their taps from ``base``
+    on, GENERIC ones through their padded taps and masks, and those with every tap
+    of an axis outside store 0 without reading. ``x`` (N, C, D1..Dr) is passed for
+    its rank, the mode and padding as tokens (see ``launch``): numba compiles only
+    their code, with the tap count a constant, so the tap loops unroll."""
+    r = x.ndim - 2
+    nd = x.ndim
+    s1 = x.shape[nd - 1]
+    s2 = s1 * x.shape[nd - 2] if r >= 2 else s1
+    if len(mtok) == NEAREST:
+        T = 1
+    elif len(mtok) == LINEAR:
+        T = 2
+    else:
+        T = 4
     obu = np.uint64(ob)
     osu = np.uint64(os)
-    if not masked:  # border, reflection: every position through its padded taps
+    if len(ptok) != ZEROS:  # border, reflection: every position through its padded taps
         b = xb
         o = obu
         for c in range(C):
             for j in range(np.uint64(m)):
-                store_sample(out, o + j, _sample(r, xf, b, j, T, False, False, s1, s2, pidx, pw, pok, zero))
+                store_sample(out, o + j, _sample(x, xf, b, j, T, False, False, s1, s2, pidx, pw, pok, zero))
             b += xs
             o += osu
         return
@@ -302,39 +318,15 @@ def _acc(r, xf, out, xb, xs, ob, os, C, m, T, s1, s2, masked, nout, base, pidx, 
         if kd == 0:
             b = xb + base[j]
             for c in range(C):
-                store_sample(out, o, _sample(r, xf, b, j, T, False, True, s1, s2, pidx, pw, pok, zero))
+                store_sample(out, o, _sample(x, xf, b, j, T, False, True, s1, s2, pidx, pw, pok, zero))
                 b += xs
                 o += osu
         elif kd == GENERIC:  # taps outside read as exact zeros
             b = xb
             for c in range(C):
-                store_sample(out, o, _sample(r, xf, b, j, T, True, False, s1, s2, pidx, pw, pok, zero))
+                store_sample(out, o, _sample(x, xf, b, j, T, True, False, s1, s2, pidx, pw, pok, zero))
                 b += xs
                 o += osu
-
-
-@njit(cache=True)
-def accumulate(x, xf, out, xb, xs, ob, os, C, m, mode, padding, nout, base, pidx, pw, pok, kind, zero):
-    """``out[ob + c * os + j] = sample j`` of the segment's plan in channel ``c`` (the
-    channel image starting at ``xf[xb + c * xs]``), for ``j < m`` and ``c < C``:
-    position by position, every channel of a position in turn, so that its plan is
-    read once for all channels. Interior positions read their taps from ``base``
-    on, GENERIC ones through their padded taps and masks, and those with every tap
-    of an axis outside store 0 without reading. ``x`` (N, C, D1..Dr) is passed for
-    its rank alone, which numba folds to a constant, so only that rank's loops are
-    compiled; the mode's tap count is a constant in each (inlined) loop, so they
-    unroll."""
-    r = x.ndim - 2
-    nd = x.ndim
-    s1 = x.shape[nd - 1]
-    s2 = s1 * x.shape[nd - 2] if r >= 2 else s1
-    masked = padding == ZEROS
-    if mode == LINEAR:
-        _acc(r, xf, out, xb, xs, ob, os, C, m, 2, s1, s2, masked, nout, base, pidx, pw, pok, kind, zero)
-    elif mode == NEAREST:
-        _acc(r, xf, out, xb, xs, ob, os, C, m, 1, s1, s2, masked, nout, base, pidx, pw, pok, kind, zero)
-    else:
-        _acc(r, xf, out, xb, xs, ob, os, C, m, 4, s1, s2, masked, nout, base, pidx, pw, pok, kind, zero)
 
 
 @njit(cache=True)
@@ -347,7 +339,7 @@ def scratch(zero):
 # --- GridSample ------------------------------------------------------------------------
 
 @njit(cache=True)
-def _units(x, xf, gf, out, mode, padding, align, zero, u0, u1):
+def _units(x, xf, gf, out, mtok, ptok, align, zero, u0, u1):
     """Segments ``u0:u1`` (image-major) of the output ``out`` (flat, N*C*P); ``x``
     (N, C, D1..Dr) C-contiguous and ``xf`` its flat view; ``gf`` the flat grid."""
     r = x.ndim - 2
@@ -367,26 +359,31 @@ def _units(x, xf, gf, out, mode, padding, align, zero, u0, u1):
             a = r - 1 - k  # the grid lists coordinates innermost axis first
             for j in range(m):  # unsigned indices: no negative wraparound, so the loop vectorises
                 pos[k, j] = unnormalize(load(gf, g0 + j * r + a), size, align, one)
-        nout = plan(x, pos, m, mode, padding, align, zero, base, pidx, pw, pok, kind)
-        accumulate(x, xf, out, n * C * S, S, n * C * P + j0, P, C, m, mode, padding, nout, base, pidx, pw, pok, kind, zero)
+        nout = plan(x, pos, m, mtok, ptok, align, zero, base, pidx, pw, pok, kind)
+        accumulate(x, xf, out, n * C * S, S, n * C * P + j0, P, C, m, mtok, ptok, nout, base, pidx, pw, pok, kind, zero)
 
 
 @njit(cache=True, nogil=True)
-def _serial(x, xf, gf, out, mode, padding, align, zero):
+def _serial(x, xf, gf, out, mtok, ptok, align, zero):
     N, C = x.shape[0], x.shape[1]
     P = out.size // (N * C)
-    _units(x, xf, gf, out, mode, padding, align, zero, 0, N * ((P + SEG - 1) // SEG))
+    _units(x, xf, gf, out, mtok, ptok, align, zero, 0, N * ((P + SEG - 1) // SEG))
 
 
 @njit(cache=True, parallel=True, nogil=True)
-def _parallel(x, xf, gf, out, mode, padding, align, zero, nchunks):
+def _parallel(x, xf, gf, out, mtok, ptok, align, zero, nchunks):
     N, C = x.shape[0], x.shape[1]
     P = out.size // (N * C)
     units = N * ((P + SEG - 1) // SEG)
     nchunks = min(units, nchunks)
     for c in prange(nchunks):
-        _units(x, xf, gf, out, mode, padding, align, zero, c * units // nchunks, (c + 1) * units // nchunks)
+        _units(x, xf, gf, out, mtok, ptok, align, zero, c * units // nchunks, (c + 1) * units // nchunks)
 
+
+#: a mode's or padding's token: a tuple as long as its code, so that ``len(tok)`` is a
+#: constant where numba compiles, which prunes the other modes' and paddings' code
+#: before typing (a call compiles its mode and padding alone)
+TOKEN = ((), (0,), (0, 0))
 
 #: 0 in each compute type, made once
 ZERO = {np.dtype(t): t(0) for t in (np.float32, np.float64)}
@@ -421,5 +418,5 @@ def launch(x, grid, mode, padding, align, stream=None):
         gs = kernel_view(grid)
         work = out.size * TAPS[mode] ** r
         _runtime.run(_serial, _parallel, work, xs, xs.reshape(-1), gs.reshape(-1), out.reshape(-1),
-                     mode, padding, bool(align), ZERO[compute(grid.dtype)])
+                     TOKEN[mode], TOKEN[padding], bool(align), ZERO[compute(grid.dtype)])
     return public(out, x)
