@@ -68,7 +68,8 @@ def _units(x, xf, theta, out, D, H, W, mtok, ptok, align, zero, u0, u1):
 @njit(cache=True, nogil=True)
 def _serial(x, xf, theta, out, D, H, W, mtok, ptok, align, zero):
     units = x.shape[0] * D * H * ((W + SEG - 1) // SEG)
-    _units(x, xf, theta, out, D, H, W, mtok, ptok, align, zero, 0, units)
+    # np.int64(0), not a literal 0: the parallel entry's signature, so both share one compiled _units
+    _units(x, xf, theta, out, D, H, W, mtok, ptok, align, zero, np.int64(0), units)
 
 
 @njit(cache=True, parallel=True, nogil=True)

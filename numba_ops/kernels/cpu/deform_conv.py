@@ -881,8 +881,9 @@ def _serial(x, w, off, m, b, y, meta):
                 _pad_row(x3, n0 + nl, xp[nl], geo, r)
         for it in range(nc * ntile):
             nl, t = it // ntile, it % ntile
+            # (typed values, not literals True and 0: _parallel's signature, so both share one compiled _tile)
             _tile(tok, n0 + nl, nl, t * T, min(P, t * T + T), xp, off3, m3, has_mask, wr, b, has_b, y3,
-                  geo, pstr, coff, segs, dims, cols, outb, pidx, pw, pm, True, 0, oC)
+                  geo, pstr, coff, segs, dims, cols, outb, pidx, pw, pm, np.bool_(True), np.int64(0), oC)
 
 
 @njit(cache=True, parallel=True, nogil=True)

@@ -367,7 +367,8 @@ def _units(x, xf, gf, out, mtok, ptok, align, zero, u0, u1):
 def _serial(x, xf, gf, out, mtok, ptok, align, zero):
     N, C = x.shape[0], x.shape[1]
     P = out.size // (N * C)
-    _units(x, xf, gf, out, mtok, ptok, align, zero, 0, N * ((P + SEG - 1) // SEG))
+    # np.int64(0), not a literal 0: the parallel entry's signature, so both share one compiled _units
+    _units(x, xf, gf, out, mtok, ptok, align, zero, np.int64(0), N * ((P + SEG - 1) // SEG))
 
 
 @njit(cache=True, parallel=True, nogil=True)
