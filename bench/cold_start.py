@@ -38,12 +38,22 @@ def bf16():
     return np.dtype(ml_dtypes.bfloat16)
 
 def call(spec):
-    op, dtype, nd, path = spec.split("/")
+    op, dtype, nd, path, *how = spec.split("/")
     dt = bf16() if dtype == "bfloat16" else np.dtype(dtype)
     nd = int(nd)
     if op == "affine_grid":
         size = (1, 1) + ((2,) * nd if path == "small" else (1,) * (nd - 2) + (1024, 64))
         return lambda: numba_ops.affine_grid(np.zeros((1, nd, nd + 1), dt), size, device="cpu")
+    if op in ("grid_sample", "affine_warp"):  # how: "mode,padding" (default linear,zeros)
+        mode, padding = how[0].split(",") if how else ("linear", "zeros")
+        x = np.ones((1, 1) + (4,) * nd, dt)
+        n = 3 if path == "serial" else 70000  # output positions (the parallel path from 65536 taps)
+        kw = dict(mode=mode, padding_mode=padding, device="cpu")
+        if op == "grid_sample":
+            g = np.zeros((1, n) + (1,) * (nd - 1) + (nd,), dt)
+            return lambda: numba_ops.grid_sample(x, g, **kw)
+        theta = np.zeros((1, nd, nd + 1), dt)
+        return lambda: numba_ops.affine_warp(x, theta, (1, 1) + (1,) * (nd - 1) + (n,), **kw)
     o = {"direct": 1, "serial": {1: 65, 2: 6, 3: 3}[nd], "parallel": {1: 5000, 2: 50, 3: 12}[nd]}[path]
     K = 2 ** nd
     x = np.ones((1, 2) + (o + 1,) * nd, dt)
@@ -60,7 +70,7 @@ for spec in sys.argv[1:]:
 print("@@" + json.dumps(out))
 """
 
-#: sequences of first calls, each in a fresh process: op/dtype/n/path
+#: sequences of first calls, each in a fresh process: op/dtype/n/path[/mode,padding]
 SEQUENCES = [
     ["affine_grid/float32/2/small", "affine_grid/float32/3/small", "affine_grid/float32/2/large",
      "affine_grid/float16/2/small"],
@@ -68,6 +78,9 @@ SEQUENCES = [
      "deform_conv/float32/3/direct"],
     ["deform_conv/float32/2/serial", "deform_conv/float64/2/serial", "deform_conv/float32/3/serial"],
     ["deform_conv/float32/2/parallel", "deform_conv/bfloat16/2/parallel", "deform_conv/float32/1/parallel"],
+    ["grid_sample/float32/2/serial", "grid_sample/float32/2/serial/cubic,reflection",
+     "grid_sample/float32/2/parallel", "grid_sample/float16/3/serial"],
+    ["affine_warp/float32/2/serial", "affine_warp/float32/2/parallel/nearest,border"],
 ]
 
 
