@@ -89,7 +89,7 @@ def _mark(j, i, lo, hi, size, finite, off, base, kind, first):
     kind[j] = bits if first else kind[j] | bits
 
 
-@njit(cache=True)
+@njit(cache=True, forceinline=True)
 def _fast_axis(pos, m, k, size, stride, mtok, zero, base, pw, kind, first):
     """Spatial axis ``k`` of the positions ``pos[k, :m]``: the weights ``pw[k, :, j]``
     of the mode's taps from the position's fraction (NaN for a non-finite position),
@@ -121,7 +121,7 @@ def _fast_axis(pos, m, k, size, stride, mtok, zero, base, pw, kind, first):
             _mark(j, i, 1, 2, size, finite, (i - 1) * stride, base, kind, first)
 
 
-@njit(cache=True)
+@njit(cache=True, forceinline=True)
 def _taps_axis(pos, m, k, size, stride, mtok, ptok, align, zero, pidx, pw, pok):
     """The padded taps of spatial axis ``k`` for the positions ``pos[k, :m]``:
     ``pidx[k, t, j]`` the flat offset (padded index times ``stride``), ``pw`` the
