@@ -4,8 +4,7 @@ import numpy as np
 
 from ._dispatch import as_array, launcher, on_device, resolve_device, result_for
 from ._validate import int_tuple
-from .grid_sample import check_input_sizes, parse_attrs, sample_dtypes
-from .kernels._modes import MODES, PADDING_MODES
+from .grid_sample import check_input_sizes, every_mode, parse_attrs, sample_dtypes
 
 
 def affine_warp(x, theta, size=None, *, mode="linear", padding_mode="zeros", align_corners=False,
@@ -78,6 +77,5 @@ def warm_calls(dtype):
             size = (1, 1) + (1,) * (r - 1) + (width,)
             for xdt in (dt, np.dtype(np.uint8)):
                 x = np.zeros((1, 1) + (2,) * r, xdt)
-                calls += [((x, theta, size), {"mode": mode, "padding_mode": padding})
-                          for mode in MODES for padding in PADDING_MODES]
+                calls += every_mode((x, theta, size))
     return calls

@@ -114,6 +114,10 @@ def warm_calls(dtype):
             grid = np.zeros((1, n_out) + (1,) * (r - 1) + (r,), dt)
             for xdt in (dt, np.dtype(np.uint8)):
                 x = np.zeros((1, 1) + (2,) * r, xdt)
-                calls += [((x, grid), {"mode": mode, "padding_mode": padding})
-                          for mode in MODES for padding in PADDING_MODES]
+                calls += every_mode((x, grid))
     return calls
+
+
+def every_mode(args):
+    """``(args, kwargs)`` for each mode x padding mode (each compiles its own kernels)."""
+    return [(args, {"mode": mode, "padding_mode": padding}) for mode in MODES for padding in PADDING_MODES]
