@@ -282,6 +282,9 @@ def test_split_choice(name, split):
     assert osplit == split and 1 <= T <= P and nb >= 1
     assert cpu_dc._plan_sizes(*args, 2, None, False)[2] == (split and name != "dc_b2_c512_14")
     assert cpu_dc._plan_sizes(*args, 1)[2] is False
+    # one thread: native weights in place where the column rows are fewer than the weight rows
+    assert cpu_dc._plan_sizes(*args, 1, None, True)[2] is (N * P * group < oC)
+    assert cpu_dc._plan_sizes(*args, 1, False, True)[2] is False
     assert cpu_dc._plan_sizes(*args, 2, True)[2] is True and cpu_dc._plan_sizes(*args, 2, False)[2] is False
 
 

@@ -40,7 +40,9 @@ each thread multiplies them by its share of w's rows, read where they lie (no
 reorder pass) and packed by BLAS once per tile in all instead of once per thread.
 ``_plan_sizes`` chooses from the elements each thread's GEMMs pack.
 
-Calls too small for the pool run on the caller's thread (``_serial``), and
+Calls too small for the pool, and calls at one thread, run on the caller's thread
+(``_serial``; with float32/float64 weights and fewer column rows than weight rows it
+uses the channel split's order, the weights read where they lie), and
 tiny ones (the seed example) skip the scratch and BLAS altogether
 (``_direct``: each output straight from the definition). Accumulation is
 float32 for float16/bfloat16/float32 (16-bit data is widened on load) and
@@ -866,12 +868,20 @@ def _serial(x, w, off, m, b, y, meta):
     nd = geo.shape[1]
     ocg = oC // group
     nw, nxp, ntile_ws, nint = _ws_sizes(C, oC, geo, pstr, dims)
-    fws = _empty_like_compute(x3, nw + nxp + ntile_ws)
+    # in place: float32/float64 weights multiplied where they lie, the columns turned into
+    # their order (``_plan_sizes``); else the weights reordered once into ``wr``
+    inplace = dims[11] != 0 and _native(w3)
+    nsh = T * K * C if inplace else 0
+    fws = _empty_like_compute(x3, nw + nxp + ntile_ws + nsh)
     wr = fws[:nw]
-    for o in range(oC):
-        _reorder_w(w3, wr, K, o)
+    if not inplace:
+        for o in range(oC):
+            _reorder_w(w3, wr, K, o)
+    wm = _mutable(_wmat(w3, wr)) if inplace else wr
     rows, xp, coff = _padded_setup(fws[nw:nw + nxp], x3, geo, pstr, nb)
-    cols, outb, pidx, pw, pm = _scratch(fws[nw + nxp:], np.empty(max(1, nint), np.int64), dims, nd, ocg)
+    cols, outb, pidx, pw, pm = _scratch(fws[nw + nxp:nw + nxp + ntile_ws], np.empty(max(1, nint), np.int64),
+                                        dims, nd, ocg)
+    shared = fws[nw + nxp + ntile_ws:]
     ntile = (P + T - 1) // T
     segs = _segments(dims)
     for n0 in range(0, N, nb):
@@ -881,9 +891,14 @@ def _serial(x, w, off, m, b, y, meta):
                 _pad_row(x3, n0 + nl, xp[nl], geo, r)
         for it in range(nc * ntile):
             nl, t = it // ntile, it % ntile
+            p0, p1 = t * T, min(P, t * T + T)
             # (typed values, not literals True and 0: _parallel's signature, so both share one compiled _tile)
-            _tile(tok, n0 + nl, nl, t * T, min(P, t * T + T), xp, off3, m3, has_mask, wr, b, has_b, y3,
-                  geo, pstr, coff, segs, dims, cols, outb, pidx, pw, pm, np.bool_(True), np.int64(0), oC)
+            _tile(tok, n0 + nl, nl, p0, p1, xp, off3, m3, has_mask, wm, b, has_b, y3, geo, pstr, coff, segs,
+                  dims, cols, outb, pidx, pw, pm, np.bool_(True), np.int64(0), np.int64(0) if inplace else oC)
+            if inplace:
+                _to_cmajor(cols, shared, 0, p1 - p0, T, K, C // group, group)
+                _tile(tok, n0 + nl, nl, p0, p1, xp, off3, m3, has_mask, wm, b, has_b, y3, geo, pstr, coff, segs,
+                      dims, shared, outb, pidx, pw, pm, np.bool_(False), np.int64(0), oC)
 
 
 @njit(cache=True, parallel=True, nogil=True)
@@ -1046,7 +1061,12 @@ def _plan_sizes(N, C, K, oC, P, group, og, nd, S, item, nth, split=None, native=
     packs (weights + T columns) per tile, the channel split (weights / nth + T
     columns) per tile; with ``native`` weights (float32/float64: the channel split
     reads them where they lie) the position split also reorders them once per call
-    (weights / nth). ``split`` (True/False) forces one way (tests, benchmarks)."""
+    (weights / nth). ``split`` (True/False) forces one way (tests, benchmarks).
+
+    At one thread, True means the same weights-in-place order on the caller's thread
+    (``_serial``), chosen for native weights where the column rows (N * P) are fewer
+    than the weight rows (oC): each tile's columns are turned into w's order instead
+    of all of w into the columns' on every call."""
     kc_all = max(1, K * C)
     per_pos = (kc_all + oC // group) * item + og * K * (((1 << nd) + 1) * item + 8)
     T = _TILE_BYTES // (kc_all * item)
@@ -1065,6 +1085,11 @@ def _plan_sizes(N, C, K, oC, P, group, og, nd, S, item, nth, split=None, native=
         cost_o = N * -(-P // To) * (wts // nth + To * kc_all)
         osplit = cost_o < cost_p if split is None else bool(split)
         T = To if osplit else Tp
+    elif native and split is not False:
+        # one thread (small calls, Dask tasks): float32/float64 weights read where they lie
+        # (the columns turned into w's order: N * P column rows) rather than reordered
+        # (oC rows) where the positions are fewer than the weights' rows
+        osplit = N * P * max(1, group) < oC if split is None else True
     img = max(1, S * C * item)
     budget = _SCRATCH_BYTES - nth * (T * per_pos + 16 * (oC // group) * item) - oC * kc_all * item // max(1, group)
     nb = max(1, min(N, budget // img))
