@@ -240,9 +240,15 @@ def test_channel_split_vs_reference(i, dtype, monkeypatch):
     y = call(lo, att)
     assert_api_close(y, want, dtype)
     nth = numba.get_num_threads()
-    if nth > 1:  # the plan took the channel split (the last meta entry)
+    one_group = att["group"] == 1
+    if nth > 1:  # the plan took the channel split (the last meta entry), by the reduction in one group here
         (st,) = cpu_dc._STATES.values()
-        assert all(m[-1] == 1 for m in st.meta[nth][0])
+        assert all(m[-1] == (2 if one_group else 1) for m in st.meta[nth][0])
+    if one_group:  # the GEMMs' shares forced the other way: the output channels, then the reduction again
+        for ks in (False, True):
+            monkeypatch.setattr(cpu_dc, "_KSPLIT", ks)
+            monkeypatch.setattr(cpu_dc, "_STATES", {})
+            assert_api_close(call(lo, att), want, dtype)
     monkeypatch.setattr(cpu_dc, "_TILE_BYTES", 64)
     monkeypatch.setattr(cpu_dc, "_TILE_MIN", 5)
     monkeypatch.setattr(cpu_dc, "_SCRATCH_BYTES", 1)
@@ -263,6 +269,28 @@ def test_channel_split_vs_reference(i, dtype, monkeypatch):
         assert_api_close(call(lo, att), want, dtype)
     finally:
         numba.set_num_threads(full)
+
+
+def test_reduction_split_short_reduction(monkeypatch):
+    """The reduction split where a thread's share of the reduction is empty (C * K = 1
+    below the thread count): its partial sums are zeros, not stale workspace."""
+    ins, att = make_case(np.random.default_rng(7), N=2, C=1, D=(6, 5), oC=5, k=(1, 1))
+    want = ref(ins, att)
+    lo = cast(ins, np.float32)
+    monkeypatch.setattr(numba_ops.kernels.cpu._runtime, "PARALLEL_MIN_WORK", 0)
+    monkeypatch.setattr(cpu_dc, "_SPLIT", True)
+    monkeypatch.setattr(cpu_dc, "_KSPLIT", True)
+    monkeypatch.setattr(cpu_dc, "_STATES", {})
+    cpu_dc._workspace(np.float32, 1 << 16)[:] = np.nan  # what a previous call may leave
+    assert_api_close(call(lo, att), want, np.float32)
+
+
+def test_reduction_split_choice():
+    """The channel split's GEMMs share the reduction in one group where a thread's share
+    of the output channels would be under 256 rows."""
+    assert cpu_dc._reduction_split(256, 1, 2) and cpu_dc._reduction_split(130, 1, 2)
+    assert not cpu_dc._reduction_split(512, 1, 2) and not cpu_dc._reduction_split(256, 2, 2)
+    assert cpu_dc._reduction_split(512, 1, 4)
 
 
 @pytest.mark.parametrize("name, split", [

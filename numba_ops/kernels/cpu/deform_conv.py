@@ -38,7 +38,10 @@ each tile by output channels (the channel split): the threads fill shares of its
 positions, the columns are turned into w's own (channel, kernel point) order, and
 each thread multiplies them by its share of w's rows, read where they lie (no
 reorder pass) and packed by BLAS once per tile in all instead of once per thread.
-``_plan_sizes`` chooses from the elements each thread's GEMMs pack.
+``_plan_sizes`` chooses from the elements each thread's GEMMs pack. With one group
+and few output channels per thread, the channel split's GEMMs share the reduction
+instead (each thread all the output channels over its share of w's columns, through
+``_gemm_tn``; the partial sums are added as y is written: ``_reduction_split``).
 
 Calls too small for the pool, and calls at one thread, run on the caller's thread
 (``_serial``; with float32/float64 weights and fewer column rows than weight rows it
@@ -85,6 +88,9 @@ _DIRECT_MAX = 1024
 #: the parallel run's split: None chooses from the shape (``_plan_sizes``), True forces the
 #: channel split, False the position split (tests, benchmarks; plans made before keep theirs)
 _SPLIT = None
+#: the channel split's GEMM shares: None chooses (``_reduction_split``), True forces shares of
+#: the reduction, False of the output channels (tests)
+_KSPLIT = None
 
 
 # --- compute-type helpers -----------------------------------------------------------
@@ -157,6 +163,42 @@ def _mutable(typingctx, a):
     def codegen(context, builder, sig, args):
         return impl_ret_borrowed(context, builder, rt, args[0])
     return rt(a), codegen
+
+
+@intrinsic
+def _gemm_tn(typingctx, a, ao, lda, b, bo, ldb, c, co, ldc, m, n, k):
+    """``c[co + i + j * ldc] = sum_l a[ao + i * lda + l] * b[bo + j * ldb + l]`` for i < m,
+    j < n, l < k: one BLAS GEMM (numba's own ``numba_xxgemm``, the one ``np.dot`` calls)
+    on rows of a and b that are any stride apart, so that a share of the reduction
+    axis (a column range of w's rows) needs no copy. a, b, c: 1-D arrays of one float
+    type; offsets, leading dimensions and sizes: integers."""
+    if not all(isinstance(t, types.Array) and t.dtype in (types.float32, types.float64) for t in (a, b, c)) \
+            or len({a.dtype, b.dtype, c.dtype}) != 1:
+        return None
+    sig = types.void(a, ao, lda, b, bo, ldb, c, co, ldc, m, n, k)
+
+    def codegen(context, builder, sig, args):
+        from llvmlite import ir
+        from numba.np.linalg import ensure_blas, get_blas_kind
+        ensure_blas()
+        char, vp = ir.IntType(8), ir.IntType(8).as_pointer()
+        ip = context.get_value_type(types.intp)
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(
+            ir.IntType(32), [char, char, char, ip, ip, ip, vp, vp, ip, vp, ip, vp, vp, ip]), "numba_xxgemm")
+        dt = sig.args[0].dtype
+        av = [context.cast(builder, v, t, types.intp) for v, t in zip(args, sig.args)]
+
+        def ptr(i):
+            data = context.make_array(sig.args[i])(context, builder, args[i]).data
+            return builder.bitcast(builder.gep(data, [av[i + 1]]), vp)
+        one = cgutils.alloca_once_value(builder, context.get_constant(dt, 1))
+        zero = cgutils.alloca_once_value(builder, context.get_constant(dt, 0))
+        # column-major C (m x n) = A^T B, A stored (k x m) with lda, B (k x n) with ldb
+        builder.call(fn, (ir.Constant(char, ord(get_blas_kind(dt))), ir.Constant(char, ord("t")),
+                          ir.Constant(char, ord("n")), av[9], av[10], av[11], builder.bitcast(one, vp), ptr(0),
+                          av[2], ptr(3), av[5], builder.bitcast(zero, vp), ptr(6), av[8]))
+        return context.get_dummy_value()
+    return sig, codegen
 
 
 # --- phase 1: padded channel-last images and reordered weights ---------------------------
@@ -615,6 +657,25 @@ def _tile(tok, n, nl, p0, p1, xp, off3, m3, has_mask, wr, b, has_b, y3, geo, pst
                     store(yf, dst + j, blk[bo + j] + bias)
 
 
+@njit(cache=True)
+def _sum_out(fws, base, stride, nth, tl, o0, o1, b, has_b, y3, n, p0):
+    """The reduction split's write-out: y[n, o, p0 + j] = bias + the threads' partial
+    sums ``fws[base + th * stride + o * tl + j]`` (th = 0..nth-1, in that order), for
+    output channels [o0, o1) and j < tl, rounded once to y's dtype."""
+    oC, P = y3.shape[1], y3.shape[2]
+    yf = _flat(y3)
+    zero = _czero(fws)
+    for o in range(o0, o1):
+        bias = load(b, o) if has_b else zero
+        src = np.uint64(base + o * tl)
+        dst = np.uint64((n * oC + o) * P + p0)
+        for j in range(np.uint64(tl)):
+            acc = fws[src + j]
+            for th in range(1, nth):
+                acc += fws[src + np.uint64(th * stride) + j]
+            store(yf, dst + j, acc + bias)
+
+
 @njit(cache=True, inline="always")
 def _padded_extent(geo, pstr):
     """(rows, sites, tail) of a padded image: its rows (bordered axes but the last),
@@ -921,6 +982,10 @@ def _parallel(x, w, off, m, b, y, meta, fws, iws):
     ntile = (P + T - 1) // T
     segs = _segments(dims)
     csplit = dims[11] != 0
+    ksplit = dims[11] == 2  # (one group only)
+    nr = 3 if ksplit else 2  # pool rounds per tile of the channel (reduction) split
+    kc = K * C
+    ncols = _tile_parts(dims, nd, ocg)[0]
     shared = fws[nw + nxp + nth * ntile_ws:nw + nxp + nth * ntile_ws + T * K * C]  # (channel split only)
     wmat = _mutable(_wmat(w3, wr))
     u = 16 if oC >= 64 * nth else 1
@@ -946,10 +1011,13 @@ def _parallel(x, w, off, m, b, y, meta, fws, iws):
         # columns by its share of the output channels (rows of w, cut at multiples of 16 so
         # that BLAS's panels stay whole): every weight is packed once per tile, not once per
         # thread, each GEMM gets the whole tile's positions, and the weights are not reordered.
+        # The reduction split (one group, few output channels per thread) runs three: the fill,
+        # each thread's GEMM of all output channels over its share of w's columns into its own
+        # GEMM tile, then each thread's share of y's rows summed from those partial sums.
         # One prange loop and one _tile call for both (each loop body is a function of its own
         # that numba optimises again with all it calls: compile time)
         items = nc * ntile
-        for rd in range(2 * items if csplit else 1):
+        for rd in range(nr * items if csplit else 1):
             for th in prange(nth):
                 f0 = nw + nxp + th * ntile_ws
                 cols, outb, pidx, pw, pm = _scratch(fws[f0:f0 + ntile_ws], iws[th * nint:(th + 1) * nint],
@@ -957,13 +1025,27 @@ def _parallel(x, w, off, m, b, y, meta, fws, iws):
                 lo = th * items // nth
                 hi = (th + 1) * items // nth
                 if csplit:
-                    lo, hi = rd // 2, rd // 2 + 1
+                    lo, hi = rd // nr, rd // nr + 1
+                phase = rd % nr
                 for it in range(lo, hi):
                     nl, t = it // ntile, it % ntile
                     p0, p1 = t * T, min(P, t * T + T)
                     buf, wm, fill, o0, o1 = cols, wr, True, 0, oC
-                    if csplit and rd % 2 == 0:  # this thread's share of the positions
+                    if csplit and phase == 0:  # this thread's share of the positions
                         p0, p1, o1 = p0 + th * (p1 - p0) // nth, p0 + (th + 1) * (p1 - p0) // nth, 0
+                    elif ksplit:  # the reduction split: 1, this thread's share of the reduction; 2, of y's rows
+                        tl = p1 - p0
+                        if phase == 1:
+                            k0, k1 = th * kc // nth, (th + 1) * kc // nth
+                            if k1 > k0:
+                                _gemm_tn(shared, k0, kc, wmat, k0, kc, outb, 0, tl, tl, oC, k1 - k0)
+                            else:
+                                for i in range(tl * oC):
+                                    outb[i] = 0
+                        else:
+                            _sum_out(fws, nw + nxp + ncols, ntile_ws, nth, tl, th * oC // nth, (th + 1) * oC // nth,
+                                     b, has_b, y3, n0 + nl, p0)
+                        fill, o1 = False, 0  # (nothing left for _tile)
                     elif csplit:  # this thread's share of the output channels
                         buf, wm, fill = shared, wmat, False
                         o0 = min(oC, (th * oC // nth + u // 2) // u * u) if th else 0
@@ -1096,6 +1178,20 @@ def _plan_sizes(N, C, K, oC, P, group, og, nd, S, item, nth, split=None, native=
     return T, nb, osplit
 
 
+def _reduction_split(oC, group, nth):
+    """Whether a channel split's GEMMs take shares of the reduction (each thread all the
+    output channels for its share of w's columns, the partial sums added at the
+    write-out) instead of shares of the output channels: with one group, where each
+    thread's share of the channels would be under 256 rows. There OpenBLAS's GEMM of a
+    thread's rows with a long reduction runs well under its rate (1 x 1024 x 7 x 7 ->
+    256: 128 rows of 9216 each, against 256 of 4608 for the reduction split: the pair of
+    threads' GEMMs 1.39 ms against 1.04, medians of 7 alternating rounds); at 256 rows and
+    more the two measured the same. ``_KSPLIT`` (True/False) forces it (tests)."""
+    if group != 1:
+        return False
+    return oC < 256 * nth if _KSPLIT is None else bool(_KSPLIT)
+
+
 class _State:
     """Everything ``launch`` derives from a call's geometry, kept per geometry."""
     __slots__ = ("p", "origin", "xshape", "dtype", "oC", "yshape", "view", "empty", "small", "nob", "meta",
@@ -1134,9 +1230,11 @@ class _State:
         for nth in {1, _runtime.num_threads()}:
             T, nb, osplit = _plan_sizes(N, C, K, oC, P, p.group, p.offset_group, nd, S + tail, item, nth,
                                         _SPLIT, self.view is None)
+            split = int(osplit) + int(osplit and nth > 1 and _reduction_split(oC, p.group, nth))
             dims = [C, K, p.group, p.offset_group, T, nb, nth, fast, S]
-            # index has_mask * 2 + has_b: dims[9] has_mask, dims[10] has_b; dims[11] the channel split
-            metas = [np.array([nd] + geo.ravel().tolist() + pstr.tolist() + dims + [hm, hb, int(osplit)],
+            # index has_mask * 2 + has_b: dims[9] has_mask, dims[10] has_b; dims[11] the split: 0 by
+            # positions, 1 by output channels, 2 by the reduction (both after a shared fill)
+            metas = [np.array([nd] + geo.ravel().tolist() + pstr.tolist() + dims + [hm, hb, split],
                               dtype=np.int64)
                      for hm in (0, 1) for hb in (0, 1)]
             nw, nxp, ntile_ws, nint = _ws_sizes_host(C, oC, geo, pstr, metas[0][1 + 7 * nd:])
