@@ -658,11 +658,26 @@ def _tile(tok, n, nl, p0, p1, xp, off3, m3, has_mask, wr, b, has_b, y3, geo, pst
 
 
 @njit(cache=True)
-def _sum_out(fws, base, stride, nth, tl, o0, o1, b, has_b, y3, n, p0):
-    """The reduction split's write-out: y[n, o, p0 + j] = bias + the threads' partial
-    sums ``fws[base + th * stride + o * tl + j]`` (th = 0..nth-1, in that order), for
-    output channels [o0, o1) and j < tl, rounded once to y's dtype."""
+def _reduction_phase(phase, th, nth, shared, wmat, outb, fws, base, stride, b, has_b, y3, n, p0, tl):
+    """Thread ``th``'s part of the reduction split (one group) for the tile of ``tl``
+    positions from ``p0`` of image ``n``, whose columns ``shared`` holds in w's order.
+    Phase 1: its GEMM tile ``outb`` (o, j) = the partial sum over its share of w's
+    columns (``wmat``'s rows, all output channels), through ``_gemm_tn``. Phase 2: its
+    share of y's rows, y[n, o, p0 + j] = bias + the threads' partial sums
+    ``fws[base + t * stride + o * tl + j]`` (t = 0..nth-1 in that order: every thread's
+    GEMM tile), rounded once to y's dtype. (A function of its own, not code in
+    ``_parallel``'s loop: the loop body's size is what numba's parfor passes pay for.)"""
     oC, P = y3.shape[1], y3.shape[2]
+    if phase == 1:
+        kc = wmat.size // oC  # one group: w's rows are (C * K) long
+        k0, k1 = th * kc // nth, (th + 1) * kc // nth
+        if k1 > k0:
+            _gemm_tn(shared, k0, kc, wmat, k0, kc, outb, 0, tl, tl, oC, k1 - k0)
+        else:
+            for i in range(tl * oC):
+                outb[i] = 0
+        return
+    o0, o1 = th * oC // nth, (th + 1) * oC // nth
     yf = _flat(y3)
     zero = _czero(fws)
     for o in range(o0, o1):
@@ -984,7 +999,6 @@ def _parallel(x, w, off, m, b, y, meta, fws, iws):
     csplit = dims[11] != 0
     ksplit = dims[11] == 2  # (one group only)
     nr = 3 if ksplit else 2  # pool rounds per tile of the channel (reduction) split
-    kc = K * C
     ncols = _tile_parts(dims, nd, ocg)[0]
     shared = fws[nw + nxp + nth * ntile_ws:nw + nxp + nth * ntile_ws + T * K * C]  # (channel split only)
     wmat = _mutable(_wmat(w3, wr))
@@ -1033,18 +1047,9 @@ def _parallel(x, w, off, m, b, y, meta, fws, iws):
                     buf, wm, fill, o0, o1 = cols, wr, True, 0, oC
                     if csplit and phase == 0:  # this thread's share of the positions
                         p0, p1, o1 = p0 + th * (p1 - p0) // nth, p0 + (th + 1) * (p1 - p0) // nth, 0
-                    elif ksplit:  # the reduction split: 1, this thread's share of the reduction; 2, of y's rows
-                        tl = p1 - p0
-                        if phase == 1:
-                            k0, k1 = th * kc // nth, (th + 1) * kc // nth
-                            if k1 > k0:
-                                _gemm_tn(shared, k0, kc, wmat, k0, kc, outb, 0, tl, tl, oC, k1 - k0)
-                            else:
-                                for i in range(tl * oC):
-                                    outb[i] = 0
-                        else:
-                            _sum_out(fws, nw + nxp + ncols, ntile_ws, nth, tl, th * oC // nth, (th + 1) * oC // nth,
-                                     b, has_b, y3, n0 + nl, p0)
+                    elif ksplit:  # the reduction split
+                        _reduction_phase(phase, th, nth, shared, wmat, outb, fws, nw + nxp + ncols, ntile_ws, b,
+                                         has_b, y3, n0 + nl, p0, p1 - p0)
                         fill, o1 = False, 0  # (nothing left for _tile)
                     elif csplit:  # this thread's share of the output channels
                         buf, wm, fill = shared, wmat, False
