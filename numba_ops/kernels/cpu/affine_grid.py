@@ -115,7 +115,8 @@ def _rows(theta, grid, D, H, W, align, one, r0, r1):
 
 @njit(cache=True, nogil=True)
 def _serial(theta, grid, D, H, W, align, one):
-    _rows(theta, grid, D, H, W, align, one, 0, grid.size // (W * theta.shape[1]))
+    # np.int64(0), not a literal 0: the parallel entry's signature, so both share one compiled _rows
+    _rows(theta, grid, D, H, W, align, one, np.int64(0), grid.size // (W * theta.shape[1]))
 
 
 @njit(cache=True, parallel=True, nogil=True)

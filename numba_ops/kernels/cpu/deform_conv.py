@@ -972,7 +972,7 @@ def _serial(x, w, off, m, b, y, meta):
             _tile(tok, n0 + nl, nl, p0, p1, xp, off3, m3, has_mask, wm, b, has_b, y3, geo, pstr, coff, segs,
                   dims, cols, outb, pidx, pw, pm, np.bool_(True), np.int64(0), np.int64(0) if inplace else oC)
             if inplace:
-                _to_cmajor(cols, shared, 0, p1 - p0, T, K, C // group, group)
+                _to_cmajor(cols, shared, np.int64(0), p1 - p0, T, K, C // group, group)
                 _tile(tok, n0 + nl, nl, p0, p1, xp, off3, m3, has_mask, wm, b, has_b, y3, geo, pstr, coff, segs,
                       dims, shared, outb, pidx, pw, pm, np.bool_(False), np.int64(0), oC)
 
@@ -1048,8 +1048,9 @@ def _parallel(x, w, off, m, b, y, meta, fws, iws):
                     if csplit and phase == 0:  # this thread's share of the positions
                         p0, p1, o1 = p0 + th * (p1 - p0) // nth, p0 + (th + 1) * (p1 - p0) // nth, 0
                     elif ksplit:  # the reduction split
-                        _reduction_phase(phase, th, nth, shared, wmat, outb, fws, nw + nxp + ncols, ntile_ws, b,
-                                         has_b, y3, n0 + nl, p0, p1 - p0)
+                        # (np.int64(th): the gufunc's index is unsigned, its typing pass's signed: one signature)
+                        _reduction_phase(phase, np.int64(th), nth, shared, wmat, outb, fws, nw + nxp + ncols, ntile_ws,
+                                         b, has_b, y3, n0 + nl, p0, p1 - p0)
                         fill, o1 = False, 0  # (nothing left for _tile)
                     elif csplit:  # this thread's share of the output channels
                         buf, wm, fill = shared, wmat, False
