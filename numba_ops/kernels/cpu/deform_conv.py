@@ -665,8 +665,8 @@ def _reduction_phase(phase, th, nth, shared, wmat, outb, fws, base, stride, b, h
     columns (``wmat``'s rows, all output channels), through ``_gemm_tn``. Phase 2: its
     share of y's rows, y[n, o, p0 + j] = bias + the threads' partial sums
     ``fws[base + t * stride + o * tl + j]`` (t = 0..nth-1 in that order: every thread's
-    GEMM tile), rounded once to y's dtype. (A function of its own, not code in
-    ``_parallel``'s loop: the loop body's size is what numba's parfor passes pay for.)"""
+    GEMM tile), rounded once to y's dtype. (A function of its own: as code in
+    ``_parallel``'s loop body it cost more compile time there.)"""
     oC, P = y3.shape[1], y3.shape[2]
     if phase == 1:
         kc = wmat.size // oC  # one group: w's rows are (C * K) long
@@ -686,8 +686,8 @@ def _reduction_phase(phase, th, nth, shared, wmat, outb, fws, base, stride, b, h
         dst = np.uint64((n * oC + o) * P + p0)
         for j in range(np.uint64(tl)):
             acc = fws[src + j]
-            for th in range(1, nth):
-                acc += fws[src + np.uint64(th * stride) + j]
+            for t in range(1, nth):
+                acc += fws[src + np.uint64(t * stride) + j]
             store(yf, dst + j, acc + bias)
 
 
@@ -1028,7 +1028,7 @@ def _parallel(x, w, off, m, b, y, meta, fws, iws):
         # The reduction split (one group, few output channels per thread) runs three: the fill,
         # each thread's GEMM of all output channels over its share of w's columns into its own
         # GEMM tile, then each thread's share of y's rows summed from those partial sums.
-        # One prange loop and one _tile call for both (each loop body is a function of its own
+        # One prange loop and one _tile call for all (each loop body is a function of its own
         # that numba optimises again with all it calls: compile time)
         items = nc * ntile
         for rd in range(nr * items if csplit else 1):
