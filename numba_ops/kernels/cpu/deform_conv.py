@@ -1177,7 +1177,7 @@ def _plan_sizes(N, C, K, oC, P, group, og, nd, S, item, nth, split=None, native=
         # one thread (small calls, Dask tasks): float32/float64 weights read where they lie
         # (the columns turned into w's order: N * P column rows) rather than reordered
         # (oC rows) where the positions are fewer than the weights' rows
-        osplit = N * P * max(1, group) < oC if split is None else True
+        osplit = N * P * group < oC if split is None else True
     img = max(1, S * C * item)
     budget = _SCRATCH_BYTES - nth * (T * per_pos + 16 * (oC // group) * item) - oC * kc_all * item // max(1, group)
     nb = max(1, min(N, budget // img))
