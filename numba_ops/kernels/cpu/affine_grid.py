@@ -32,6 +32,7 @@ from numba.extending import overload
 from ..._dtypes import compute, storage
 from .._scalar import base_coord, f32_to_bf16_bits_rne, store
 from . import _runtime
+from ._opaque import opaque
 
 DTYPES = ("float16", "bfloat16", "float32", "float64")
 
@@ -113,10 +114,14 @@ def _rows(theta, grid, D, H, W, align, one, r0, r1):
         r += h1 - h0
 
 
+#: called through its own compiled code (``_opaque``): the serial and parallel entries do
+#: not compile it again
+_rows_op = opaque(_rows)
+
+
 @njit(cache=True, nogil=True)
 def _serial(theta, grid, D, H, W, align, one):
-    # np.int64(0), not a literal 0: the parallel entry's signature, so both share one compiled _rows
-    _rows(theta, grid, D, H, W, align, one, np.int64(0), grid.size // (W * theta.shape[1]))
+    _rows_op(theta, grid, D, H, W, align, one, np.int64(0), grid.size // (W * theta.shape[1]))
 
 
 @njit(cache=True, parallel=True, nogil=True)
@@ -124,7 +129,7 @@ def _parallel(theta, grid, D, H, W, align, one, nchunks):
     rows = grid.size // (W * theta.shape[1])
     nchunks = min(rows, nchunks)
     for c in prange(nchunks):
-        _rows(theta, grid, D, H, W, align, one, c * rows // nchunks, (c + 1) * rows // nchunks)
+        _rows_op(theta, grid, D, H, W, align, one, c * rows // nchunks, (c + 1) * rows // nchunks)
 
 
 #: 1 in each compute type, made once: a fresh NumPy scalar per call costs a large call ~5 us

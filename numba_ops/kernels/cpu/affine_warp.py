@@ -17,6 +17,7 @@ from numba import njit, prange
 from ..._dtypes import compute
 from .._sample import TAPS, as_compute, unnormalize
 from . import _runtime
+from ._opaque import opaque
 from .affine_grid import _coords
 from .grid_sample import SEG, TOKEN, ZERO, accumulate, kernel_view, output_for, plan, public, scratch
 
@@ -65,11 +66,15 @@ def _units(x, xf, theta, out, D, H, W, mtok, ptok, align, zero, u0, u1):
                    base, pidx, pw, pok, kind, zero)
 
 
+#: called through its own compiled code (``_opaque``): the serial and parallel entries do
+#: not compile it again
+_units_op = opaque(_units)
+
+
 @njit(cache=True, nogil=True)
 def _serial(x, xf, theta, out, D, H, W, mtok, ptok, align, zero):
     units = x.shape[0] * D * H * ((W + SEG - 1) // SEG)
-    # np.int64(0), not a literal 0: the parallel entry's signature, so both share one compiled _units
-    _units(x, xf, theta, out, D, H, W, mtok, ptok, align, zero, np.int64(0), units)
+    _units_op(x, xf, theta, out, D, H, W, mtok, ptok, align, zero, np.int64(0), units)
 
 
 @njit(cache=True, parallel=True, nogil=True)
@@ -77,7 +82,7 @@ def _parallel(x, xf, theta, out, D, H, W, mtok, ptok, align, zero, nchunks):
     units = x.shape[0] * D * H * ((W + SEG - 1) // SEG)
     nchunks = min(units, nchunks)
     for c in prange(nchunks):
-        _units(x, xf, theta, out, D, H, W, mtok, ptok, align, zero,
+        _units_op(x, xf, theta, out, D, H, W, mtok, ptok, align, zero,
                c * units // nchunks, (c + 1) * units // nchunks)
 
 

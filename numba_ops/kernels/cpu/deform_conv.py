@@ -53,13 +53,17 @@ float64 for float64.
 
 Compile time (issue 18): numba compiles each jitted function into a module of
 its own, links in every jitted function it calls and optimises the whole again,
-so each level of calls re-optimises all the code below it. Hence the entries
-(``_direct``, ``_serial``, ``_parallel``) hold their driver loops themselves, the
-small set-up helpers are inlined as numba IR (``inline="always"``: typed in their
-caller, never a module of their own), and only the hot loops (plans, fills,
-padding, weights) stay separate functions, as LLVM vectorises them there. A call
-compiles its own rank's code: ``tok``, the input's spatial shape, goes down to
-``_plan``/``_fill``, whose ``len(tok)`` branches numba prunes before typing.
+so each level of ordinary calls re-optimises all the code below it. The large
+pieces are therefore called through their own compiled code (``_opaque``): the
+tile (``_tile``, with its plan and fill), the padding and weight rows, the column
+transpose and the reduction phase are each compiled once, whichever entry calls
+them, and the parallel entry's pool rounds are functions of their own
+(``_pad_round``, ``_round``), so that its loop bodies, which numba compiles into
+functions of their own too, hold one call each. The small set-up helpers are
+inlined as numba IR (``inline="always"``: typed in their caller, never a module of
+their own). A call compiles its own rank's code: ``tok``, the input's spatial
+shape, goes down to ``_plan``/``_fill``, whose ``len(tok)`` branches numba prunes
+before typing.
 """
 import ctypes
 import glob
@@ -75,6 +79,7 @@ from numba.extending import intrinsic, overload
 from ..._dtypes import compute, storage
 from .._scalar import border_corner, load, store
 from . import _runtime
+from ._opaque import opaque
 
 DTYPES = ("float16", "bfloat16", "float32", "float64")
 
@@ -594,6 +599,10 @@ def _fill_any(tok, xp, coff, pidx, pw, cols, segs, tl, K, cpg):
                             cols[ud + i] += wc * xp[ub + uc + i]
 
 
+#: the plan and the fill called through their own compiled code (``_opaque``)
+_plan_op, _fill_op = opaque(_plan), opaque(_fill)
+
+
 @njit(cache=True)
 def _tile(tok, n, nl, p0, p1, xp, off3, m3, has_mask, wr, b, has_b, y3, geo, pstr, coff, segs, dims,
           cols, outb, pidx, pw, pm, fill, oc0, oc1):
@@ -612,9 +621,9 @@ def _tile(tok, n, nl, p0, p1, xp, off3, m3, has_mask, wr, b, has_b, y3, geo, pst
         for g in range(og):
             for kidx in range(K):
                 gk = g * K + kidx
-                _plan(tok, off3, m3, has_mask, n, geo, pstr, C, kidx, g, K, p0, p1, pidx[gk], pw[gk], pm[gk],
-                      dims[7], dims[8])
-        _fill(tok, xp[nl], coff, pidx, pw, pm, cols, segs, tl, K, cpg)
+                _plan_op(tok, off3, m3, has_mask, n, geo, pstr, C, kidx, g, K, p0, p1, pidx[gk], pw[gk], pm[gk],
+                         dims[7], dims[8])
+        _fill_op(tok, xp[nl], coff, pidx, pw, pm, cols, segs, tl, K, cpg)
     zero = _czero(wr)
     blk = outb[ocg * T:ocg * (T + 16)]
     yf = _flat(y3)
@@ -655,6 +664,11 @@ def _tile(tok, n, nl, p0, p1, xp, off3, m3, has_mask, wr, b, has_b, y3, geo, pst
                 bo = np.uint64(o * 16)
                 for j in range(jl):
                     store(yf, dst + j, blk[bo + j] + bias)
+
+
+#: ``_tile`` called through its own compiled code (``_opaque``): its entries do not
+#: compile it again
+_tile_op = opaque(_tile)
 
 
 @njit(cache=True)
@@ -890,6 +904,11 @@ def _as_c_ol(a):
     return lambda a: np.ascontiguousarray(a)
 
 
+#: set-up and reduction helpers of the entries, called through their own compiled code
+_pad_row_op, _reorder_w_op, _convert_w_op = opaque(_pad_row), opaque(_reorder_w), opaque(_convert_w)
+_to_cmajor_op, _reduction_phase_op = opaque(_to_cmajor), opaque(_reduction_phase)
+
+
 @njit(cache=True, inline="always")
 def _flat3(geo, x, w, off, m, y):
     """The N-D arrays as (N, C, sites), (oC, C/group, K), (N, channels, positions)."""
@@ -931,9 +950,7 @@ def _padded_setup(buf, x3, geo, pstr, nb):
 
 @njit(cache=True, nogil=True)
 def _serial(x, w, off, m, b, y, meta):
-    """The tiled path on the caller's thread: any rank and layout. (One entry, not a
-    wrapper around a 3-D body: numba optimises again, per function, all the jitted
-    code a function calls, so each level of calls costs compile time.)"""
+    """The tiled path on the caller's thread: any rank and layout."""
     geo, pstr, dims, has_mask, has_b = _unpack(meta)
     x3, w3, off3, m3, y3 = _flat3(geo, x, w, off, m, y)
     b = _as_c(b)
@@ -952,7 +969,7 @@ def _serial(x, w, off, m, b, y, meta):
     wr = fws[:nw]
     if not inplace:
         for o in range(oC):
-            _reorder_w(w3, wr, K, o)
+            _reorder_w_op(w3, wr, K, o)
     wm = _mutable(_wmat(w3, wr)) if inplace else wr
     rows, xp, coff = _padded_setup(fws[nw:nw + nxp], x3, geo, pstr, nb)
     cols, outb, pidx, pw, pm = _scratch(fws[nw + nxp:nw + nxp + ntile_ws], np.empty(max(1, nint), np.int64),
@@ -964,17 +981,16 @@ def _serial(x, w, off, m, b, y, meta):
         nc = min(nb, N - n0)
         for nl in range(nc):
             for r in range(rows):
-                _pad_row(x3, n0 + nl, xp[nl], geo, r)
+                _pad_row_op(x3, n0 + nl, xp[nl], geo, r)
         for it in range(nc * ntile):
             nl, t = it // ntile, it % ntile
             p0, p1 = t * T, min(P, t * T + T)
-            # (typed values, not literals True and 0: _parallel's signature, so both share one compiled _tile)
-            _tile(tok, n0 + nl, nl, p0, p1, xp, off3, m3, has_mask, wm, b, has_b, y3, geo, pstr, coff, segs,
-                  dims, cols, outb, pidx, pw, pm, np.bool_(True), np.int64(0), np.int64(0) if inplace else oC)
+            _tile_op(tok, n0 + nl, nl, p0, p1, xp, off3, m3, has_mask, wm, b, has_b, y3, geo, pstr, coff, segs,
+                     dims, cols, outb, pidx, pw, pm, True, 0, 0 if inplace else oC)
             if inplace:
-                _to_cmajor(cols, shared, np.int64(0), p1 - p0, T, K, C // group, group)
-                _tile(tok, n0 + nl, nl, p0, p1, xp, off3, m3, has_mask, wm, b, has_b, y3, geo, pstr, coff, segs,
-                      dims, shared, outb, pidx, pw, pm, np.bool_(False), np.int64(0), oC)
+                _to_cmajor_op(cols, shared, 0, p1 - p0, T, K, C // group, group)
+                _tile_op(tok, n0 + nl, nl, p0, p1, xp, off3, m3, has_mask, wm, b, has_b, y3, geo, pstr, coff, segs,
+                         dims, shared, outb, pidx, pw, pm, False, 0, oC)
 
 
 @njit(cache=True, parallel=True, nogil=True)
@@ -988,21 +1004,16 @@ def _parallel(x, w, off, m, b, y, meta, fws, iws):
     tok = x.shape[2:]
     N, C = x3.shape[0], x3.shape[1]
     oC, P = y3.shape[1], y3.shape[2]
-    K, group, T, nb, nth = dims[1], dims[2], dims[4], dims[5], dims[6]
-    nd = geo.shape[1]
-    ocg = oC // group
+    K, T, nb, nth = dims[1], dims[4], dims[5], dims[6]
     nw, nxp, ntile_ws, nint = _ws_sizes(C, oC, geo, pstr, dims)
     wr = fws[:nw]
     rows, xp, coff = _padded_setup(fws[nw:nw + nxp], x3, geo, pstr, nb)
     ntile = (P + T - 1) // T
     segs = _segments(dims)
     csplit = dims[11] != 0
-    ksplit = dims[11] == 2  # (one group only)
-    nr = 3 if ksplit else 2  # pool rounds per tile of the channel (reduction) split
-    ncols = _tile_parts(dims, nd, ocg)[0]
+    nr = 3 if dims[11] == 2 else 2  # pool rounds per tile of the channel (reduction) split
     shared = fws[nw + nxp + nth * ntile_ws:nw + nxp + nth * ntile_ws + T * K * C]  # (channel split only)
     wmat = _mutable(_wmat(w3, wr))
-    u = 16 if oC >= 64 * nth else 1
     for n0 in range(0, N, nb):
         nc = min(nb, N - n0)
         # padded rows of this chunk, and (first chunk only) the weights' rows: one pool round,
@@ -1011,13 +1022,7 @@ def _parallel(x, w, off, m, b, y, meta, fws, iws):
         # (the channel split reads float32/float64 weights where they lie: no weight rows)
         wrows = oC if n0 == 0 and not (csplit and _native(w3)) else 0
         for th in prange(nth):
-            for i in range(th, nc * rows + wrows, nth):
-                if i < nc * rows:
-                    _pad_row(x3, n0 + i // rows, xp[i // rows], geo, i % rows)
-                elif csplit:
-                    _convert_w(w3, wr, i - nc * rows)
-                else:
-                    _reorder_w(w3, wr, K, i - nc * rows)
+            _pad_round_op(np.int64(th), nth, x3, n0, nc, rows, wrows, xp, w3, wr, geo, K, csplit)
         # the tiles, in rounds: the position split runs one round (each thread a contiguous run
         # of tiles: one image's rows stay in its cache); the channel split two per tile: the
         # threads fill shares of its positions (each in its own column buffer, then turned into
@@ -1028,39 +1033,75 @@ def _parallel(x, w, off, m, b, y, meta, fws, iws):
         # The reduction split (one group, few output channels per thread) runs three: the fill,
         # each thread's GEMM of all output channels over its share of w's columns into its own
         # GEMM tile, then each thread's share of y's rows summed from those partial sums.
-        # One prange loop and one _tile call for all (each loop body is a function of its own
-        # that numba optimises again with all it calls: compile time)
-        items = nc * ntile
-        for rd in range(nr * items if csplit else 1):
+        # (np.int64(th): the gufunc's index is unsigned, its typing pass's signed: one signature)
+        for rd in range(nr * nc * ntile if csplit else 1):
             for th in prange(nth):
-                f0 = nw + nxp + th * ntile_ws
-                cols, outb, pidx, pw, pm = _scratch(fws[f0:f0 + ntile_ws], iws[th * nint:(th + 1) * nint],
-                                                    dims, nd, ocg)
-                lo = th * items // nth
-                hi = (th + 1) * items // nth
-                if csplit:
-                    lo, hi = rd // nr, rd // nr + 1
-                phase = rd % nr
-                for it in range(lo, hi):
-                    nl, t = it // ntile, it % ntile
-                    p0, p1 = t * T, min(P, t * T + T)
-                    buf, wm, fill, o0, o1 = cols, wr, True, 0, oC
-                    if csplit and phase == 0:  # this thread's share of the positions
-                        p0, p1, o1 = p0 + th * (p1 - p0) // nth, p0 + (th + 1) * (p1 - p0) // nth, 0
-                    elif ksplit:  # the reduction split
-                        # (np.int64(th): the gufunc's index is unsigned, its typing pass's signed: one signature)
-                        _reduction_phase(phase, np.int64(th), nth, shared, wmat, outb, fws, nw + nxp + ncols, ntile_ws,
-                                         b, has_b, y3, n0 + nl, p0, p1 - p0)
-                        fill, o1 = False, 0  # (nothing left for _tile)
-                    elif csplit:  # this thread's share of the output channels
-                        buf, wm, fill = shared, wmat, False
-                        o0 = min(oC, (th * oC // nth + u // 2) // u * u) if th else 0
-                        o1 = min(oC, ((th + 1) * oC // nth + u // 2) // u * u) if th < nth - 1 else oC
-                    if p1 > p0 and (fill or o1 > o0):
-                        _tile(tok, n0 + nl, nl, p0, p1, xp, off3, m3, has_mask, wm, b, has_b, y3, geo, pstr,
-                              coff, segs, dims, buf, outb, pidx, pw, pm, fill, o0, o1)
-                        if csplit and fill:
-                            _to_cmajor(cols, shared, p0 - t * T, p1 - p0, T, K, C // group, group)
+                _round_op(np.int64(th), rd, tok, n0, nc, xp, off3, m3, has_mask, wr, wmat, shared, b, has_b, y3,
+                          geo, pstr, coff, segs, dims, fws, iws)
+
+
+@njit(cache=True)
+def _pad_round(th, nth, x3, n0, nc, rows, wrows, xp, w3, wr, geo, K, csplit):
+    """Thread ``th``'s share of a pool round of set-up: padded rows of images ``n0 ..
+    n0 + nc`` and ``wrows`` weight rows, dealt out in turn."""
+    for i in range(th, nc * rows + wrows, nth):
+        if i < nc * rows:
+            _pad_row_op(x3, n0 + i // rows, xp[i // rows], geo, i % rows)
+        elif csplit:
+            _convert_w_op(w3, wr, i - nc * rows)
+        else:
+            _reorder_w_op(w3, wr, K, i - nc * rows)
+
+
+@njit(cache=True)
+def _round(th, rd, tok, n0, nc, xp, off3, m3, has_mask, wr, wmat, shared, b, has_b, y3, geo, pstr, coff, segs,
+           dims, fws, iws):
+    """Thread ``th``'s part of pool round ``rd`` over the tiles of images ``n0 ..
+    n0 + nc`` (see ``_parallel``): the position split's run of tiles, or its share of
+    one tile's phase (fill, GEMM, reduction) in the channel and reduction splits."""
+    C, K, group, T, nth = dims[0], dims[1], dims[2], dims[4], dims[6]
+    oC, P = y3.shape[1], y3.shape[2]
+    nd = geo.shape[1]
+    ocg = oC // group
+    nw, nxp, ntile_ws, nint = _ws_sizes(C, oC, geo, pstr, dims)
+    csplit = dims[11] != 0
+    ksplit = dims[11] == 2  # (one group only)
+    nr = 3 if ksplit else 2  # pool rounds per tile of the channel (reduction) split
+    ncols = _tile_parts(dims, nd, ocg)[0]
+    u = 16 if oC >= 64 * nth else 1
+    ntile = (P + T - 1) // T
+    items = nc * ntile
+    f0 = nw + nxp + th * ntile_ws
+    cols, outb, pidx, pw, pm = _scratch(fws[f0:f0 + ntile_ws], iws[th * nint:(th + 1) * nint], dims, nd, ocg)
+    lo = th * items // nth
+    hi = (th + 1) * items // nth
+    if csplit:
+        lo, hi = rd // nr, rd // nr + 1
+    phase = rd % nr
+    for it in range(lo, hi):
+        nl, t = it // ntile, it % ntile
+        p0, p1 = t * T, min(P, t * T + T)
+        buf, wm, fill, o0, o1 = cols, wr, True, 0, oC
+        if csplit and phase == 0:  # this thread's share of the positions
+            p0, p1, o1 = p0 + th * (p1 - p0) // nth, p0 + (th + 1) * (p1 - p0) // nth, 0
+        elif ksplit:  # the reduction split
+            _reduction_phase_op(phase, th, nth, shared, wmat, outb, fws, nw + nxp + ncols, ntile_ws,
+                                b, has_b, y3, n0 + nl, p0, p1 - p0)
+            fill, o1 = False, 0  # (nothing left for _tile)
+        elif csplit:  # this thread's share of the output channels
+            buf, wm, fill = shared, wmat, False
+            o0 = min(oC, (th * oC // nth + u // 2) // u * u) if th else 0
+            o1 = min(oC, ((th + 1) * oC // nth + u // 2) // u * u) if th < nth - 1 else oC
+        if p1 > p0 and (fill or o1 > o0):
+            _tile_op(tok, n0 + nl, nl, p0, p1, xp, off3, m3, has_mask, wm, b, has_b, y3, geo, pstr,
+                     coff, segs, dims, buf, outb, pidx, pw, pm, fill, o0, o1)
+            if csplit and fill:
+                _to_cmajor_op(cols, shared, p0 - t * T, p1 - p0, T, K, C // group, group)
+
+
+#: the parallel entry's per-thread rounds, called through their own compiled code: its
+#: loop bodies (numba compiles each into a function of its own) hold one call each
+_pad_round_op, _round_op = opaque(_pad_round), opaque(_round)
 
 
 # --- SciPy's BLAS thread count ----------------------------------------------------------

@@ -46,6 +46,7 @@ from .._sample import (LINEAR, NEAREST, TAPS, ZEROS, as_compute, cubic_taps, cub
                        linear_taps, load_sample, nearest_tap, store_sample, unnormalize)
 from .._scalar import load
 from . import _runtime
+from ._opaque import opaque
 
 #: grid dtypes; ``x`` has the same dtype, or uint8
 DTYPES = ("float16", "bfloat16", "float32", "float64")
@@ -370,12 +371,16 @@ def _units(x, xf, gf, out, mtok, ptok, align, zero, u0, u1):
         accumulate(x, xf, out, n * C * S, S, n * C * P + j0, P, C, m, mtok, ptok, nout, base, pidx, pw, pok, kind, zero)
 
 
+#: called through its own compiled code (``_opaque``): the serial and parallel entries do
+#: not compile it again
+_units_op = opaque(_units)
+
+
 @njit(cache=True, nogil=True)
 def _serial(x, xf, gf, out, mtok, ptok, align, zero):
     N, C = x.shape[0], x.shape[1]
     P = out.size // (N * C)
-    # np.int64(0), not a literal 0: the parallel entry's signature, so both share one compiled _units
-    _units(x, xf, gf, out, mtok, ptok, align, zero, np.int64(0), N * ((P + SEG - 1) // SEG))
+    _units_op(x, xf, gf, out, mtok, ptok, align, zero, np.int64(0), N * ((P + SEG - 1) // SEG))
 
 
 @njit(cache=True, parallel=True, nogil=True)
@@ -385,7 +390,7 @@ def _parallel(x, xf, gf, out, mtok, ptok, align, zero, nchunks):
     units = N * ((P + SEG - 1) // SEG)
     nchunks = min(units, nchunks)
     for c in prange(nchunks):
-        _units(x, xf, gf, out, mtok, ptok, align, zero, c * units // nchunks, (c + 1) * units // nchunks)
+        _units_op(x, xf, gf, out, mtok, ptok, align, zero, c * units // nchunks, (c + 1) * units // nchunks)
 
 
 #: a mode's or padding's token: a tuple as long as its code, so that ``len(tok)`` is a

@@ -1,0 +1,74 @@
+"""Calls between compiled CPU kernels that do not copy the callee's code (issue 18).
+
+numba compiles a call from one jitted function to another by linking the callee's
+whole LLVM module, with every function it calls in turn, into the caller's, and then
+optimises and compiles that module again: each level of calls pays again for all the
+code below it (the DeformConv tile, ~5 s to compile, was compiled once for the tile,
+again in the serial entry and again in the parallel one's loop body).
+
+``opaque(dispatcher)`` makes a function (an intrinsic) that calls ``dispatcher``'s
+own compiled code through its native symbol instead: the caller declares the symbol
+and calls it with numba's calling convention, as numba calls a linked function, so
+arguments, return values and raised exceptions behave the same; LLVM only cannot
+inline the callee into the caller, which costs nothing for calls that each do a
+tile's worth of work. The arguments' literal types are dropped (a literal ``0``
+and an int64 reach the same compiled callee).
+
+The symbol has a name that is the same in every process (``_publish``: the callee's
+module, name and signature, hashed), registered with LLVM's process symbol table
+(``llvmlite.binding.add_symbol``) when the caller is compiled, and again, through
+numba's ``reload_init`` hook, before a caller's cached code is loaded from numba's
+on-disk cache: the callee is compiled or loaded from the cache first, so the caller's
+cached machine code always finds it.
+"""
+import functools
+import hashlib
+import importlib
+
+from llvmlite import binding as ll
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+
+def _publish(dispatcher, args):
+    """Compile (or load from the cache) ``dispatcher`` for the argument types ``args``
+    and register its native entry under its stable name; ``(name, fndesc)``."""
+    dispatcher.compile(args)
+    cres = dispatcher.overloads[args]
+    key = "%s.%s%s" % (dispatcher.py_func.__module__, dispatcher.py_func.__qualname__, args)
+    name = "numba_ops.opaque." + hashlib.sha1(key.encode()).hexdigest()
+    ll.add_symbol(name, cres.library.get_pointer_to_function(cres.fndesc.llvm_func_name))
+    return name, cres.fndesc
+
+
+def _reload(module, qualname, args):
+    """numba's ``reload_init`` for a cached caller: publish the callee first."""
+    _publish(getattr(importlib.import_module(module), qualname), args)
+
+
+def opaque(dispatcher):
+    """A jitted-code function ``f(*args)`` that calls ``dispatcher(*args)`` through
+    the callee's own compiled code (see the module's docstring)."""
+
+    @intrinsic
+    def call(typingctx, *args):
+        args = tuple(types.unliteral(a) for a in args)
+        name, fndesc = _publish(dispatcher, args)
+        if not isinstance(fndesc.restype, (types.NoneType, types.Number, types.Boolean)):
+            raise TypeError("opaque calls return None or a scalar, not %s" % fndesc.restype)
+        reload = functools.partial(_reload, dispatcher.py_func.__module__, dispatcher.py_func.__qualname__, args)
+
+        def codegen(context, builder, sig, llargs):
+            context.active_code_library._reload_init.add(reload)
+            vals = cgutils.unpack_tuple(builder, llargs[0], len(args))
+            fnty = context.call_conv.get_function_type(fndesc.restype, fndesc.argtypes)
+            fn = cgutils.get_or_insert_function(builder.module, fnty, name)
+            context.call_conv.decorate_function(fn, fndesc.args, fndesc.argtypes, noalias=fndesc.noalias)
+            status, res = context.call_conv.call_function(builder, fn, fndesc.restype, fndesc.argtypes, vals)
+            with cgutils.if_unlikely(builder, status.is_error):
+                context.call_conv.return_status_propagate(builder, status)
+            return res
+        return fndesc.restype(types.StarArgTuple.from_types(args)), codegen
+
+    return call
