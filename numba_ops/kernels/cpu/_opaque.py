@@ -20,6 +20,11 @@ module, name and signature, hashed), registered with LLVM's process symbol table
 numba's ``reload_init`` hook, before a caller's cached code is loaded from numba's
 on-disk cache: the callee is compiled or loaded from the cache first, so the caller's
 cached machine code always finds it.
+
+``INTERNAL``: the ``njit`` options of functions that only jitted code calls (the
+opaque callees and the hot loops they call): numba then generates neither the
+Python wrapper nor the C wrapper of each (up to a third of a function's code to
+compile). Such a function cannot be called from Python.
 """
 import functools
 import hashlib
@@ -29,6 +34,8 @@ from llvmlite import binding as ll
 from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
+
+INTERNAL = dict(cache=True, no_cpython_wrapper=True, no_cfunc_wrapper=True)
 
 
 def _publish(dispatcher, args):

@@ -32,12 +32,12 @@ from numba.extending import overload
 from ..._dtypes import compute, storage
 from .._scalar import base_coord, f32_to_bf16_bits_rne, store
 from . import _runtime
-from ._opaque import opaque
+from ._opaque import INTERNAL, opaque
 
 DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 
-@njit(cache=True)
+@njit(**INTERNAL)
 def _coords(length, align, one):
     c = np.empty(length, dtype=type(one))
     for i in range(length):
@@ -60,7 +60,7 @@ def _put_impl(out, i, v):
     return impl
 
 
-@njit(cache=True)
+@njit(**INTERNAL)
 def _rows(theta, grid, D, H, W, align, one, r0, r1):
     """Rows ``r0:r1`` of the grid, viewed flat as N * D * H rows of W * nd elements
     (D being 1 in 2-D); ``one`` is 1 in the compute type. (Sizes come as ints, not a tuple:

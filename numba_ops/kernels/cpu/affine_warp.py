@@ -17,7 +17,7 @@ from numba import njit, prange
 from ..._dtypes import compute
 from .._sample import TAPS, as_compute, unnormalize
 from . import _runtime
-from ._opaque import opaque
+from ._opaque import INTERNAL, opaque
 from .affine_grid import _coords
 from .grid_sample import SEG, TOKEN, ZERO, accumulate, kernel_view, output_for, plan, public, scratch
 
@@ -25,7 +25,7 @@ from .grid_sample import SEG, TOKEN, ZERO, accumulate, kernel_view, output_for, 
 DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 
-@njit(cache=True)
+@njit(**INTERNAL)
 def _units(x, xf, theta, out, D, H, W, mtok, ptok, align, zero, u0, u1):
     """Segments ``u0:u1`` (row-major over rows (n, d, h)) of ``out`` (flat, N*C*D*H*W;
     D = 1 in 2-D); ``x`` (N, C, [Di,] Hi, Wi) C-contiguous, ``xf`` its flat view,

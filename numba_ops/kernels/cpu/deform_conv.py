@@ -79,7 +79,7 @@ from numba.extending import intrinsic, overload
 from ..._dtypes import compute, storage
 from .._scalar import border_corner, load, store
 from . import _runtime
-from ._opaque import opaque
+from ._opaque import INTERNAL, opaque
 
 DTYPES = ("float16", "bfloat16", "float32", "float64")
 
@@ -208,7 +208,7 @@ def _gemm_tn(typingctx, a, ao, lda, b, bo, ldb, c, co, ldc, m, n, k):
 
 # --- phase 1: padded channel-last images and reordered weights ---------------------------
 
-@njit(cache=True)
+@njit(**INTERNAL)
 def _pad_row(x3, n, xp, geo, r):
     """Padded row ``r`` (all leading padded coordinates, flattened) of image ``n``
     into ``xp`` (sites x C, flat): interior copied channel-last, border zeroed."""
@@ -258,7 +258,7 @@ def _pad_row(x3, n, xp, geo, r):
             xp[dst + (j + 1) * C + c] = load(xn, (c, src + j))
 
 
-@njit(cache=True)
+@njit(**INTERNAL)
 def _reorder_w(w3, wr, K, o):
     """wr[o, kidx, c] = w[o, c, kidx] in the compute type (wr flat, one row of oC;
     flat unsigned indices: no index fix-ups in the strided gather)."""
@@ -296,7 +296,7 @@ def _wmat_ol(w3, wr):
     return lambda w3, wr: wr
 
 
-@njit(cache=True)
+@njit(**INTERNAL)
 def _convert_w(w3, wr, o):
     """wr's row ``o`` = w's row in the compute type, same order (16-bit weights, channel split)."""
     n = np.uint64(w3.shape[1] * w3.shape[2])
@@ -306,7 +306,7 @@ def _convert_w(w3, wr, o):
         wr[base + i] = load(wf, base + i)
 
 
-@njit(cache=True)
+@njit(**INTERNAL)
 def _to_cmajor(cols, shared, j0, tl, T, K, cpg, group):
     """Column rows 0..tl of ``cols`` ((group, T, K, cpg) order) into rows j0.. of ``shared``
     in (group, T, cpg, K) order: the order of w's own rows, so that the channel split
@@ -325,7 +325,7 @@ def _to_cmajor(cols, shared, j0, tl, T, K, cpg, group):
 
 # --- phase 2: sampling plans, column fill, GEMM, write-out -------------------------------
 
-@njit(cache=True)
+@njit(**INTERNAL)
 def _plan_row2d(oy, ox, mm, has_mask, by, bx, sx, hw, ys, zsite, C, q0, q1, j0, pidx, pw, pm):
     """2-D plan of output positions q0..q1 of one output row: the hot loop,
     branch-free, 32-bit (the launcher checks the sizes) and on 0-based slices,
@@ -358,7 +358,7 @@ def _plan_row2d(oy, ox, mm, has_mask, by, bx, sx, hw, ys, zsite, C, q0, q1, j0, 
         pm[i] = one if mfin else m
 
 
-@njit(cache=True)
+@njit(**INTERNAL)
 def _plan_row3d(oz, oy, ox, mm, has_mask, bz, by, bx, sx, dhw, zs, ys, zsite, C, q0, q1, j0, pidx, pw, pm):
     """3-D plan of output positions q0..q1 of one output row (see ``_plan_row2d``)."""
     zero = _czero(pw)
@@ -392,7 +392,7 @@ def _plan_row3d(oz, oy, ox, mm, has_mask, bz, by, bx, sx, dhw, zs, ys, zsite, C,
         pm[i] = one if mfin else m
 
 
-@njit(cache=True)
+@njit(**INTERNAL)
 def _plan(tok, off3, m3, has_mask, n, geo, pstr, C, kidx, g, K, p0, p1, pidx, pw, pm, fast, zsite):
     """Sampling plan of offset group ``g``, kernel point ``kidx`` for output
     positions [p0, p1): ``pidx`` the flat index of the lowest corner in ``xp``,
@@ -505,7 +505,7 @@ def _segments(dims):
     return segs[:ns]
 
 
-@njit(cache=True)
+@njit(**INTERNAL)
 def _fill(tok, xp, coff, pidx, pw, pm, cols, segs, tl, K, cpg):
     """Apply the tile's plans: cols[gi, j, kidx, c - gi*cpg] =
     mask * sum_corner w * xp[pidx + coff + c] for every channel c.
@@ -535,7 +535,7 @@ def _fill(tok, xp, coff, pidx, pw, pm, cols, segs, tl, K, cpg):
                         cols[o + i] *= m
 
 
-@njit(cache=True, fastmath={"contract"})
+@njit(fastmath={"contract"}, **INTERNAL)
 def _fill_bilinear(xp, u1, u2, u3, pidx, pw, cols, segs, tl, K, cpg):
     """The runs of ``_fill`` in 2-D: 4 loads and FMAs per channel (SIMD), unsigned
     indices (no negative-index fix-ups in the short loops). Apart from ``_fill_any``
@@ -556,7 +556,7 @@ def _fill_bilinear(xp, u1, u2, u3, pidx, pw, cols, segs, tl, K, cpg):
                     cols[ud + i] = w0 * xp[bi] + w1 * xp[bi + u1] + w2 * xp[bi + u2] + w3 * xp[bi + u3]
 
 
-@njit(cache=True, fastmath={"contract"})
+@njit(fastmath={"contract"}, **INTERNAL)
 def _fill_any(tok, xp, coff, pidx, pw, cols, segs, tl, K, cpg):
     """The runs of ``_fill`` in 1-D (2 corners), 3-D (8) and beyond (a pass per corner);
     the rank, ``len(tok)``, is fixed at compile time (see ``_plan``)."""
@@ -603,7 +603,7 @@ def _fill_any(tok, xp, coff, pidx, pw, cols, segs, tl, K, cpg):
 _plan_op, _fill_op = opaque(_plan), opaque(_fill)
 
 
-@njit(cache=True)
+@njit(**INTERNAL)
 def _tile(tok, n, nl, p0, p1, xp, off3, m3, has_mask, wr, b, has_b, y3, geo, pstr, coff, segs, dims,
           cols, outb, pidx, pw, pm, fill, oc0, oc1):
     """Output positions [p0, p1) of image ``n`` (``nl``: its slot in ``xp``): when
@@ -671,7 +671,7 @@ def _tile(tok, n, nl, p0, p1, xp, off3, m3, has_mask, wr, b, has_b, y3, geo, pst
 _tile_op = opaque(_tile)
 
 
-@njit(cache=True)
+@njit(**INTERNAL)
 def _reduction_phase(phase, th, nth, shared, wmat, outb, fws, base, stride, b, has_b, y3, n, p0, tl):
     """Thread ``th``'s part of the reduction split (one group) for the tile of ``tl``
     positions from ``p0`` of image ``n``, whose columns ``shared`` holds in w's order.
@@ -1040,7 +1040,7 @@ def _parallel(x, w, off, m, b, y, meta, fws, iws):
                           geo, pstr, coff, segs, dims, fws, iws)
 
 
-@njit(cache=True)
+@njit(**INTERNAL)
 def _pad_round(th, nth, x3, n0, nc, rows, wrows, xp, w3, wr, geo, K, csplit):
     """Thread ``th``'s share of a pool round of set-up: padded rows of images ``n0 ..
     n0 + nc`` and ``wrows`` weight rows, dealt out in turn."""
@@ -1053,7 +1053,7 @@ def _pad_round(th, nth, x3, n0, nc, rows, wrows, xp, w3, wr, geo, K, csplit):
             _reorder_w_op(w3, wr, K, i - nc * rows)
 
 
-@njit(cache=True)
+@njit(**INTERNAL)
 def _round(th, rd, tok, n0, nc, xp, off3, m3, has_mask, wr, wmat, shared, b, has_b, y3, geo, pstr, coff, segs,
            dims, fws, iws):
     """Thread ``th``'s part of pool round ``rd`` over the tiles of images ``n0 ..

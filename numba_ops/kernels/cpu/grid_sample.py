@@ -46,7 +46,7 @@ from .._sample import (LINEAR, NEAREST, TAPS, ZEROS, as_compute, cubic_taps, cub
                        linear_taps, load_sample, nearest_tap, store_sample, unnormalize)
 from .._scalar import load
 from . import _runtime
-from ._opaque import opaque
+from ._opaque import INTERNAL, opaque
 
 #: grid dtypes; ``x`` has the same dtype, or uint8
 DTYPES = ("float16", "bfloat16", "float32", "float64")
@@ -171,7 +171,7 @@ def _generic(r, sh, pos, m, mtok, ptok, align, zero, pidx, pw, pok):
         _taps_axis(pos, m, r - 3, sh[nd - 3], sh[nd - 2] * sh[nd - 1], mtok, ptok, align, zero, pidx, pw, pok)
 
 
-@njit(cache=True)
+@njit(**INTERNAL)
 def plan(x, pos, m, mtok, ptok, align, zero, base, pidx, pw, pok, kind):
     """The plan of a segment of ``m`` positions (``pos[k, :m]`` on spatial axis ``k``
     of ``x``, shape (N, C, D1..Dr)); returns how many are all-outside. Zeros
@@ -276,7 +276,7 @@ def _sample(x, xf, xb, j, T, masked, interior, s1, s2, pidx, pw, pok, zero):
     return _s3(xf, xb, j, T, masked, interior, s1, s2, pidx, pw, pok, zero)
 
 
-@njit(cache=True)
+@njit(**INTERNAL)
 def accumulate(x, xf, out, xb, xs, ob, os, C, m, mtok, ptok, nout, base, pidx, pw, pok, kind, zero):
     """``out[ob + c * os + j] = sample j`` of the segment's plan in channel ``c`` (the
     channel image starting at ``xf[xb + c * xs]``), for ``j < m`` and ``c < C``:
@@ -337,7 +337,7 @@ def accumulate(x, xf, out, xb, xs, ob, os, C, m, mtok, ptok, nout, base, pidx, p
                 o += osu
 
 
-@njit(cache=True)
+@njit(**INTERNAL)
 def scratch(zero):
     """``(pos, base, pidx, pw, pok, kind)``: one thread's segment buffers."""
     return (np.empty((3, SEG), type(zero)), np.empty(SEG, np.int64), np.empty((3, 4, SEG), np.int64),
@@ -346,7 +346,7 @@ def scratch(zero):
 
 # --- GridSample ------------------------------------------------------------------------
 
-@njit(cache=True)
+@njit(**INTERNAL)
 def _units(x, xf, gf, out, mtok, ptok, align, zero, u0, u1):
     """Segments ``u0:u1`` (image-major) of the output ``out`` (flat, N*C*P); ``x``
     (N, C, D1..Dr) C-contiguous and ``xf`` its flat view; ``gf`` the flat grid."""
