@@ -948,98 +948,6 @@ def _padded_setup(buf, x3, geo, pstr, nb):
     return rows, _padded_buffer(buf, nb, sites, tail, C), _corner_offsets(pstr, C)
 
 
-@njit(cache=True, nogil=True)
-def _serial(x, w, off, m, b, y, meta):
-    """The tiled path on the caller's thread: any rank and layout."""
-    geo, pstr, dims, has_mask, has_b = _unpack(meta)
-    x3, w3, off3, m3, y3 = _flat3(geo, x, w, off, m, y)
-    b = _as_c(b)
-    tok = x.shape[2:]
-    N, C = x3.shape[0], x3.shape[1]
-    oC, P = y3.shape[1], y3.shape[2]
-    K, group, T, nb = dims[1], dims[2], dims[4], dims[5]
-    nd = geo.shape[1]
-    ocg = oC // group
-    nw, nxp, ntile_ws, nint = _ws_sizes(C, oC, geo, pstr, dims)
-    # in place: float32/float64 weights multiplied where they lie, the columns turned into
-    # their order (``_plan_sizes``); else the weights reordered once into ``wr``
-    inplace = dims[11] != 0 and _native(w3)
-    nsh = T * K * C if inplace else 0
-    fws = _empty_like_compute(x3, nw + nxp + ntile_ws + nsh)
-    wr = fws[:nw]
-    if not inplace:
-        for o in range(oC):
-            _reorder_w_op(w3, wr, K, o)
-    wm = _mutable(_wmat(w3, wr)) if inplace else wr
-    rows, xp, coff = _padded_setup(fws[nw:nw + nxp], x3, geo, pstr, nb)
-    cols, outb, pidx, pw, pm = _scratch(fws[nw + nxp:nw + nxp + ntile_ws], np.empty(max(1, nint), np.int64),
-                                        dims, nd, ocg)
-    shared = fws[nw + nxp + ntile_ws:]
-    ntile = (P + T - 1) // T
-    segs = _segments(dims)
-    for n0 in range(0, N, nb):
-        nc = min(nb, N - n0)
-        for nl in range(nc):
-            for r in range(rows):
-                _pad_row_op(x3, n0 + nl, xp[nl], geo, r)
-        for it in range(nc * ntile):
-            nl, t = it // ntile, it % ntile
-            p0, p1 = t * T, min(P, t * T + T)
-            _tile_op(tok, n0 + nl, nl, p0, p1, xp, off3, m3, has_mask, wm, b, has_b, y3, geo, pstr, coff, segs,
-                     dims, cols, outb, pidx, pw, pm, True, 0, 0 if inplace else oC)
-            if inplace:
-                _to_cmajor_op(cols, shared, 0, p1 - p0, T, K, C // group, group)
-                _tile_op(tok, n0 + nl, nl, p0, p1, xp, off3, m3, has_mask, wm, b, has_b, y3, geo, pstr, coff, segs,
-                         dims, shared, outb, pidx, pw, pm, False, 0, oC)
-
-
-@njit(cache=True, parallel=True, nogil=True)
-def _parallel(x, w, off, m, b, y, meta, fws, iws):
-    """The tiled path on numba's pool: any rank and layout. ``fws``/``iws``: the
-    caller's workspaces (see ``_ws_sizes``), reused across calls: fresh scratch
-    pages cost a page fault each, up to a fifth of a call."""
-    geo, pstr, dims, has_mask, has_b = _unpack(meta)
-    x3, w3, off3, m3, y3 = _flat3(geo, x, w, off, m, y)
-    b = _as_c(b)
-    tok = x.shape[2:]
-    N, C = x3.shape[0], x3.shape[1]
-    oC, P = y3.shape[1], y3.shape[2]
-    K, T, nb, nth = dims[1], dims[4], dims[5], dims[6]
-    nw, nxp, ntile_ws, nint = _ws_sizes(C, oC, geo, pstr, dims)
-    wr = fws[:nw]
-    rows, xp, coff = _padded_setup(fws[nw:nw + nxp], x3, geo, pstr, nb)
-    ntile = (P + T - 1) // T
-    segs = _segments(dims)
-    csplit = dims[11] != 0
-    nr = 3 if dims[11] == 2 else 2  # pool rounds per tile of the channel (reduction) split
-    shared = fws[nw + nxp + nth * ntile_ws:nw + nxp + nth * ntile_ws + T * K * C]  # (channel split only)
-    wmat = _mutable(_wmat(w3, wr))
-    for n0 in range(0, N, nb):
-        nc = min(nb, N - n0)
-        # padded rows of this chunk, and (first chunk only) the weights' rows: one pool round,
-        # the items dealt out in turn (a padded row and a weight row differ several-fold in
-        # work: contiguous halves would leave one thread waiting for the other)
-        # (the channel split reads float32/float64 weights where they lie: no weight rows)
-        wrows = oC if n0 == 0 and not (csplit and _native(w3)) else 0
-        for th in prange(nth):
-            _pad_round_op(np.int64(th), nth, x3, n0, nc, rows, wrows, xp, w3, wr, geo, K, csplit)
-        # the tiles, in rounds: the position split runs one round (each thread a contiguous run
-        # of tiles: one image's rows stay in its cache); the channel split two per tile: the
-        # threads fill shares of its positions (each in its own column buffer, then turned into
-        # w's (channel, kernel point) order in the shared one), then each multiplies the shared
-        # columns by its share of the output channels (rows of w, cut at multiples of 16 so
-        # that BLAS's panels stay whole): every weight is packed once per tile, not once per
-        # thread, each GEMM gets the whole tile's positions, and the weights are not reordered.
-        # The reduction split (one group, few output channels per thread) runs three: the fill,
-        # each thread's GEMM of all output channels over its share of w's columns into its own
-        # GEMM tile, then each thread's share of y's rows summed from those partial sums.
-        # (np.int64(th): the gufunc's index is unsigned, its typing pass's signed: one signature)
-        for rd in range(nr * nc * ntile if csplit else 1):
-            for th in prange(nth):
-                _round_op(np.int64(th), rd, tok, n0, nc, xp, off3, m3, has_mask, wr, wmat, shared, b, has_b, y3,
-                          geo, pstr, coff, segs, dims, fws, iws)
-
-
 @njit(**INTERNAL)
 def _pad_round(th, nth, x3, n0, nc, rows, wrows, xp, w3, wr, geo, K, csplit):
     """Thread ``th``'s share of a pool round of set-up: padded rows of images ``n0 ..
@@ -1102,6 +1010,85 @@ def _round(th, rd, tok, n0, nc, xp, off3, m3, has_mask, wr, wmat, shared, b, has
 #: the parallel entry's per-thread rounds, called through their own compiled code: its
 #: loop bodies (numba compiles each into a function of its own) hold one call each
 _pad_round_op, _round_op = opaque(_pad_round), opaque(_round)
+
+
+@njit(cache=True, nogil=True)
+def _serial(x, w, off, m, b, y, meta):
+    """The tiled path on the caller's thread: the parallel entry's rounds (``_pad_round``,
+    ``_round``) at one thread, in scratch of its own (serial calls run side by side,
+    e.g. Dask tasks). ``meta`` is a one-thread plan: its channel split is the weights
+    read in place (``_plan_sizes``)."""
+    geo, pstr, dims, has_mask, has_b = _unpack(meta)
+    x3, w3, off3, m3, y3 = _flat3(geo, x, w, off, m, y)
+    b = _as_c(b)
+    tok = x.shape[2:]
+    N, C = x3.shape[0], x3.shape[1]
+    oC, P = y3.shape[1], y3.shape[2]
+    K, T, nb = dims[1], dims[4], dims[5]
+    nw, nxp, ntile_ws, nint = _ws_sizes(C, oC, geo, pstr, dims)
+    csplit = dims[11] != 0
+    fws = _empty_like_compute(x3, nw + nxp + ntile_ws + (T * K * C if csplit else 0))
+    iws = np.empty(max(1, nint), np.int64)
+    wr = fws[:nw]
+    rows, xp, coff = _padded_setup(fws[nw:nw + nxp], x3, geo, pstr, nb)
+    ntile = (P + T - 1) // T
+    segs = _segments(dims)
+    shared = fws[nw + nxp + ntile_ws:]
+    wmat = _mutable(_wmat(w3, wr))
+    for n0 in range(0, N, nb):
+        nc = min(nb, N - n0)
+        wrows = oC if n0 == 0 and not (csplit and _native(w3)) else 0
+        _pad_round_op(0, 1, x3, n0, nc, rows, wrows, xp, w3, wr, geo, K, csplit)
+        for rd in range((3 if dims[11] == 2 else 2) * nc * ntile if csplit else 1):
+            _round_op(0, rd, tok, n0, nc, xp, off3, m3, has_mask, wr, wmat, shared, b, has_b, y3, geo, pstr, coff,
+                      segs, dims, fws, iws)
+
+
+@njit(cache=True, parallel=True, nogil=True)
+def _parallel(x, w, off, m, b, y, meta, fws, iws):
+    """The tiled path on numba's pool: any rank and layout. ``fws``/``iws``: the
+    caller's workspaces (see ``_ws_sizes``), reused across calls: fresh scratch
+    pages cost a page fault each, up to a fifth of a call."""
+    geo, pstr, dims, has_mask, has_b = _unpack(meta)
+    x3, w3, off3, m3, y3 = _flat3(geo, x, w, off, m, y)
+    b = _as_c(b)
+    tok = x.shape[2:]
+    N, C = x3.shape[0], x3.shape[1]
+    oC, P = y3.shape[1], y3.shape[2]
+    K, T, nb, nth = dims[1], dims[4], dims[5], dims[6]
+    nw, nxp, ntile_ws, nint = _ws_sizes(C, oC, geo, pstr, dims)
+    wr = fws[:nw]
+    rows, xp, coff = _padded_setup(fws[nw:nw + nxp], x3, geo, pstr, nb)
+    ntile = (P + T - 1) // T
+    segs = _segments(dims)
+    csplit = dims[11] != 0
+    nr = 3 if dims[11] == 2 else 2  # pool rounds per tile of the channel (reduction) split
+    shared = fws[nw + nxp + nth * ntile_ws:nw + nxp + nth * ntile_ws + T * K * C]  # (channel split only)
+    wmat = _mutable(_wmat(w3, wr))
+    for n0 in range(0, N, nb):
+        nc = min(nb, N - n0)
+        # padded rows of this chunk, and (first chunk only) the weights' rows: one pool round,
+        # the items dealt out in turn (a padded row and a weight row differ several-fold in
+        # work: contiguous halves would leave one thread waiting for the other)
+        # (the channel split reads float32/float64 weights where they lie: no weight rows)
+        wrows = oC if n0 == 0 and not (csplit and _native(w3)) else 0
+        for th in prange(nth):
+            _pad_round_op(np.int64(th), nth, x3, n0, nc, rows, wrows, xp, w3, wr, geo, K, csplit)
+        # the tiles, in rounds: the position split runs one round (each thread a contiguous run
+        # of tiles: one image's rows stay in its cache); the channel split two per tile: the
+        # threads fill shares of its positions (each in its own column buffer, then turned into
+        # w's (channel, kernel point) order in the shared one), then each multiplies the shared
+        # columns by its share of the output channels (rows of w, cut at multiples of 16 so
+        # that BLAS's panels stay whole): every weight is packed once per tile, not once per
+        # thread, each GEMM gets the whole tile's positions, and the weights are not reordered.
+        # The reduction split (one group, few output channels per thread) runs three: the fill,
+        # each thread's GEMM of all output channels over its share of w's columns into its own
+        # GEMM tile, then each thread's share of y's rows summed from those partial sums.
+        # (np.int64(th): the gufunc's index is unsigned, its typing pass's signed: one signature)
+        for rd in range(nr * nc * ntile if csplit else 1):
+            for th in prange(nth):
+                _round_op(np.int64(th), rd, tok, n0, nc, xp, off3, m3, has_mask, wr, wmat, shared, b, has_b, y3,
+                          geo, pstr, coff, segs, dims, fws, iws)
 
 
 # --- SciPy's BLAS thread count ----------------------------------------------------------
