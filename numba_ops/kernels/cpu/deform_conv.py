@@ -57,9 +57,10 @@ so each level of ordinary calls re-optimises all the code below it. The large
 pieces are therefore called through their own compiled code (``_opaque``): the
 tile (``_tile``, with its plan and fill), the padding and weight rows, the column
 transpose and the reduction phase are each compiled once, whichever entry calls
-them, and the parallel entry's pool rounds are functions of their own
-(``_pad_round``, ``_round``), so that its loop bodies, which numba compiles into
-functions of their own too, hold one call each. The small set-up helpers are
+them, and the pool rounds are functions of their own (``_pad_round``,
+``_round``): the parallel entry's loop bodies, which numba compiles into functions
+of their own too, hold one call each, and the serial entry runs the same rounds at
+one thread. The small set-up helpers are
 inlined as numba IR (``inline="always"``: typed in their caller, never a module of
 their own). A call compiles its own rank's code: ``tok``, the input's spatial
 shape, goes down to ``_plan``/``_fill``, whose ``len(tok)`` branches numba prunes
@@ -679,8 +680,7 @@ def _reduction_phase(phase, th, nth, shared, wmat, outb, fws, base, stride, b, h
     columns (``wmat``'s rows, all output channels), through ``_gemm_tn``. Phase 2: its
     share of y's rows, y[n, o, p0 + j] = bias + the threads' partial sums
     ``fws[base + t * stride + o * tl + j]`` (t = 0..nth-1 in that order: every thread's
-    GEMM tile), rounded once to y's dtype. (A function of its own: as code in
-    ``_parallel``'s loop body it cost more compile time there.)"""
+    GEMM tile), rounded once to y's dtype."""
     oC, P = y3.shape[1], y3.shape[2]
     if phase == 1:
         kc = wmat.size // oC  # one group: w's rows are (C * K) long

@@ -30,8 +30,10 @@ Compile time (issue 18): the mode and padding reach the kernels as tokens
 (``TOKEN``: tuples whose length numba folds to a constant and whose other branches
 it prunes before typing), so a call compiles its own mode and padding alone; the
 per-sample helpers are inlined by LLVM (``forceinline``), not copied into numba's
-IR at every call site, so each is typed once. A first call compiles in ~6 s (2-D
-float32, serial), each further mode, padding, dtype, rank or path in ~3-4 s.
+IR at every call site, so each is typed once; the serial and parallel entries call
+one compiled ``_units`` (``_opaque``). A first call compiles in ~6 s (2-D float32,
+serial), each further mode, padding, dtype or rank in ~3-4 s, the parallel path after
+the serial one in ~0.5 s.
 
 A zeros-padded tap outside the input is read at a clamped index and replaced by
 an exact 0 (never ``0 * x``, which an Inf in ``x`` would turn into NaN). 16-bit
