@@ -82,7 +82,8 @@ def _dispatchers():
     kinds = tuple(kinds)
     out = []
     for obj in gc.get_objects():
-        if isinstance(obj, kinds):
+        # (type(), not isinstance(): gc also lists weak proxies, whose referent may be gone)
+        if issubclass(type(obj), kinds):
             mod = getattr(obj.py_func, "__module__", "") or ""
             if mod == "numba_ops" or mod.startswith("numba_ops."):
                 out.append(obj)

@@ -285,3 +285,31 @@ def test_cuda_kernels_cache_on_disk():
     assert jobs
     for label, kernel, _ in jobs:
         assert isinstance(kernel._cache, CUDACache), label
+
+
+def test_dispatchers_survive_dead_weak_proxies():
+    """The dispatcher scan walks gc's objects, which include numba's weak proxies to
+    libraries of functions already gone (here: a dropped caller of an opaque call,
+    whose callee keeps the caller's module alive): they must not stop ``warm``."""
+    import gc as _gc
+
+    from numba import njit
+
+    from numba_ops.kernels.cpu._opaque import opaque
+
+    @njit
+    def callee(a):
+        a[0] += 1.0
+
+    op = opaque(callee)
+
+    @njit
+    def caller(a):
+        op(a)
+
+    a = np.zeros(1)
+    caller(a)
+    assert a[0] == 1.0
+    del caller
+    _gc.collect()
+    assert all(d.py_func.__module__.startswith("numba_ops") for d in _warm._dispatchers())
