@@ -60,11 +60,10 @@ transpose and the reduction phase are each compiled once, whichever entry calls
 them, and the pool rounds are functions of their own (``_pad_round``,
 ``_round``): the parallel entry's loop bodies, which numba compiles into functions
 of their own too, hold one call each, and the serial entry runs the same rounds at
-one thread. The small set-up helpers are
-inlined as numba IR (``inline="always"``: typed in their caller, never a module of
-their own). A call compiles its own rank's code: ``tok``, the input's spatial
-shape, goes down to ``_plan``/``_fill``, whose ``len(tok)`` branches numba prunes
-before typing.
+one thread. The small set-up helpers are inlined as numba IR (``inline="always"``:
+typed in their caller, never a module of their own). A call compiles its own rank's
+code: ``tok``, the input's spatial shape, goes down to ``_plan``/``_fill``, whose
+``len(tok)`` branches numba prunes before typing.
 """
 import ctypes
 import glob
@@ -1007,8 +1006,8 @@ def _round(th, rd, tok, n0, nc, xp, off3, m3, has_mask, wr, wmat, shared, b, has
                 _to_cmajor_op(cols, shared, p0 - t * T, p1 - p0, T, K, C // group, group)
 
 
-#: the parallel entry's per-thread rounds, called through their own compiled code: its
-#: loop bodies (numba compiles each into a function of its own) hold one call each
+#: the pool rounds, called through their own compiled code by both entries: the parallel
+#: entry's loop bodies (numba compiles each into a function of its own) hold one call each
 _pad_round_op, _round_op = opaque(_pad_round), opaque(_round)
 
 
