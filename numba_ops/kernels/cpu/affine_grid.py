@@ -121,7 +121,7 @@ _rows_op = opaque(_rows)
 
 @njit(cache=True, nogil=True)
 def _serial(theta, grid, D, H, W, align, one):
-    _rows_op(theta, grid, D, H, W, align, one, np.int64(0), grid.size // (W * theta.shape[1]))
+    _rows_op(theta, grid, D, H, W, align, one, 0, grid.size // (W * theta.shape[1]))
 
 
 @njit(cache=True, parallel=True, nogil=True)

@@ -74,7 +74,7 @@ _units_op = opaque(_units)
 @njit(cache=True, nogil=True)
 def _serial(x, xf, theta, out, D, H, W, mtok, ptok, align, zero):
     units = x.shape[0] * D * H * ((W + SEG - 1) // SEG)
-    _units_op(x, xf, theta, out, D, H, W, mtok, ptok, align, zero, np.int64(0), units)
+    _units_op(x, xf, theta, out, D, H, W, mtok, ptok, align, zero, 0, units)
 
 
 @njit(cache=True, parallel=True, nogil=True)
@@ -83,7 +83,7 @@ def _parallel(x, xf, theta, out, D, H, W, mtok, ptok, align, zero, nchunks):
     nchunks = min(units, nchunks)
     for c in prange(nchunks):
         _units_op(x, xf, theta, out, D, H, W, mtok, ptok, align, zero,
-               c * units // nchunks, (c + 1) * units // nchunks)
+                  c * units // nchunks, (c + 1) * units // nchunks)
 
 
 def launch(x, theta, size, mode, padding, align, stream=None):

@@ -1011,29 +1011,38 @@ def _round(th, rd, tok, n0, nc, xp, off3, m3, has_mask, wr, wmat, shared, b, has
 _pad_round_op, _round_op = opaque(_pad_round), opaque(_round)
 
 
+@njit(cache=True, inline="always")
+def _entry(x, w, off, m, b, y, meta, fws):
+    """What both tiled entries derive from their arguments: the flat arrays, the shapes,
+    the padded images, the weights' buffers and the shared columns in ``fws``."""
+    geo, pstr, dims, has_mask, has_b = _unpack(meta)
+    x3, w3, off3, m3, y3 = _flat3(geo, x, w, off, m, y)
+    C, oC = x3.shape[1], y3.shape[1]
+    K, T, nb, nth = dims[1], dims[4], dims[5], dims[6]
+    nw, nxp, ntile_ws, _ = _ws_sizes(C, oC, geo, pstr, dims)
+    wr = fws[:nw]
+    rows, xp, coff = _padded_setup(fws[nw:nw + nxp], x3, geo, pstr, nb)
+    shared = fws[nw + nxp + nth * ntile_ws:nw + nxp + nth * ntile_ws + T * K * C]  # (channel split only)
+    return (geo, pstr, dims, has_mask, has_b, x3, w3, off3, m3, y3, _as_c(b), x.shape[2:], wr, rows, xp, coff,
+            _segments(dims), shared, _mutable(_wmat(w3, wr)))
+
+
 @njit(cache=True, nogil=True)
 def _serial(x, w, off, m, b, y, meta):
     """The tiled path on the caller's thread: the parallel entry's rounds (``_pad_round``,
     ``_round``) at one thread, in scratch of its own (serial calls run side by side,
     e.g. Dask tasks). ``meta`` is a one-thread plan: its channel split is the weights
     read in place (``_plan_sizes``)."""
-    geo, pstr, dims, has_mask, has_b = _unpack(meta)
-    x3, w3, off3, m3, y3 = _flat3(geo, x, w, off, m, y)
-    b = _as_c(b)
-    tok = x.shape[2:]
-    N, C = x3.shape[0], x3.shape[1]
-    oC, P = y3.shape[1], y3.shape[2]
-    K, T, nb = dims[1], dims[4], dims[5]
-    nw, nxp, ntile_ws, nint = _ws_sizes(C, oC, geo, pstr, dims)
-    csplit = dims[11] != 0
-    fws = _empty_like_compute(x3, nw + nxp + ntile_ws + (T * K * C if csplit else 0))
+    geo, pstr, dims, _, _ = _unpack(meta)
+    nw, nxp, ntile_ws, nint = _ws_sizes(x.shape[1], y.shape[1], geo, pstr, dims)
+    fws = _empty_like_compute(x, nw + nxp + ntile_ws + (dims[4] * dims[1] * x.shape[1] if dims[11] != 0 else 0))
     iws = np.empty(max(1, nint), np.int64)
-    wr = fws[:nw]
-    rows, xp, coff = _padded_setup(fws[nw:nw + nxp], x3, geo, pstr, nb)
+    (geo, pstr, dims, has_mask, has_b, x3, w3, off3, m3, y3, b, tok, wr, rows, xp, coff, segs, shared,
+     wmat) = _entry(x, w, off, m, b, y, meta, fws)
+    N, oC, P = x3.shape[0], y3.shape[1], y3.shape[2]
+    K, T, nb = dims[1], dims[4], dims[5]
     ntile = (P + T - 1) // T
-    segs = _segments(dims)
-    shared = fws[nw + nxp + ntile_ws:]
-    wmat = _mutable(_wmat(w3, wr))
+    csplit = dims[11] != 0
     for n0 in range(0, N, nb):
         nc = min(nb, N - n0)
         wrows = oC if n0 == 0 and not (csplit and _native(w3)) else 0
@@ -1048,22 +1057,13 @@ def _parallel(x, w, off, m, b, y, meta, fws, iws):
     """The tiled path on numba's pool: any rank and layout. ``fws``/``iws``: the
     caller's workspaces (see ``_ws_sizes``), reused across calls: fresh scratch
     pages cost a page fault each, up to a fifth of a call."""
-    geo, pstr, dims, has_mask, has_b = _unpack(meta)
-    x3, w3, off3, m3, y3 = _flat3(geo, x, w, off, m, y)
-    b = _as_c(b)
-    tok = x.shape[2:]
-    N, C = x3.shape[0], x3.shape[1]
-    oC, P = y3.shape[1], y3.shape[2]
+    (geo, pstr, dims, has_mask, has_b, x3, w3, off3, m3, y3, b, tok, wr, rows, xp, coff, segs, shared,
+     wmat) = _entry(x, w, off, m, b, y, meta, fws)
+    N, oC, P = x3.shape[0], y3.shape[1], y3.shape[2]
     K, T, nb, nth = dims[1], dims[4], dims[5], dims[6]
-    nw, nxp, ntile_ws, nint = _ws_sizes(C, oC, geo, pstr, dims)
-    wr = fws[:nw]
-    rows, xp, coff = _padded_setup(fws[nw:nw + nxp], x3, geo, pstr, nb)
     ntile = (P + T - 1) // T
-    segs = _segments(dims)
     csplit = dims[11] != 0
     nr = 3 if dims[11] == 2 else 2  # pool rounds per tile of the channel (reduction) split
-    shared = fws[nw + nxp + nth * ntile_ws:nw + nxp + nth * ntile_ws + T * K * C]  # (channel split only)
-    wmat = _mutable(_wmat(w3, wr))
     for n0 in range(0, N, nb):
         nc = min(nb, N - n0)
         # padded rows of this chunk, and (first chunk only) the weights' rows: one pool round,

@@ -382,7 +382,7 @@ _units_op = opaque(_units)
 def _serial(x, xf, gf, out, mtok, ptok, align, zero):
     N, C = x.shape[0], x.shape[1]
     P = out.size // (N * C)
-    _units_op(x, xf, gf, out, mtok, ptok, align, zero, np.int64(0), N * ((P + SEG - 1) // SEG))
+    _units_op(x, xf, gf, out, mtok, ptok, align, zero, 0, N * ((P + SEG - 1) // SEG))
 
 
 @njit(cache=True, parallel=True, nogil=True)
