@@ -67,8 +67,9 @@ def warm_calls(dtype):
     every kernel variant for the float dtype named ``dtype`` (theta's; x of that
     dtype and uint8): 2-D and 3-D, each mode and padding mode (each compiles its
     own kernels), on the serial and the parallel path."""
+    from ._cases import np_dtype
     from .kernels.cpu._runtime import PARALLEL_MIN_WORK
-    dt = np.dtype(dtype)
+    dt = np_dtype(dtype)
     calls = []
     for r in (2, 3):
         theta = np.zeros((1, r, r + 1), dt)

@@ -104,8 +104,9 @@ def warm_calls(dtype):
     every kernel variant for the float dtype named ``dtype`` (the grid's; x of that
     dtype and uint8): each r = 1, 2, 3, mode and padding mode (each compiles its
     own kernels), on the serial and the parallel path."""
+    from ._cases import np_dtype
     from .kernels.cpu._runtime import PARALLEL_MIN_WORK
-    dt = np.dtype(dtype)
+    dt = np_dtype(dtype)
     calls = []
     for r in (1, 2, 3):
         for big in (False, True):

@@ -195,6 +195,25 @@ def test_warm_in_worker_processes(tmp_path):
     assert not [x for x in got["seen"] if "worker" in x]
 
 
+@pytest.mark.parametrize("op", _warm.ALL_OPS)
+def test_warm_calls_in_a_fresh_process(op):
+    """An op's warm-up calls, built in a fresh process (as in a worker of ``warm``,
+    where nothing has imported ml_dtypes yet), for every dtype name, bfloat16 first."""
+    code = textwrap.dedent("""
+        import importlib, sys
+        from numba_ops._warm import DTYPE_NAMES
+        front = importlib.import_module("numba_ops." + sys.argv[1])
+        assert "ml_dtypes" not in sys.modules
+        for name in sorted(DTYPE_NAMES):
+            calls = front.warm_calls(name)
+            assert calls and all(a.dtype.name in (name, "uint8") for args, _ in calls for a in args
+                                 if hasattr(a, "dtype")), name
+        print("@@ok")
+    """)
+    p = subprocess.run([sys.executable, "-c", code, op], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert p.returncode == 0 and "@@ok" in p.stdout, p.stderr[-3000:]
+
+
 @pytest.mark.parametrize("kw, word", [
     ({"ops": "affine"}, "ops"), ({"ops": ["affine_grid", 3]}, "ops"),
     ({"dtypes": "int8"}, "dtypes"), ({"dtypes": [np.float32, np.int32]}, "dtypes"),
