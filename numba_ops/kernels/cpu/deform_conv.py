@@ -133,28 +133,47 @@ def _cast_ol(ref, v):
     return lambda ref, v: np.float32(v)
 
 
-@intrinsic
-def _flat(typingctx, a):
-    """The 1-D view of a C-contiguous array. (``a.reshape(a.size)`` calls numba's
-    reshape helper: 30-50 ns each, a fifth of a tiny call for five arrays.)"""
-    if not isinstance(a, types.Array) or a.layout != "C":
+def _flat_view(a, keep):
+    """The intrinsic of ``_flat`` (``keep`` = 0) and ``_flat3`` (2): a C-contiguous array
+    as a view that keeps its first ``keep`` axes and merges the rest into one. (Numba's
+    ``reshape`` checks the sizes and may raise: its code costs compile time in every
+    entry, and 30-50 ns per array on tiny calls.)"""
+    if not isinstance(a, types.Array) or a.layout != "C" or a.ndim < keep + 1:
         return None
-    rt = a.copy(ndim=1)
+    rt = a.copy(ndim=keep + 1)
 
     def codegen(context, builder, sig, args):
         aty = sig.args[0]
         src = context.make_array(aty)(context, builder, args[0])
         out = context.make_array(rt)(context, builder)
+        extents = cgutils.unpack_tuple(builder, src.shape, aty.ndim)
         n = context.get_constant(types.intp, 1)
-        for extent in cgutils.unpack_tuple(builder, src.shape, aty.ndim):
+        for extent in extents[keep:]:
             n = builder.mul(n, extent)
-        context.populate_array(out, data=src.data, shape=cgutils.pack_array(builder, [n]),
-                               strides=cgutils.pack_array(builder, [src.itemsize]), itemsize=src.itemsize,
+        shape = list(extents[:keep]) + [n]
+        strides = [src.itemsize]
+        for extent in reversed(shape[1:]):
+            strides.insert(0, builder.mul(strides[0], extent))
+        context.populate_array(out, data=src.data, shape=cgutils.pack_array(builder, shape),
+                               strides=cgutils.pack_array(builder, strides), itemsize=src.itemsize,
                                meminfo=src.meminfo, parent=src.parent)
         res = out._getvalue()
         context.nrt.incref(builder, rt, res)
         return res
     return rt(a), codegen
+
+
+@intrinsic
+def _flat(typingctx, a):
+    """The 1-D view of a C-contiguous array."""
+    return _flat_view(a, 0)
+
+
+@intrinsic
+def _flat3(typingctx, a):
+    """The (d0, d1, rest) view of a C-contiguous array of rank 3 or more: images by
+    channels by sites or positions, whatever the spatial rank."""
+    return _flat_view(a, 2)
 
 
 @intrinsic
@@ -635,19 +654,19 @@ def _tile(tok, n, nl, p0, p1, xp, off3, m3, has_mask, wr, b, has_b, y3, geo, pst
         ol = hi - lo
         uol = np.uint64(ol)
         outf = outb[:tl * ol]
-        out = outf.reshape((tl, ol))
-        # out^T = cols @ W^T: BLAS runs this orientation ~15 % faster than W @ cols^T here
-        a = wr[lo * kc:hi * kc].reshape((ol, kc))
-        bt = cols[gi * T * kc:gi * T * kc + tl * kc].reshape((tl, kc))
+        # outf (tl x ol, row-major) = cols (tl x kc) @ W^T, W = wr's rows lo..hi (ol x kc): BLAS
+        # runs this orientation ~15 % faster than W @ cols^T here (np.dot(cols, W.T, out) makes
+        # this very call; its implementation costs a second of compile time)
+        wo, co = lo * kc, gi * T * kc
         if ol * tl * kc >= 16384:  # below this, BLAS's call overhead dominates
-            np.dot(bt, a.T, out)
+            _gemm_tn(wr, wo, kc, cols, co, kc, outf, 0, ol, ol, tl, kc)
         else:
             for j in range(tl):
                 for o in range(ol):
                     acc = zero
                     for k in range(kc):
-                        acc += a[o, k] * bt[j, k]
-                    out[j, o] = acc
+                        acc += wr[wo + o * kc + k] * cols[co + j * kc + k]
+                    outf[j * ol + o] = acc
         # out^T into y's rows 16 positions at a time, through a small transposed block
         # (contiguous reads of out, then contiguous runs of y; flat unsigned indices
         # keep both loops free of index fix-ups: 2x faster than 2-D indexing)
@@ -820,8 +839,7 @@ def _direct(x, w, off, m, b, y, meta):
     indexed flat, and each axis's position base ``o * stride - pad`` and kernel
     step ``k * dilation`` are tabulated first (``ib``), so no sample divides."""
     geo, pstr, dims, has_mask, has_b = _unpack(meta)
-    xf, wf, of, mf, yf = _flat(_as_c(x)), _flat(_as_c(w)), _flat(_as_c(off)), _flat(_as_c(m)), _flat(y)
-    bb = _as_c(b)
+    xf, wf, of, mf, yf, bb = _flat(x), _flat(w), _flat(off), _flat(m), _flat(y), b
     nd = geo.shape[1]
     N, C, oC = x.shape[0], x.shape[1], y.shape[1]
     K, group, og = dims[1], dims[2], dims[3]
@@ -892,39 +910,9 @@ def _direct(x, w, off, m, b, y, meta):
 
 # --- drivers ------------------------------------------------------------------------
 
-def _as_c(a):
-    """``a`` itself when numba types it C-contiguous, else a C-ordered copy."""
-
-
-@overload(_as_c, jit_options={"inline": "always"})
-def _as_c_ol(a):
-    if a.layout == "C":
-        return lambda a: a
-    return lambda a: np.ascontiguousarray(a)
-
-
 #: set-up and reduction helpers of the entries, called through their own compiled code
 _pad_row_op, _reorder_w_op, _convert_w_op = opaque(_pad_row), opaque(_reorder_w), opaque(_convert_w)
 _to_cmajor_op, _reduction_phase_op = opaque(_to_cmajor), opaque(_reduction_phase)
-
-
-@njit(cache=True, inline="always")
-def _flat3(geo, x, w, off, m, y):
-    """The N-D arrays as (N, C, sites), (oC, C/group, K), (N, channels, positions)."""
-    nd = geo.shape[1]
-    S = 1
-    P = 1
-    K = 1
-    for ax in range(nd):
-        S *= geo[0, ax]
-        P *= geo[5, ax]
-        K *= geo[1, ax]
-    x3 = _as_c(x).reshape((x.shape[0], x.shape[1], S))
-    w3 = _as_c(w).reshape((w.shape[0], w.shape[1], K))
-    off3 = _as_c(off).reshape((off.shape[0], off.shape[1], P))
-    m3 = _as_c(m).reshape((m.shape[0], m.shape[1], P))
-    y3 = y.reshape((y.shape[0], y.shape[1], P))
-    return x3, w3, off3, m3, y3
 
 
 @njit(cache=True, inline="always")
@@ -1016,14 +1004,14 @@ def _entry(x, w, off, m, b, y, meta, fws):
     """What both tiled entries derive from their arguments: the flat arrays, the shapes,
     the padded images, the weights' buffers and the shared columns in ``fws``."""
     geo, pstr, dims, has_mask, has_b = _unpack(meta)
-    x3, w3, off3, m3, y3 = _flat3(geo, x, w, off, m, y)
+    x3, w3, off3, m3, y3 = _flat3(x), _flat3(w), _flat3(off), _flat3(m), _flat3(y)
     C, oC = x3.shape[1], y3.shape[1]
     K, T, nb, nth = dims[1], dims[4], dims[5], dims[6]
     nw, nxp, ntile_ws, _ = _ws_sizes(C, oC, geo, pstr, dims)
     wr = fws[:nw]
     rows, xp, coff = _padded_setup(fws[nw:nw + nxp], x3, geo, pstr, nb)
     shared = fws[nw + nxp + nth * ntile_ws:nw + nxp + nth * ntile_ws + T * K * C]  # (channel split only)
-    return (geo, pstr, dims, has_mask, has_b, x3, w3, off3, m3, y3, _as_c(b), x.shape[2:], wr, rows, xp, coff,
+    return (geo, pstr, dims, has_mask, has_b, x3, w3, off3, m3, y3, b, x.shape[2:], wr, rows, xp, coff,
             _segments(dims), shared, _mutable(_wmat(w3, wr)))
 
 
@@ -1054,7 +1042,7 @@ def _serial(x, w, off, m, b, y, meta):
 
 @njit(cache=True, parallel=True, nogil=True)
 def _parallel(x, w, off, m, b, y, meta, fws, iws):
-    """The tiled path on numba's pool: any rank and layout. ``fws``/``iws``: the
+    """The tiled path on numba's pool: any rank (C-contiguous arrays, as ``launch`` passes them). ``fws``/``iws``: the
     caller's workspaces (see ``_ws_sizes``), reused across calls: fresh scratch
     pages cost a page fault each, up to a fifth of a call."""
     (geo, pstr, dims, has_mask, has_b, x3, w3, off3, m3, y3, b, tok, wr, rows, xp, coff, segs, shared,
@@ -1319,7 +1307,9 @@ def launch(x, w, offset, b, mask, p, origin=None):
         b = st.nob
     else:
         i += 1
-    args = (x, w, offset, mask, b, y)
+    # the kernels take C-contiguous arrays only (one layout to compile; ``_flat``)
+    c = np.ascontiguousarray
+    args = (c(x), c(w), c(offset), c(mask), c(b), y)
     if st.view is not None:  # 16-bit data as its bit patterns
         args = tuple(a.view(st.view) for a in args)
     if st.small is not None:
