@@ -1042,9 +1042,9 @@ def _serial(x, w, off, m, b, y, meta):
 
 @njit(cache=True, parallel=True, nogil=True)
 def _parallel(x, w, off, m, b, y, meta, fws, iws):
-    """The tiled path on numba's pool: any rank (C-contiguous arrays, as ``launch`` passes them). ``fws``/``iws``: the
-    caller's workspaces (see ``_ws_sizes``), reused across calls: fresh scratch
-    pages cost a page fault each, up to a fifth of a call."""
+    """The tiled path on numba's pool: any rank (C-contiguous arrays, as ``launch``
+    passes them). ``fws``/``iws``: the caller's workspaces (see ``_ws_sizes``), reused
+    across calls: fresh scratch pages cost a page fault each, up to a fifth of a call."""
     (geo, pstr, dims, has_mask, has_b, x3, w3, off3, m3, y3, b, tok, wr, rows, xp, coff, segs, shared,
      wmat) = _entry(x, w, off, m, b, y, meta, fws)
     N, oC, P = x3.shape[0], y3.shape[1], y3.shape[2]
