@@ -1054,13 +1054,11 @@ def _parallel(x, w, off, m, b, y, meta, fws, iws):
     nr = 3 if dims[11] == 2 else 2  # pool rounds per tile of the channel (reduction) split
     for n0 in range(0, N, nb):
         nc = min(nb, N - n0)
-        # padded rows of this chunk, and (first chunk only) the weights' rows: one pool round,
-        # the items dealt out in turn (a padded row and a weight row differ several-fold in
+        # round -1: padded rows of this chunk, and (first chunk only) the weights' rows, the items
+        # dealt out in turn (a padded row and a weight row differ several-fold in
         # work: contiguous halves would leave one thread waiting for the other)
         # (the channel split reads float32/float64 weights where they lie: no weight rows)
         wrows = oC if n0 == 0 and not (csplit and _native(w3)) else 0
-        for th in prange(nth):
-            _pad_round_op(np.int64(th), nth, x3, n0, nc, rows, wrows, xp, w3, wr, geo, K, csplit)
         # the tiles, in rounds: the position split runs one round (each thread a contiguous run
         # of tiles: one image's rows stay in its cache); the channel split two per tile: the
         # threads fill shares of its positions (each in its own column buffer, then turned into
@@ -1071,11 +1069,15 @@ def _parallel(x, w, off, m, b, y, meta, fws, iws):
         # The reduction split (one group, few output channels per thread) runs three: the fill,
         # each thread's GEMM of all output channels over its share of w's columns into its own
         # GEMM tile, then each thread's share of y's rows summed from those partial sums.
-        # (np.int64(th): the gufunc's index is unsigned, its typing pass's signed: one signature)
-        for rd in range(nr * nc * ntile if csplit else 1):
+        # (one prange loop for every round: numba compiles each prange loop into a function of its
+        # own; np.int64(th): the gufunc's index is unsigned, its typing pass's signed: one signature)
+        for rd in range(-1, nr * nc * ntile if csplit else 1):
             for th in prange(nth):
-                _round_op(np.int64(th), rd, tok, n0, nc, xp, off3, m3, has_mask, wr, wmat, shared, b, has_b, y3,
-                          geo, pstr, coff, segs, dims, fws, iws)
+                if rd < 0:
+                    _pad_round_op(np.int64(th), nth, x3, n0, nc, rows, wrows, xp, w3, wr, geo, K, csplit)
+                else:
+                    _round_op(np.int64(th), rd, tok, n0, nc, xp, off3, m3, has_mask, wr, wmat, shared, b, has_b,
+                              y3, geo, pstr, coff, segs, dims, fws, iws)
 
 
 # --- SciPy's BLAS thread count ----------------------------------------------------------
