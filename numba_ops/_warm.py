@@ -12,6 +12,13 @@ instead of compiling. The kernels are ``cache=True`` (CPU and CUDA), so a second
 
 What was compiled is read from numba's own dispatchers (their per-signature
 cache hit and miss counters), over every dispatcher of numba_ops' modules.
+
+A finished warm-up (no failures) leaves a stamp in the cache folder: what it was
+asked for, and the state it left: numba_ops' sources and the cache files (names,
+sizes, modification times), numba's and Python's versions and the CPU numba
+compiles for (numba keys its cache on the sources' stamps and that CPU). A later
+warm-up of the same request that finds all of it unchanged has nothing to compile
+or load and returns at once (``up_to_date``); anything changed, and it warms as usual.
 """
 import gc
 import importlib
@@ -132,6 +139,74 @@ def _label(op, dtype, device, args, kwargs):
     return f"{op} {dtype} {device} " + " ".join(parts)
 
 
+#: the stamp's file, in the first of numba_ops' cache folders
+STAMP = "numba_ops-warm.json"
+
+
+def _state(request, calls, dirs):
+    """What a warm-up of ``request`` (``calls``: its calls' labels) found or left behind
+    (see the module's docstring): a JSON-able dict, equal between two runs only when
+    nothing that numba's cache depends on has changed."""
+    import hashlib
+    import numba
+    from numba.core.registry import cpu_target
+
+    def files(root, suffixes, recurse):
+        out = []
+        try:
+            entries = sorted(os.scandir(root), key=lambda e: e.name)
+        except OSError:
+            return out
+        for e in entries:
+            if recurse and e.is_dir() and e.name != "__pycache__":
+                out += files(e.path, suffixes, recurse)
+            elif e.name.endswith(suffixes):
+                st = e.stat()
+                out.append([e.path, st.st_size, st.st_mtime_ns])
+        return out
+
+    cuda = None
+    if "cuda" in request["devices"]:
+        from numba import cuda as nc
+        cuda = [getattr(sys.modules.get("numba_cuda"), "__version__", None),
+                list(nc.get_current_device().compute_capability)]
+    return {
+        "request": request, "calls": hashlib.sha1("\n".join(calls).encode()).hexdigest(),
+        "numba": numba.__version__, "python": sys.version,
+        "cpu": [str(v) for v in cpu_target.target_context.codegen().magic_tuple()], "cuda": cuda,
+        "sources": files(os.path.dirname(os.path.abspath(__file__)), (".py",), True),
+        "cache": [f for d in dirs for f in files(d, (".nbi", ".nbc"), False)],
+    }
+
+
+def _stamp_path(dirs):
+    return os.path.join(dirs[0], STAMP) if dirs else None
+
+
+def _read_stamp(dirs):
+    import json
+    try:
+        with open(_stamp_path(dirs)) as f:
+            return json.load(f)
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def _write_stamp(dirs, state):
+    """Best effort: a cache folder that cannot be written only costs the next run its shortcut."""
+    import json
+    path = _stamp_path(dirs)
+    if path is None:
+        return
+    try:
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(state, f)
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
 def warm(ops=None, dtypes=None, devices=None, *, jobs=1, progress=None, quiet=False):
     """Compile every kernel variant of ``ops`` x ``dtypes`` x ``devices`` into
     numba's on-disk cache, so that later processes start with no compile.
@@ -170,7 +245,9 @@ def warm(ops=None, dtypes=None, devices=None, *, jobs=1, progress=None, quiet=Fa
         they call), ``loaded`` (found in the cache), ``seconds``, ``cache_dir``
         (the folder holding numba_ops' cache files), ``cache_dirs``,
         ``cache_bytes`` (their size), ``failures`` (a list of dicts: op, dtype,
-        device, call, error) and ``skipped`` ({device: why}).
+        device, call, error), ``skipped`` ({device: why}) and ``up_to_date``
+        (True when the stamp of an earlier warm-up of the same ops, dtypes and
+        devices matched: nothing was called, compiled or loaded).
 
     Raises
     ------
@@ -209,7 +286,14 @@ def warm(ops=None, dtypes=None, devices=None, *, jobs=1, progress=None, quiet=Fa
     for op in ops:
         for device in devices:
             importlib.import_module(LAUNCHERS[op, device])
-    before = _counts(_dispatchers())
+    found = _dispatchers()
+    dirs = _cache_dirs(found)
+    request = {"ops": list(ops), "dtypes": list(dtypes), "devices": list(devices)}
+    calls = [_label(op, dtype, device, args, kwargs) for op, dtype, device, _, args, kwargs in plan]
+    stamp = _read_stamp(dirs)
+    if stamp is not None and stamp == _state(request, calls, dirs):
+        return _result(request, 0, 0, 0, t0, dirs, [], skipped, True, progress, quiet)
+    before = _counts(found)
     compiled = 0
     groups = list(dict.fromkeys((op, dtype, device) for op, dtype, device, *_ in plan))
     probe_loads = 0
@@ -239,15 +323,18 @@ def warm(ops=None, dtypes=None, devices=None, *, jobs=1, progress=None, quiet=Fa
         compiled += misses - m0
         loaded += hits - h0
     dirs = _cache_dirs(found)
+    if not failures:
+        _write_stamp(dirs, _state(request, calls, dirs))
+    return _result(request, len(plan), compiled, loaded, t0, dirs, failures, skipped, False, progress, quiet)
+
+
+def _result(request, calls, compiled, loaded, t0, dirs, failures, skipped, up_to_date, progress, quiet):
     seconds = time.perf_counter() - t0
     if progress is not None:
-        progress(len(plan), len(plan), "done", seconds)
-    result = {
-        "ops": list(ops), "dtypes": list(dtypes), "devices": list(devices),
-        "calls": len(plan), "compiled": compiled, "loaded": loaded, "seconds": seconds,
-        "cache_dir": os.path.commonpath(dirs) if dirs else None, "cache_dirs": dirs,
-        "cache_bytes": _cache_bytes(dirs), "failures": failures, "skipped": skipped,
-    }
+        progress(calls, calls, "done", seconds)
+    result = dict(request, calls=calls, compiled=compiled, loaded=loaded, seconds=seconds,
+                  cache_dir=os.path.commonpath(dirs) if dirs else None, cache_dirs=dirs,
+                  cache_bytes=_cache_bytes(dirs), failures=failures, skipped=skipped, up_to_date=up_to_date)
     if not quiet:
         summary(result)
     return result
@@ -337,9 +424,10 @@ def summary(r, out=None):
     out = sys.stdout if out is None else out
     for dev, why in r["skipped"].items():
         print(f"skipped {dev}: {why}", file=out)
-    print(f"warmed {', '.join(r['ops'])} x {', '.join(r['dtypes'])} on {', '.join(r['devices']) or 'no device'}: "
-          f"{r['calls']} calls, {r['compiled']} functions compiled, {r['loaded']} loaded from the cache, "
-          f"{r['seconds']:.1f} s", file=out)
+    what = f"{', '.join(r['ops'])} x {', '.join(r['dtypes'])} on {', '.join(r['devices']) or 'no device'}"
+    state = " (up to date: the cache is as the last warm-up of these left it)" if r["up_to_date"] else ""
+    print(f"warmed {what}{state}: {r['calls']} calls, {r['compiled']} functions compiled, {r['loaded']} loaded "
+          f"from the cache, {r['seconds']:.1f} s", file=out)
     where = "NUMBA_CACHE_DIR" if os.environ.get("NUMBA_CACHE_DIR") else "beside the kernels; NUMBA_CACHE_DIR moves it"
     print(f"cache: {r['cache_dir']} ({_size_text(r['cache_bytes'])}; {where})", file=out)
     for f in r["failures"]:

@@ -101,11 +101,55 @@ def test_warm_leaves_nothing_to_compile(tmp_path):
     got = json.loads(p.stdout.strip().splitlines()[-1])
     assert got["calls"] == 4 + 3 * 3 * 2
     assert got["compiled"] == [], f"compiled after warm: {got['compiled']}"
-    # warm again: everything is in the cache
+    # warm again: the cache is as the first left it (its stamp matches): nothing to do
+    rc, out, err = _cli("--op", *OPS, "--dtype", DTYPE, "--device", "cpu", env=env)
+    assert rc == 0, out + err
+    assert "(up to date" in out and _compiled(out) == (0, 0), out
+    # without the stamp: every call again, everything loads from the cache
+    stamps = list(cache.rglob(_warm.STAMP))
+    assert len(stamps) == 1
+    stamps[0].unlink()
     rc, out, err = _cli("--op", *OPS, "--dtype", DTYPE, "--device", "cpu", env=env)
     assert rc == 0, out + err
     compiled, loaded = _compiled(out)
-    assert compiled == 0 and loaded > 0, out
+    assert compiled == 0 and loaded > 0 and "up to date" not in out, out
+
+
+def test_warm_stamp(tmp_path):
+    """A warm-up that finds its stamp matching returns at once; any change to what
+    numba's cache depends on (a cache file, a source's stamp, the request) and it
+    warms again, compiling what is missing."""
+    cache = tmp_path / "jit"
+    env = _env(cache)
+    args = ("--op", "affine_grid", "--dtype", "float64", "--device", "cpu", "--jobs", "1")
+    rc, out, _ = _cli(*args, env=env)
+    assert rc == 0 and _compiled(out)[0] > 0 and "up to date" not in out, out
+    rc, out, _ = _cli(*args, env=env)
+    assert rc == 0 and "(up to date" in out and re.search(r": 0 calls, 0 functions compiled", out), out
+    # the request: another dtype set is warmed as usual
+    rc, out, _ = _cli(*args[:3], "float64", "float32", *args[4:], env=env)
+    assert rc == 0 and "up to date" not in out and _compiled(out)[0] > 0, out
+    rc, out, _ = _cli(*args, env=env)  # the stamp is now the other request's
+    assert rc == 0 and "up to date" not in out and _compiled(out)[0] == 0, out
+    rc, out, _ = _cli(*args, env=env)
+    assert rc == 0 and "(up to date" in out, out
+    # a cache file gone: the run notices, and numba compiles its function again
+    data = sorted(cache.rglob("*affine_grid*.nbc"))
+    assert data
+    for f in data:
+        f.unlink()
+    rc, out, _ = _cli(*args, env=env)
+    assert rc == 0 and "up to date" not in out and _compiled(out)[0] > 0, out
+    rc, out, _ = _cli(*args, env=env)
+    assert rc == 0 and "(up to date" in out, out
+    # the stamp records numba_ops' sources: a changed one (here its stamp, as numba reads it) and
+    # the run warms again
+    state = json.loads(next(cache.rglob(_warm.STAMP)).read_text())
+    assert any(p.endswith(os.path.join("numba_ops", "affine_grid.py")) for p, *_ in state["sources"])
+    state["sources"][0][2] -= 1
+    next(cache.rglob(_warm.STAMP)).write_text(json.dumps(state))
+    rc, out, _ = _cli(*args, env=env)
+    assert rc == 0 and "up to date" not in out, out
 
 
 SAMPLE = r"""
@@ -191,7 +235,7 @@ def test_warm_in_worker_processes(tmp_path):
     assert [x.split(":")[0] for x in done] == ["affine_grid float32 cpu", "affine_grid float64 cpu"]
     assert all(re.search(r"done \(\d+ compiled\)$", x) for x in done), done  # no worker failed
     got = run()
-    assert got["r"]["compiled"] == 0 and got["r"]["loaded"] > 0
+    assert got["r"]["compiled"] == 0 and got["r"]["up_to_date"]
     assert not [x for x in got["seen"] if "worker" in x]
 
 
