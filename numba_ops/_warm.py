@@ -207,7 +207,7 @@ def _write_stamp(dirs, state):
         pass
 
 
-def warm(ops=None, dtypes=None, devices=None, *, jobs=1, progress=None, quiet=False):
+def warm(ops=None, dtypes=None, devices=None, *, jobs=1, progress=None, quiet=False, force=False):
     """Compile every kernel variant of ``ops`` x ``dtypes`` x ``devices`` into
     numba's on-disk cache, so that later processes start with no compile.
 
@@ -233,6 +233,9 @@ def warm(ops=None, dtypes=None, devices=None, *, jobs=1, progress=None, quiet=Fa
         Called as ``progress(i, total, label, elapsed_s)`` before each warm-up
         call, and with ``jobs > 1`` as each worker starts and ends
         (``numba-ops warm`` prints it).
+    force : bool
+        True: make every call even where the stamp of an earlier warm-up says the
+        cache is as that run left it (see the module's docstring).
     quiet : bool
         False (default): print a summary (what was compiled, seconds, the cache
         folder and its size, any failures) to stdout, besides returning it.
@@ -247,7 +250,9 @@ def warm(ops=None, dtypes=None, devices=None, *, jobs=1, progress=None, quiet=Fa
         ``cache_bytes`` (their size), ``failures`` (a list of dicts: op, dtype,
         device, call, error), ``skipped`` ({device: why}) and ``up_to_date``
         (True when the stamp of an earlier warm-up of the same ops, dtypes and
-        devices matched: nothing was called, compiled or loaded).
+        devices matched: no call was made, nothing compiled or loaded; ``loaded``
+        is then the count of functions that run compiled or loaded, found in the
+        cache unchanged).
 
     Raises
     ------
@@ -290,9 +295,11 @@ def warm(ops=None, dtypes=None, devices=None, *, jobs=1, progress=None, quiet=Fa
     dirs = _cache_dirs(found)
     request = {"ops": list(ops), "dtypes": list(dtypes), "devices": list(devices)}
     calls = [_label(op, dtype, device, args, kwargs) for op, dtype, device, _, args, kwargs in plan]
-    stamp = _read_stamp(dirs)
-    if stamp is not None and stamp == _state(request, calls, dirs):
-        return _result(request, 0, 0, 0, t0, dirs, [], skipped, True, progress, quiet)
+    stamp = None if force else _read_stamp(dirs)
+    if isinstance(stamp, dict):
+        functions = stamp.pop("functions", 0)
+        if stamp == _state(request, calls, dirs):
+            return _result(request, 0, 0, functions, t0, dirs, [], skipped, True, progress, quiet)
     before = _counts(found)
     compiled = 0
     groups = list(dict.fromkeys((op, dtype, device) for op, dtype, device, *_ in plan))
@@ -324,7 +331,7 @@ def warm(ops=None, dtypes=None, devices=None, *, jobs=1, progress=None, quiet=Fa
         loaded += hits - h0
     dirs = _cache_dirs(found)
     if not failures:
-        _write_stamp(dirs, _state(request, calls, dirs))
+        _write_stamp(dirs, dict(_state(request, calls, dirs), functions=compiled + loaded))
     return _result(request, len(plan), compiled, loaded, t0, dirs, failures, skipped, False, progress, quiet)
 
 
@@ -425,9 +432,13 @@ def summary(r, out=None):
     for dev, why in r["skipped"].items():
         print(f"skipped {dev}: {why}", file=out)
     what = f"{', '.join(r['ops'])} x {', '.join(r['dtypes'])} on {', '.join(r['devices']) or 'no device'}"
-    state = " (up to date: the cache is as the last warm-up of these left it)" if r["up_to_date"] else ""
-    print(f"warmed {what}{state}: {r['calls']} calls, {r['compiled']} functions compiled, {r['loaded']} loaded "
-          f"from the cache, {r['seconds']:.1f} s", file=out)
+    if r["up_to_date"]:
+        print(f"up to date: {what}: the cache is as the last warm-up of these left it (its stamp: same sources, "
+              f"cache files, numba and CPU): 0 calls, 0 functions compiled, {r['loaded']} found in the cache, "
+              f"{r['seconds']:.1f} s", file=out)
+    else:
+        print(f"warmed {what}: {r['calls']} calls, {r['compiled']} functions compiled, {r['loaded']} loaded "
+              f"from the cache, {r['seconds']:.1f} s", file=out)
     where = "NUMBA_CACHE_DIR" if os.environ.get("NUMBA_CACHE_DIR") else "beside the kernels; NUMBA_CACHE_DIR moves it"
     print(f"cache: {r['cache_dir']} ({_size_text(r['cache_bytes'])}; {where})", file=out)
     for f in r["failures"]:
@@ -443,7 +454,7 @@ def _size_text(n):
         n /= 1024
 
 
-def main(ops=None, dtypes=None, devices=None, jobs=1, out=None):
+def main(ops=None, dtypes=None, devices=None, jobs=1, out=None, force=False):
     """``numba-ops warm``: ``warm`` with a progress line per call (which call, how
     many left, seconds so far) and a summary; returns the exit status: 0, 1 when
     a call failed (a kernel that does not compile), 2 for bad arguments."""
@@ -460,7 +471,7 @@ def main(ops=None, dtypes=None, devices=None, jobs=1, out=None):
         out.flush()
 
     try:
-        r = warm(ops, dtypes, devices, jobs=jobs, progress=progress, quiet=True)
+        r = warm(ops, dtypes, devices, jobs=jobs, progress=progress, quiet=True, force=force)
     except (ValueError, RuntimeError) as exc:
         print(f"numba-ops warm: error: {exc}", file=sys.stderr)
         return 2

@@ -5,7 +5,7 @@
     numba-ops check [--device D]           ONNX conformance cases of both ops, pass/fail
     numba-ops bench [--device D] [--dtype T] [--quick] [--json FILE] [--compare FILE] [--plot PNG]
     numba-ops bench --against REV [--quick] [--only NAMES] [--threshold F]
-    numba-ops warm [--op OP ...] [--dtype T ...] [--device D ...] [--jobs N]   every kernel into the JIT cache
+    numba-ops warm [--op OP ...] [--dtype T ...] [--device D ...] [--jobs N] [--force]   every kernel into the JIT cache
 
 The benchmark itself (workers, timing, limits, statistics, tables, plots) lives
 in ``numba_ops.benchmark``.
@@ -247,12 +247,14 @@ def _parser():
                    help="default: the usable devices")
     p.add_argument("--jobs", type=_positive_int, default=min(8, os.cpu_count() or 1), metavar="N",
                    help="processes compiling at once; default: the CPU count (at most 8)")
+    p.add_argument("--force", action="store_true",
+                   help="make every call even where the last warm-up's stamp says the cache is up to date")
     return ap
 
 
 def cmd_warm(args):
     from ._warm import main as warm_main
-    return warm_main(args.op, args.dtype, args.device, args.jobs)
+    return warm_main(args.op, args.dtype, args.device, args.jobs, force=args.force)
 
 
 def main(argv=None):

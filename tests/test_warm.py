@@ -104,7 +104,7 @@ def test_warm_leaves_nothing_to_compile(tmp_path):
     # warm again: the cache is as the first left it (its stamp matches): nothing to do
     rc, out, err = _cli("--op", *OPS, "--dtype", DTYPE, "--device", "cpu", env=env)
     assert rc == 0, out + err
-    assert "(up to date" in out and _compiled(out) == (0, 0), out
+    assert "up to date:" in out and ": 0 calls, 0 functions compiled" in out, out
     # without the stamp: every call again, everything loads from the cache
     stamps = list(cache.rglob(_warm.STAMP))
     assert len(stamps) == 1
@@ -125,14 +125,16 @@ def test_warm_stamp(tmp_path):
     rc, out, _ = _cli(*args, env=env)
     assert rc == 0 and _compiled(out)[0] > 0 and "up to date" not in out, out
     rc, out, _ = _cli(*args, env=env)
-    assert rc == 0 and "(up to date" in out and re.search(r": 0 calls, 0 functions compiled", out), out
+    assert rc == 0 and "up to date:" in out and re.search(r": 0 calls, 0 functions compiled, [1-9]\d* found", out), out
+    rc, out, _ = _cli(*args, "--force", env=env)  # every call made: all loads
+    assert rc == 0 and "up to date" not in out and _compiled(out)[0] == 0 and _compiled(out)[1] > 0, out
     # the request: another dtype set is warmed as usual
     rc, out, _ = _cli(*args[:3], "float64", "float32", *args[4:], env=env)
     assert rc == 0 and "up to date" not in out and _compiled(out)[0] > 0, out
     rc, out, _ = _cli(*args, env=env)  # the stamp is now the other request's
     assert rc == 0 and "up to date" not in out and _compiled(out)[0] == 0, out
     rc, out, _ = _cli(*args, env=env)
-    assert rc == 0 and "(up to date" in out, out
+    assert rc == 0 and "up to date:" in out, out
     # a cache file gone: the run notices, and numba compiles its function again
     data = sorted(cache.rglob("*affine_grid*.nbc"))
     assert data
@@ -141,7 +143,7 @@ def test_warm_stamp(tmp_path):
     rc, out, _ = _cli(*args, env=env)
     assert rc == 0 and "up to date" not in out and _compiled(out)[0] > 0, out
     rc, out, _ = _cli(*args, env=env)
-    assert rc == 0 and "(up to date" in out, out
+    assert rc == 0 and "up to date:" in out, out
     # the stamp records numba_ops' sources: a changed one (here its stamp, as numba reads it) and
     # the run warms again
     state = json.loads(next(cache.rglob(_warm.STAMP)).read_text())
@@ -197,7 +199,7 @@ def test_warm_grid_sample_sample(tmp_path):
 def test_warm_result(capsys):
     calls = len(__import__("numba_ops.affine_grid", fromlist=["warm_calls"]).warm_calls(DTYPE))
     seen = []
-    r = numba_ops.warm("affine_grid", [np.float32], "cpu", progress=lambda *a: seen.append(a))
+    r = numba_ops.warm("affine_grid", [np.float32], "cpu", progress=lambda *a: seen.append(a), force=True)
     printed = capsys.readouterr().out  # API.md: warm returns and prints what it did
     assert f"{r['compiled']} functions compiled" in printed and str(r["cache_dir"]) in printed
     assert r["ops"] == ["affine_grid"] and r["dtypes"] == [DTYPE] and r["devices"] == ["cpu"]
@@ -206,6 +208,11 @@ def test_warm_result(capsys):
     assert r["compiled"] >= 0 and r["loaded"] >= 0
     assert r["seconds"] > 0 and os.path.isdir(r["cache_dir"]) and r["cache_bytes"] > 0
     assert [a[:2] for a in seen] == [(i, calls) for i in range(calls + 1)]
+    assert not r["up_to_date"]
+    # again: the cache is as that run left it (its stamp matches), so no call is made
+    again = numba_ops.warm("affine_grid", "float32", "cpu", quiet=True)
+    assert again["up_to_date"] and again["calls"] == again["compiled"] == 0 and again["failures"] == []
+    assert again["loaded"] == r["compiled"] + r["loaded"] and again["cache_dir"] == r["cache_dir"]
 
 
 JOBS = r"""
