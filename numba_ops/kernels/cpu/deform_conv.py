@@ -1054,10 +1054,10 @@ def _parallel(x, w, off, m, b, y, meta, fws, iws):
     nr = 3 if dims[11] == 2 else 2  # pool rounds per tile of the channel (reduction) split
     for n0 in range(0, N, nb):
         nc = min(nb, N - n0)
-        # round -1: padded rows of this chunk, and (first chunk only) the weights' rows, the items
-        # dealt out in turn (a padded row and a weight row differ several-fold in
-        # work: contiguous halves would leave one thread waiting for the other)
-        # (the channel split reads float32/float64 weights where they lie: no weight rows)
+        # round -1: padded rows of this chunk, and (first chunk only) the weights' rows, the
+        # items dealt out in turn (a padded row and a weight row differ several-fold in work:
+        # contiguous halves would leave one thread waiting for the other) (the channel split
+        # reads float32/float64 weights where they lie: no weight rows)
         wrows = oC if n0 == 0 and not (csplit and _native(w3)) else 0
         # the tiles, in rounds: the position split runs one round (each thread a contiguous run
         # of tiles: one image's rows stay in its cache); the channel split two per tile: the
