@@ -301,7 +301,7 @@ def warm(ops=None, dtypes=None, devices=None, *, jobs=1, progress=None, quiet=Fa
         if stamp == _state(request, calls, dirs):
             return _result(request, 0, 0, functions, t0, dirs, [], skipped, True, progress, quiet)
     before = _counts(found)
-    compiled = 0
+    in_workers = 0  # functions compiled by worker processes (this process then loads them)
     groups = list(dict.fromkeys((op, dtype, device) for op, dtype, device, *_ in plan))
     probe_loads = 0
     if jobs > 1 and len(groups) > 1:
@@ -311,10 +311,10 @@ def warm(ops=None, dtypes=None, devices=None, *, jobs=1, progress=None, quiet=Fa
         probe_loads = sum(h - before.get(k, (None, 0, 0))[2] for k, (_, _, h) in mid.items())
         before = mid
         if len(todo) > 1:
-            compiled += _in_workers(todo, jobs, progress, t0)
+            in_workers = _in_workers(todo, jobs, progress, t0)
     failures = []
     for i, (op, dtype, device, public, args, kwargs) in enumerate(plan):
-        label = _label(op, dtype, device, args, kwargs)
+        label = calls[i]
         if progress is not None:
             progress(i, len(plan), label, time.perf_counter() - t0)
         try:
@@ -324,15 +324,16 @@ def warm(ops=None, dtypes=None, devices=None, *, jobs=1, progress=None, quiet=Fa
                              "error": f"{type(exc).__name__}: {exc}"})
     found = _dispatchers()
     after = _counts(found)
-    loaded = probe_loads
+    compiled, loaded = 0, probe_loads
     for key, (_, misses, hits) in after.items():
         _, m0, h0 = before.get(key, (None, 0, 0))
         compiled += misses - m0
         loaded += hits - h0
     dirs = _cache_dirs(found)
-    if not failures:
+    if not failures:  # (the functions this process compiled or loaded: each one once)
         _write_stamp(dirs, dict(_state(request, calls, dirs), functions=compiled + loaded))
-    return _result(request, len(plan), compiled, loaded, t0, dirs, failures, skipped, False, progress, quiet)
+    return _result(request, len(plan), in_workers + compiled, loaded, t0, dirs, failures, skipped, False, progress,
+                   quiet)
 
 
 def _result(request, calls, compiled, loaded, t0, dirs, failures, skipped, up_to_date, progress, quiet):
