@@ -33,6 +33,7 @@ from ..._dtypes import compute, storage
 from .._scalar import base_coord, f32_to_bf16_bits_rne, store
 from . import _runtime
 from ._opaque import INTERNAL, opaque
+from ._views import flat
 
 DTYPES = ("float16", "bfloat16", "float32", "float64")
 
@@ -69,7 +70,7 @@ def _rows(theta, grid, D, H, W, align, one, r0, r1):
     The rows go by runs within one ``(n, d)`` slab, so the integer divisions that
     find ``(n, d, h)`` are paid once a run, not once a (3-D: 192-element) row.
     """
-    out = grid if grid.ndim == 1 else grid.reshape(grid.size)  # 3-D comes flat; 2-D is (N, H, W, 2)
+    out = flat(grid)  # 3-D comes flat; 2-D is (N, H, W, 2)
     nd = theta.shape[1]
     L = W * nd
     xs = _coords(W, align, one)

@@ -80,6 +80,7 @@ from ..._dtypes import compute, storage
 from .._scalar import border_corner, load, store
 from . import _runtime
 from ._opaque import INTERNAL, opaque
+from ._views import flat, flat3, shaped
 
 DTYPES = ("float16", "bfloat16", "float32", "float64")
 
@@ -131,49 +132,6 @@ def _cast_ol(ref, v):
     if ref == types.float64:
         return lambda ref, v: np.float64(v)
     return lambda ref, v: np.float32(v)
-
-
-def _flat_view(a, keep):
-    """The intrinsic of ``_flat`` (``keep`` = 0) and ``_flat3`` (2): a C-contiguous array
-    as a view that keeps its first ``keep`` axes and merges the rest into one. (Numba's
-    ``reshape`` checks the sizes and may raise: its code costs compile time in every
-    entry, and 30-50 ns per array on tiny calls.)"""
-    if not isinstance(a, types.Array) or a.layout != "C" or a.ndim < keep + 1:
-        return None
-    rt = a.copy(ndim=keep + 1)
-
-    def codegen(context, builder, sig, args):
-        aty = sig.args[0]
-        src = context.make_array(aty)(context, builder, args[0])
-        out = context.make_array(rt)(context, builder)
-        extents = cgutils.unpack_tuple(builder, src.shape, aty.ndim)
-        n = context.get_constant(types.intp, 1)
-        for extent in extents[keep:]:
-            n = builder.mul(n, extent)
-        shape = list(extents[:keep]) + [n]
-        strides = [src.itemsize]
-        for extent in reversed(shape[1:]):
-            strides.insert(0, builder.mul(strides[0], extent))
-        context.populate_array(out, data=src.data, shape=cgutils.pack_array(builder, shape),
-                               strides=cgutils.pack_array(builder, strides), itemsize=src.itemsize,
-                               meminfo=src.meminfo, parent=src.parent)
-        res = out._getvalue()
-        context.nrt.incref(builder, rt, res)
-        return res
-    return rt(a), codegen
-
-
-@intrinsic
-def _flat(typingctx, a):
-    """The 1-D view of a C-contiguous array."""
-    return _flat_view(a, 0)
-
-
-@intrinsic
-def _flat3(typingctx, a):
-    """The (d0, d1, rest) view of a C-contiguous array of rank 3 or more: images by
-    channels by sites or positions, whatever the spatial rank."""
-    return _flat_view(a, 2)
 
 
 @intrinsic
@@ -282,7 +240,7 @@ def _reorder_w(w3, wr, K, o):
     """wr[o, kidx, c] = w[o, c, kidx] in the compute type (wr flat, one row of oC;
     flat unsigned indices: no index fix-ups in the strided gather)."""
     uK, uCg = np.uint64(K), np.uint64(w3.shape[1])
-    wf = _flat(w3)
+    wf = flat(w3)
     base = np.uint64(o) * uK * uCg  # the same in w (o, c, k) and wr (o, k, c)
     for k in range(uK):
         dst = base + k * uCg
@@ -311,7 +269,7 @@ def _wmat(w3, wr):
 @overload(_wmat, jit_options={"inline": "always"})
 def _wmat_ol(w3, wr):
     if w3.dtype in (types.float32, types.float64):
-        return lambda w3, wr: _flat(w3)
+        return lambda w3, wr: flat(w3)
     return lambda w3, wr: wr
 
 
@@ -319,7 +277,7 @@ def _wmat_ol(w3, wr):
 def _convert_w(w3, wr, o):
     """wr's row ``o`` = w's row in the compute type, same order (16-bit weights, channel split)."""
     n = np.uint64(w3.shape[1] * w3.shape[2])
-    wf = _flat(w3)
+    wf = flat(w3)
     base = np.uint64(o) * n
     for i in range(n):
         wr[base + i] = load(wf, base + i)
@@ -645,7 +603,7 @@ def _tile(tok, n, nl, p0, p1, xp, off3, m3, has_mask, wr, b, has_b, y3, geo, pst
         _fill_op(tok, xp[nl], coff, pidx, pw, pm, cols, segs, tl, K, cpg)
     zero = _czero(wr)
     blk = outb[ocg * T:ocg * (T + 16)]
-    yf = _flat(y3)
+    yf = flat(y3)
     P = y3.shape[2]
     for gi in range(group):
         lo, hi = max(oc0, gi * ocg), min(oc1, (gi + 1) * ocg)
@@ -710,7 +668,7 @@ def _reduction_phase(phase, th, nth, shared, wmat, outb, fws, base, stride, b, h
                 outb[i] = 0
         return
     o0, o1 = th * oC // nth, (th + 1) * oC // nth
-    yf = _flat(y3)
+    yf = flat(y3)
     zero = _czero(fws)
     for o in range(o0, o1):
         bias = load(b, o) if has_b else zero
@@ -770,9 +728,9 @@ def _scratch(fws, iws, dims, nd, ocg):
     n2 = n1 + npw
     cols = fws[:ncols]
     outb = fws[ncols:n1]
-    pw = fws[n1:n2].reshape((og * K, 1 << nd, T))
-    pm = fws[n2:n2 + npm].reshape((og * K, T))
-    pidx = iws[:nidx].reshape((og * K, T))
+    pw = shaped(fws[n1:n2], (og * K, 1 << nd, T))
+    pm = shaped(fws[n2:n2 + npm], (og * K, T))
+    pidx = shaped(iws[:nidx], (og * K, T))
     return cols, outb, pidx, pw, pm
 
 
@@ -807,7 +765,7 @@ def _padded_buffer(buf, nb, sites, tail, C):
     the corner offsets: samples that are 0 (or NaN) point their base there, so that
     every corner they read is an exact zero, never an input value."""
     per = max(1, (sites + tail) * C)
-    xp = buf[:nb * per].reshape((nb, per))
+    xp = shaped(buf[:nb * per], (nb, per))
     zero = _czero(buf)
     for i in range(nb):
         for j in range(sites * C, per):
@@ -839,7 +797,7 @@ def _direct(x, w, off, m, b, y, meta):
     indexed flat, and each axis's position base ``o * stride - pad`` and kernel
     step ``k * dilation`` are tabulated first (``ib``), so no sample divides."""
     geo, pstr, dims, has_mask, has_b = _unpack(meta)
-    xf, wf, of, mf, yf, bb = _flat(x), _flat(w), _flat(off), _flat(m), _flat(y), b
+    xf, wf, of, mf, yf, bb = flat(x), flat(w), flat(off), flat(m), flat(y), b
     nd = geo.shape[1]
     N, C, oC = x.shape[0], x.shape[1], y.shape[1]
     K, group, og = dims[1], dims[2], dims[3]
@@ -920,7 +878,7 @@ def _unpack(meta):
     """meta = [nd, geo (6 x nd), pstr (nd), dims...]: one argument instead of five,
     because every argument costs time in numba's dispatcher on tiny calls."""
     nd = meta[0]
-    geo = meta[1:1 + 6 * nd].reshape((6, nd))
+    geo = shaped(meta[1:1 + 6 * nd], (6, nd))
     pstr = meta[1 + 6 * nd:1 + 7 * nd]
     dims = meta[1 + 7 * nd:]
     return geo, pstr, dims, dims[9] != 0, dims[10] != 0
@@ -1004,7 +962,7 @@ def _entry(x, w, off, m, b, y, meta, fws):
     """What both tiled entries derive from their arguments: the flat arrays, the shapes,
     the padded images, the weights' buffers and the shared columns in ``fws``."""
     geo, pstr, dims, has_mask, has_b = _unpack(meta)
-    x3, w3, off3, m3, y3 = _flat3(x), _flat3(w), _flat3(off), _flat3(m), _flat3(y)
+    x3, w3, off3, m3, y3 = flat3(x), flat3(w), flat3(off), flat3(m), flat3(y)
     C, oC = x3.shape[1], y3.shape[1]
     K, T, nb, nth = dims[1], dims[4], dims[5], dims[6]
     nw, nxp, ntile_ws, _ = _ws_sizes(C, oC, geo, pstr, dims)
@@ -1309,7 +1267,7 @@ def launch(x, w, offset, b, mask, p, origin=None):
         b = st.nob
     else:
         i += 1
-    # the kernels take C-contiguous arrays only (one layout to compile; ``_flat``)
+    # the kernels take C-contiguous arrays only (one layout to compile; ``_views``)
     c = np.ascontiguousarray
     args = (c(x), c(w), c(offset), c(mask), c(b), y)
     if st.view is not None:  # 16-bit data as its bit patterns
