@@ -289,6 +289,39 @@ def test_parallel_equals_serial(mode, rng):
     assert_api_close(whole[:1, :, :2], want, np.float32)
 
 
+@pytest.mark.parametrize("r", [1, 2, 3])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("align", [0, 1])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_reflection_sorted_segments(r, mode, align, dtype, rng):
+    """Reflection padding sorts a segment into interior and padded positions where its
+    first, middle and last positions are interior (CPU): such segments, holding also
+    positions outside, on the borders, huge and non-finite, give every other position
+    the same bits as when the probes are outside (every position padded), and match
+    the float64 oracle."""
+    from numba_ops.kernels.cpu.grid_sample import SEG
+    n, P = 2, 2 * SEG + 88  # per image: two whole segments and a part
+    x = rng.standard_normal((n, 2) + (6,) * r).astype(dtype)
+    g = rng.uniform(-0.7, 0.7, (n, P, r))  # mostly interior
+    specials = np.array([np.nan, np.inf, -np.inf, 1e30, -1e30, 1.0, -1.0, 1.3, -2.9, 0.9999, 17.25])
+    pick = rng.random((n, P, r)) < 0.2
+    g[pick] = rng.choice(specials, pick.sum())
+    probes = [j for s0 in range(0, P, SEG) for j in (s0, s0 + min(SEG, P - s0) // 2, s0 + min(SEG, P - s0) - 1)]
+    others = np.setdiff1d(np.arange(P), probes)
+    shape = (n, P) + (1,) * (r - 1) + (r,)
+    attrs = dict(mode=mode, padding_mode="reflection", align_corners=align)
+    sorted_, padded = g.copy(), g.copy()
+    sorted_[:, probes] = 0.0  # interior: the segments are sorted
+    padded[:, probes] = 5.0  # outside: every position padded
+    with np.errstate(over="ignore", invalid="ignore"):
+        a = numba_ops.grid_sample(x, sorted_.reshape(shape).astype(dtype), **attrs).reshape(n, 2, P)
+        b = numba_ops.grid_sample(x, padded.reshape(shape).astype(dtype), **attrs).reshape(n, 2, P)
+        want = grid_sample_ref(x, sorted_.reshape(shape).astype(dtype), coord_dtype=_ct(dtype), **attrs)
+    np.testing.assert_array_equal(np.ascontiguousarray(a[:, :, others]).view(np.uint8),
+                                  np.ascontiguousarray(b[:, :, others]).view(np.uint8))
+    assert_api_close(a.reshape(want.shape), want, dtype)
+
+
 def test_threads(device, rng):
     x = rng.standard_normal((4, 2, 30, 40)).astype(np.float32)
     grid = _grid(rng, 4, (50, 60), 2)
