@@ -336,11 +336,12 @@ def warm(ops=None, dtypes=None, devices=None, *, jobs=1, progress=None, quiet=Fa
                    quiet)
 
 
-def _result(request, calls, compiled, loaded, t0, dirs, failures, skipped, up_to_date, progress, quiet):
+def _result(request, ncalls, compiled, loaded, t0, dirs, failures, skipped, up_to_date, progress, quiet):
+    """``warm``'s result dict (printed unless ``quiet``)."""
     seconds = time.perf_counter() - t0
     if progress is not None:
-        progress(calls, calls, "done", seconds)
-    result = dict(request, calls=calls, compiled=compiled, loaded=loaded, seconds=seconds,
+        progress(ncalls, ncalls, "done", seconds)
+    result = dict(request, calls=ncalls, compiled=compiled, loaded=loaded, seconds=seconds,
                   cache_dir=os.path.commonpath(dirs) if dirs else None, cache_dirs=dirs,
                   cache_bytes=_cache_bytes(dirs), failures=failures, skipped=skipped, up_to_date=up_to_date)
     if not quiet:

@@ -47,8 +47,8 @@ import numpy as np
 from numba import njit, prange
 
 from ..._dtypes import compute, storage
-from .._sample import (BORDER, CUBIC, LINEAR, NEAREST, REFLECTION, TAPS, ZEROS, as_compute, cubic_taps, cubic_weights,
-                       linear_taps, load_sample, nearest_tap, store_sample, unnormalize)
+from .._sample import (BORDER, CUBIC, LINEAR, NEAREST, REFLECTION, TAPS, ZEROS, as_compute, cubic_taps,
+                       cubic_weights, linear_taps, load_sample, nearest_tap, store_sample, unnormalize)
 from .._scalar import load
 from . import _runtime
 from ._opaque import INTERNAL, opaque
@@ -178,10 +178,10 @@ def _generic(r, sh, pos, m, mtok, ptok, align, zero, pidx, pw, pok):
 
 @njit(cache=True, forceinline=True)
 def _probe_interior(pos, m, r, sh, mtok, zero):
-    """Whether the first, middle or last of the segment's ``m`` positions is interior
-    (every tap of every axis inside the input): a guess at whether sorting the
-    segment's positions pays under border or reflection padding (an affine map's
-    segment is a line, the interior convex). Either answer gives the same samples."""
+    """Whether the first, middle and last of the segment's ``m`` positions are all
+    interior (every tap of every axis inside the input): a guess at whether sorting
+    the segment's positions pays under reflection padding (an affine map's segment
+    is a line, the interior convex). Either answer gives the same samples."""
     lo, hi = (1, 2) if len(mtok) == CUBIC else (0, 1)
     nd = r + 2
     for j in (0, m // 2, m - 1):
@@ -332,7 +332,7 @@ def accumulate(x, xf, out, xb, xs, ob, os, C, m, mtok, ptok, count, base, pidx, 
         T = 4
     obu = np.uint64(ob)
     osu = np.uint64(os)
-    if len(ptok) != ZEROS and count:  # reflection, ``count`` interior positions: from their base, the rest padded
+    if len(ptok) != ZEROS and count:  # reflection, ``count`` positions interior: from their base, the rest padded
         b = xb
         o = obu
         for c in range(C):
