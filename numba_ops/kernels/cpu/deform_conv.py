@@ -893,6 +893,12 @@ def _padded_setup(buf, x3, geo, pstr, nb):
     return rows, _padded_buffer(buf, nb, sites, tail, C), _corner_offsets(pstr, C)
 
 
+@njit(cache=True, inline="always")
+def _tile_rounds(dims):
+    """Pool rounds per tile of the channel split: fill, GEMM (and the reduction's sum)."""
+    return 3 if dims[11] == 2 else 2
+
+
 @njit(**INTERNAL)
 def _pad_round(th, nth, x3, n0, nc, rows, wrows, xp, w3, wr, geo, K, csplit):
     """Thread ``th``'s share of a pool round of set-up: padded rows of images ``n0 ..
@@ -919,7 +925,7 @@ def _round(th, rd, tok, n0, nc, xp, off3, m3, has_mask, wr, wmat, shared, b, has
     nw, nxp, ntile_ws, nint = _ws_sizes(C, oC, geo, pstr, dims)
     csplit = dims[11] != 0
     ksplit = dims[11] == 2  # (one group only)
-    nr = 3 if ksplit else 2  # pool rounds per tile of the channel (reduction) split
+    nr = _tile_rounds(dims)  # pool rounds per tile of the channel (reduction) split
     ncols = _tile_parts(dims, nd, ocg)[0]
     u = 16 if oC >= 64 * nth else 1
     ntile = (P + T - 1) // T
@@ -973,12 +979,24 @@ def _entry(x, w, off, m, b, y, meta, fws):
             _segments(dims), shared, _mutable(_wmat(w3, wr)))
 
 
+@njit(cache=True, inline="always")
+def _chunk_rounds(dims, n0, nc, ntile, w3, oC):
+    """(weight rows of the set-up round, tile rounds) of the chunk of ``nc`` images from
+    ``n0`` (see ``_parallel``): the first chunk's set-up reorders or converts the weights
+    unless the channel split reads them where they lie; the position split runs one
+    tile round, the channel split two per tile, its reduction variant three."""
+    csplit = dims[11] != 0
+    wrows = oC if n0 == 0 and not (csplit and _native(w3)) else 0
+    return wrows, (_tile_rounds(dims) * nc * ntile if csplit else 1)
+
+
 @njit(cache=True, nogil=True)
 def _serial(x, w, off, m, b, y, meta):
     """The tiled path on the caller's thread: the parallel entry's rounds (``_pad_round``,
     ``_round``) at one thread, in scratch of its own (serial calls run side by side,
-    e.g. Dask tasks). ``meta`` is a one-thread plan: its channel split is the weights
-    read in place (``_plan_sizes``)."""
+    e.g. Dask tasks; allocated here: from the launcher it cost small calls ~1 us more).
+    ``meta`` is a one-thread plan: its channel split is the weights read in place
+    (``_plan_sizes``)."""
     geo, pstr, dims, _, _ = _unpack(meta)
     nw, nxp, ntile_ws, nint = _ws_sizes(x.shape[1], y.shape[1], geo, pstr, dims)
     fws = _empty_like_compute(x, nw + nxp + ntile_ws + (dims[4] * dims[1] * x.shape[1] if dims[11] != 0 else 0))
@@ -991,9 +1009,9 @@ def _serial(x, w, off, m, b, y, meta):
     csplit = dims[11] != 0
     for n0 in range(0, N, nb):
         nc = min(nb, N - n0)
-        wrows = oC if n0 == 0 and not (csplit and _native(w3)) else 0
+        wrows, nrounds = _chunk_rounds(dims, n0, nc, ntile, w3, oC)
         _pad_round_op(0, 1, x3, n0, nc, rows, wrows, xp, w3, wr, geo, K, csplit)
-        for rd in range((3 if dims[11] == 2 else 2) * nc * ntile if csplit else 1):
+        for rd in range(nrounds):
             _round_op(0, rd, tok, n0, nc, xp, off3, m3, has_mask, wr, wmat, shared, b, has_b, y3, geo, pstr, coff,
                       segs, dims, fws, iws)
 
@@ -1009,14 +1027,13 @@ def _parallel(x, w, off, m, b, y, meta, fws, iws):
     K, T, nb, nth = dims[1], dims[4], dims[5], dims[6]
     ntile = (P + T - 1) // T
     csplit = dims[11] != 0
-    nr = 3 if dims[11] == 2 else 2  # pool rounds per tile of the channel (reduction) split
     for n0 in range(0, N, nb):
         nc = min(nb, N - n0)
         # round -1: padded rows of this chunk, and (first chunk only) the weights' rows, the
         # items dealt out in turn (a padded row and a weight row differ several-fold in work:
         # contiguous halves would leave one thread waiting for the other) (the channel split
         # reads float32/float64 weights where they lie: no weight rows)
-        wrows = oC if n0 == 0 and not (csplit and _native(w3)) else 0
+        wrows, nrounds = _chunk_rounds(dims, n0, nc, ntile, w3, oC)
         # the tiles, in rounds: the position split runs one round (each thread a contiguous run
         # of tiles: one image's rows stay in its cache); the channel split two per tile: the
         # threads fill shares of its positions (each in its own column buffer, then turned into
@@ -1029,7 +1046,7 @@ def _parallel(x, w, off, m, b, y, meta, fws, iws):
         # GEMM tile, then each thread's share of y's rows summed from those partial sums.
         # (one prange loop for every round: numba compiles each prange loop into a function of its
         # own; np.int64(th): the gufunc's index is unsigned, its typing pass's signed: one signature)
-        for rd in range(-1, nr * nc * ntile if csplit else 1):
+        for rd in range(-1, nrounds):
             for th in prange(nth):
                 if rd < 0:
                     _pad_round_op(np.int64(th), nth, x3, n0, nc, rows, wrows, xp, w3, wr, geo, K, csplit)
