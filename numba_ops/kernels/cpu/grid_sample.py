@@ -51,6 +51,7 @@ from .._sample import (BORDER, CUBIC, LINEAR, NEAREST, REFLECTION, TAPS, ZEROS, 
                        cubic_weights, linear_taps, load_sample, nearest_tap, store_sample, unnormalize)
 from .._scalar import load
 from . import _runtime
+from ._gather import gathered, lanes
 from ._opaque import INTERNAL, opaque
 
 #: grid dtypes; ``x`` has the same dtype, or uint8
@@ -308,18 +309,38 @@ def _sample(x, xf, xb, j, T, masked, interior, s1, s2, pidx, pw, pok, zero):
     return _s3(xf, xb, j, T, masked, interior, s1, s2, pidx, pw, pok, zero)
 
 
+#: ``_block``'s answer for positions of more than one kind
+MIXED = 255
+
+
+@njit(cache=True, forceinline=True)
+def _block(kind, j, m, V):
+    """The ``kind`` of positions ``j .. j + V - 1`` of the segment (``m`` of them) when
+    they all have the same, else ``MIXED`` (also when the block would pass ``m``, or
+    ``V`` is 0: no blocks for the dtype)."""
+    k = kind[j]
+    if V == 0 or j + np.uint64(V) > m:
+        return MIXED
+    same = True
+    for q in range(np.uint64(1), np.uint64(V)):
+        same &= kind[j + q] == k
+    return k if same else MIXED
+
+
 @njit(**INTERNAL)
 def accumulate(x, xf, out, xb, xs, ob, os, C, m, mtok, ptok, count, base, pidx, pw, pok, kind, zero):
     """``out[ob + c * os + j] = sample j`` of the segment's plan in channel ``c`` (the
-    channel image starting at ``xf[xb + c * xs]``), for ``j < m`` and ``c < C``:
-    position by position, every channel of a position in turn, so that its plan is
-    read once for all channels. Interior positions read their taps from ``base``
-    on, GENERIC ones through their padded taps and masks, and those with every tap
-    of an axis outside store 0 without reading; ``count``: what ``plan`` returned.
-    Border and reflection go channel by channel, every position of the segment in
-    turn (a channel image's taps stay in cache). ``x`` (N, C, D1..Dr) is passed for
-    its rank, the mode and padding as tokens (see ``TOKEN``): numba compiles only
-    their code, with the tap count a constant, so the tap loops unroll."""
+    channel image starting at ``xf[xb + c * xs]``), for ``j < m`` and ``c < C``.
+    Interior positions read their taps from ``base`` on, GENERIC ones through their
+    padded taps (and masks, under zeros padding), and those with every tap of an axis
+    outside store 0 without reading; ``count``: what ``plan`` returned. Blocks of
+    ``lanes(xf)`` positions of one kind (float32/float64 ``x``) are sampled together
+    (``_gather.gathered``), the others one by one. Zeros padding goes position by
+    position, every channel of a position (or block) in turn, so that its plan is read
+    once for all channels; border and reflection channel by channel (a channel image's
+    taps stay in cache). ``x`` (N, C, D1..Dr) is passed for its rank, the mode and
+    padding as tokens (see ``TOKEN``): numba compiles only their code, with the tap
+    count a constant, so the tap loops unroll."""
     r = x.ndim - 2
     nd = x.ndim
     s1 = x.shape[nd - 1]
@@ -330,36 +351,38 @@ def accumulate(x, xf, out, xb, xs, ob, os, C, m, mtok, ptok, count, base, pidx, 
         T = 2
     else:
         T = 4
-    obu = np.uint64(ob)
+    V = lanes(xf)
+    mu = np.uint64(m)
     osu = np.uint64(os)
-    if len(ptok) != ZEROS and count:  # reflection, ``count`` positions interior: from their base, the rest padded
+    if len(ptok) != ZEROS:  # border, reflection: every tap is read, no position is 0
         b = xb
-        o = obu
+        o = np.uint64(ob)
         for c in range(C):
-            for j in range(np.uint64(m)):
-                if kind[j] == 0:
-                    v = _sample(x, xf, b + base[j], j, T, False, True, s1, s2, pidx, pw, pok, zero)
+            j = np.uint64(0)
+            while j < mu:
+                bk = _block(kind, j, mu, V)
+                if bk == 0:
+                    gathered(x, xf, out, o, b, base, pidx, pw, pok, j, mtok, s1, s2, True, False)
+                    j += np.uint64(V)
+                elif bk != MIXED:
+                    gathered(x, xf, out, o, b, base, pidx, pw, pok, j, mtok, s1, s2, False, False)
+                    j += np.uint64(V)
                 else:
-                    v = _sample(x, xf, b, j, T, False, False, s1, s2, pidx, pw, pok, zero)
-                store_sample(out, o + j, v)
-            b += xs
-            o += osu
-        return
-    if len(ptok) != ZEROS:  # border, reflection: every position through its padded taps
-        b = xb
-        o = obu
-        for c in range(C):
-            for j in range(np.uint64(m)):
-                store_sample(out, o + j, _sample(x, xf, b, j, T, False, False, s1, s2, pidx, pw, pok, zero))
+                    if kind[j] == 0:
+                        v = _sample(x, xf, b + base[j], j, T, False, True, s1, s2, pidx, pw, pok, zero)
+                    else:
+                        v = _sample(x, xf, b, j, T, False, False, s1, s2, pidx, pw, pok, zero)
+                    store_sample(out, o + j, v)
+                    j += np.uint64(1)
             b += xs
             o += osu
         return
     if count:  # (zeros: how many positions are all-outside)
         # first every position as if every tap of an axis were outside (0, or NaN at a
         # non-finite position; branch-free, so it vectorises), then the others over it
-        o = obu
+        o = np.uint64(ob)
         for c in range(C):
-            for j in range(np.uint64(m)):
+            for j in range(mu):
                 acc = pw[0, 0, j] * zero
                 for k in range(1, r):
                     acc *= pw[k, 0, j]
@@ -367,9 +390,26 @@ def accumulate(x, xf, out, xb, xs, ob, os, C, m, mtok, ptok, count, base, pidx, 
             o += osu
         if count == m:
             return
-    for j in range(np.uint64(m)):
+    j = np.uint64(0)
+    while j < mu:
+        bk = _block(kind, j, mu, V)
+        if bk == 0 or bk == GENERIC:
+            b = xb
+            o = np.uint64(ob)
+            for c in range(C):
+                if bk == 0:
+                    gathered(x, xf, out, o, b, base, pidx, pw, pok, j, mtok, s1, s2, True, False)
+                else:  # taps outside read as exact zeros
+                    gathered(x, xf, out, o, b, base, pidx, pw, pok, j, mtok, s1, s2, False, True)
+                b += xs
+                o += osu
+            j += np.uint64(V)
+            continue
+        if bk != MIXED:  # all outside: their 0s are stored
+            j += np.uint64(V)
+            continue
         kd = kind[j]
-        o = obu + j
+        o = np.uint64(ob) + j
         if kd == 0:
             b = xb + base[j]
             for c in range(C):
@@ -382,6 +422,7 @@ def accumulate(x, xf, out, xb, xs, ob, os, C, m, mtok, ptok, count, base, pidx, 
                 store_sample(out, o, _sample(x, xf, b, j, T, True, False, s1, s2, pidx, pw, pok, zero))
                 b += xs
                 o += osu
+        j += np.uint64(1)
 
 
 @njit(**INTERNAL)
@@ -408,12 +449,12 @@ def _units(x, xf, gf, out, mtok, ptok, align, zero, u0, u1):
         n = u // nseg
         j0 = (u - n * nseg) * SEG
         m = min(SEG, P - j0)
-        g0 = (n * P + j0) * r
+        g0 = np.uint64((n * P + j0) * r)
         for k in range(r):
             size = x.shape[2 + k]
-            a = r - 1 - k  # the grid lists coordinates innermost axis first
-            for j in range(m):  # unsigned indices: no negative wraparound, so the loop vectorises
-                pos[k, j] = unnormalize(load(gf, g0 + j * r + a), size, align, one)
+            a = g0 + np.uint64(r - 1 - k)  # the grid lists coordinates innermost axis first
+            for j in range(np.uint64(m)):  # unsigned indices: no negative wraparound, so the loop vectorises
+                pos[k, j] = unnormalize(load(gf, a + j * np.uint64(r)), size, align, one)
         count = plan(x, pos, m, mtok, ptok, align, zero, base, pidx, pw, pok, kind)
         accumulate(x, xf, out, n * C * S, S, n * C * P + j0, P, C, m, mtok, ptok, count, base, pidx, pw, pok, kind,
                    zero)
