@@ -51,7 +51,7 @@ from .._sample import (BORDER, CUBIC, LINEAR, NEAREST, REFLECTION, TAPS, ZEROS, 
                        cubic_weights, linear_taps, load_sample, nearest_tap, store_sample, unnormalize)
 from .._scalar import load
 from . import _runtime
-from ._gather import gathered, lanes
+from ._gather import gathered, lanes, wide_safe
 from ._opaque import INTERNAL, opaque
 
 #: grid dtypes; ``x`` has the same dtype, or uint8
@@ -314,12 +314,12 @@ MIXED = 255
 
 
 @njit(cache=True, forceinline=True)
-def _block(kind, j, m, V):
+def _block(kind, j, m, V, blocks):
     """The ``kind`` of positions ``j .. j + V - 1`` of the segment (``m`` of them) when
     they all have the same, else ``MIXED`` (also when the block would pass ``m``, or
-    ``V`` is 0: no blocks for the dtype)."""
+    not ``blocks``)."""
     k = kind[j]
-    if V == 0 or j + np.uint64(V) > m:
+    if not blocks or j + np.uint64(V) > m:
         return MIXED
     same = True
     for q in range(np.uint64(1), np.uint64(V)):
@@ -327,8 +327,15 @@ def _block(kind, j, m, V):
     return k if same else MIXED
 
 
+@njit(cache=True, forceinline=True)
+def _store_block(out, o, res, V):
+    """``out[o + l] = res[l]`` for ``l < V``, each rounded or cast as ``store_sample`` does."""
+    for q in range(np.uint64(V)):
+        store_sample(out, o + q, res[q])
+
+
 @njit(**INTERNAL)
-def accumulate(x, xf, out, xb, xs, ob, os, C, m, mtok, ptok, count, base, pidx, pw, pok, kind, zero):
+def accumulate(x, xf, out, xb, xs, ob, os, C, m, mtok, ptok, count, base, pidx, pw, pok, kind, res, zero):
     """``out[ob + c * os + j] = sample j`` of the segment's plan in channel ``c`` (the
     channel image starting at ``xf[xb + c * xs]``), for ``j < m`` and ``c < C``.
     Interior positions read their taps from ``base`` on, GENERIC ones through their
@@ -351,7 +358,8 @@ def accumulate(x, xf, out, xb, xs, ob, os, C, m, mtok, ptok, count, base, pidx, 
         T = 2
     else:
         T = 4
-    V = lanes(xf)
+    V = lanes(pw)
+    blocks = wide_safe(xf, xb + C * xs)
     mu = np.uint64(m)
     osu = np.uint64(os)
     if len(ptok) != ZEROS:  # border, reflection: every tap is read, no position is 0
@@ -360,12 +368,13 @@ def accumulate(x, xf, out, xb, xs, ob, os, C, m, mtok, ptok, count, base, pidx, 
         for c in range(C):
             j = np.uint64(0)
             while j < mu:
-                bk = _block(kind, j, mu, V)
-                if bk == 0:
-                    gathered(x, xf, out, o, b, base, pidx, pw, pok, j, mtok, s1, s2, True, False)
-                    j += np.uint64(V)
-                elif bk != MIXED:
-                    gathered(x, xf, out, o, b, base, pidx, pw, pok, j, mtok, s1, s2, False, False)
+                bk = _block(kind, j, mu, V, blocks)
+                if bk != MIXED:
+                    if bk == 0:
+                        gathered(x, xf, res, b, base, pidx, pw, pok, j, mtok, s1, s2, True, False)
+                    else:
+                        gathered(x, xf, res, b, base, pidx, pw, pok, j, mtok, s1, s2, False, False)
+                    _store_block(out, o + j, res, V)
                     j += np.uint64(V)
                 else:
                     if kind[j] == 0:
@@ -392,15 +401,16 @@ def accumulate(x, xf, out, xb, xs, ob, os, C, m, mtok, ptok, count, base, pidx, 
             return
     j = np.uint64(0)
     while j < mu:
-        bk = _block(kind, j, mu, V)
+        bk = _block(kind, j, mu, V, blocks)
         if bk == 0 or bk == GENERIC:
             b = xb
             o = np.uint64(ob)
             for c in range(C):
                 if bk == 0:
-                    gathered(x, xf, out, o, b, base, pidx, pw, pok, j, mtok, s1, s2, True, False)
+                    gathered(x, xf, res, b, base, pidx, pw, pok, j, mtok, s1, s2, True, False)
                 else:  # taps outside read as exact zeros
-                    gathered(x, xf, out, o, b, base, pidx, pw, pok, j, mtok, s1, s2, False, True)
+                    gathered(x, xf, res, b, base, pidx, pw, pok, j, mtok, s1, s2, False, True)
+                _store_block(out, o + j, res, V)
                 b += xs
                 o += osu
             j += np.uint64(V)
@@ -427,9 +437,11 @@ def accumulate(x, xf, out, xb, xs, ob, os, C, m, mtok, ptok, count, base, pidx, 
 
 @njit(**INTERNAL)
 def scratch(zero):
-    """``(pos, base, pidx, pw, pok, kind)``: one thread's segment buffers."""
+    """``(pos, base, pidx, pw, pok, kind, res)``: one thread's segment buffers (``res``:
+    a block's samples)."""
     return (np.empty((3, SEG), type(zero)), np.empty(SEG, np.int64), np.empty((3, 4, SEG), np.int64),
-            np.empty((3, 4, SEG), type(zero)), np.empty((3, 4, SEG), np.bool_), np.empty(SEG, np.uint8))
+            np.empty((3, 4, SEG), type(zero)), np.empty((3, 4, SEG), np.bool_), np.empty(SEG, np.uint8),
+            np.empty(16, type(zero)))
 
 
 # --- GridSample ------------------------------------------------------------------------
@@ -444,7 +456,7 @@ def _units(x, xf, gf, out, mtok, ptok, align, zero, u0, u1):
     S = xf.size // (N * C)
     nseg = (P + SEG - 1) // SEG
     one = as_compute(zero, 1)
-    pos, base, pidx, pw, pok, kind = scratch(zero)
+    pos, base, pidx, pw, pok, kind, res = scratch(zero)
     for u in range(u0, u1):
         n = u // nseg
         j0 = (u - n * nseg) * SEG
@@ -457,7 +469,7 @@ def _units(x, xf, gf, out, mtok, ptok, align, zero, u0, u1):
                 pos[k, j] = unnormalize(load(gf, a + j * np.uint64(r)), size, align, one)
         count = plan(x, pos, m, mtok, ptok, align, zero, base, pidx, pw, pok, kind)
         accumulate(x, xf, out, n * C * S, S, n * C * P + j0, P, C, m, mtok, ptok, count, base, pidx, pw, pok, kind,
-                   zero)
+                   res, zero)
 
 
 #: called through its own compiled code (``_opaque``): the serial and parallel entries do
