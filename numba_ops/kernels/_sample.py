@@ -195,11 +195,29 @@ def cubic_weights(t, one):
 
 
 @njit(cache=True)
-def nearest_tap(pos, size, padding, align, zero):
-    """``(index, weight, inside)`` of the nearest element (ties to the even index),
-    padded; ``weight`` is 1, or NaN for a non-finite position."""
-    per = period(size, padding, align)
-    i, frac, finite = split_coord(pos, per, zero)
+def split_near(pos, per, zero):
+    """``split_coord(pos, per, zero)`` for a position that ``reflect_near`` accepts,
+    without its branches (one step of the period instead of a division; the CPU's
+    vectorised loops): ``(i, frac, finite)``; for other positions the result is
+    meaningless (but no integer conversion overflows)."""
+    pc = pos if reflect_near(pos, per, zero) else zero
+    f = np.floor(pc)
+    i = np.int64(f)
+    i = i + per if i < 0 else i
+    i = i - per if i >= per else i
+    return i, pc - f, (pos - pos) == zero
+
+
+@njit(cache=True)
+def reflect_near(pos, per, zero):
+    """Whether ``pos`` lies in ``[-per, 2 * per)`` (so it is finite and ``per > 0``)."""
+    fp = as_compute(zero, per)
+    return (pos >= -fp) & (pos < fp + fp)
+
+
+@njit(cache=True)
+def nearest_at(i, frac, finite, size, per, padding, align, zero):
+    """``nearest_tap`` of the split position ``(i, frac, finite)`` (``split_coord``)."""
     half = as_compute(zero, 0.5)
     up = (frac > half) | ((frac == half) & ((i & 1) == 1))
     idx, ok = pad_tap(i + np.int64(1 if up else 0), size, per, padding, align)
@@ -208,16 +226,44 @@ def nearest_tap(pos, size, padding, align, zero):
 
 
 @njit(cache=True)
-def linear_taps(pos, size, padding, align, zero):
-    """``(i0, i1, w0, w1, in0, in1)``: the two padded taps around ``pos``, their
-    weights (NaN for a non-finite position) and whether each is inside."""
+def nearest_tap(pos, size, padding, align, zero):
+    """``(index, weight, inside)`` of the nearest element (ties to the even index),
+    padded; ``weight`` is 1, or NaN for a non-finite position."""
     per = period(size, padding, align)
     i, frac, finite = split_coord(pos, per, zero)
+    return nearest_at(i, frac, finite, size, per, padding, align, zero)
+
+
+@njit(cache=True)
+def linear_at(i, frac, finite, size, per, padding, align, zero):
+    """``linear_taps`` of the split position ``(i, frac, finite)`` (``split_coord``)."""
     one = as_compute(zero, 1)
     s = one if finite else as_compute(zero, np.nan)
     i0, in0 = pad_tap(i, size, per, padding, align)
     i1, in1 = pad_tap(i + 1, size, per, padding, align)
     return i0, i1, (one - frac) * s, frac * s, in0, in1
+
+
+@njit(cache=True)
+def linear_taps(pos, size, padding, align, zero):
+    """``(i0, i1, w0, w1, in0, in1)``: the two padded taps around ``pos``, their
+    weights (NaN for a non-finite position) and whether each is inside."""
+    per = period(size, padding, align)
+    i, frac, finite = split_coord(pos, per, zero)
+    return linear_at(i, frac, finite, size, per, padding, align, zero)
+
+
+@njit(cache=True)
+def cubic_at(i, frac, finite, size, per, padding, align, zero):
+    """``cubic_taps`` of the split position ``(i, frac, finite)`` (``split_coord``)."""
+    one = as_compute(zero, 1)
+    s = one if finite else as_compute(zero, np.nan)
+    c0, c1, c2, c3 = cubic_weights(frac, one)
+    i0, in0 = pad_tap(i - 1, size, per, padding, align)
+    i1, in1 = pad_tap(i, size, per, padding, align)
+    i2, in2 = pad_tap(i + 1, size, per, padding, align)
+    i3, in3 = pad_tap(i + 2, size, per, padding, align)
+    return i0, i1, i2, i3, c0 * s, c1 * s, c2 * s, c3 * s, in0, in1, in2, in3
 
 
 @njit(cache=True)
@@ -227,11 +273,4 @@ def cubic_taps(pos, size, padding, align, zero):
     each is inside."""
     per = period(size, padding, align)
     i, frac, finite = split_coord(pos, per, zero)
-    one = as_compute(zero, 1)
-    s = one if finite else as_compute(zero, np.nan)
-    c0, c1, c2, c3 = cubic_weights(frac, one)
-    i0, in0 = pad_tap(i - 1, size, per, padding, align)
-    i1, in1 = pad_tap(i, size, per, padding, align)
-    i2, in2 = pad_tap(i + 1, size, per, padding, align)
-    i3, in3 = pad_tap(i + 2, size, per, padding, align)
-    return i0, i1, i2, i3, c0 * s, c1 * s, c2 * s, c3 * s, in0, in1, in2, in3
+    return cubic_at(i, frac, finite, size, per, padding, align, zero)

@@ -47,11 +47,12 @@ import numpy as np
 from numba import njit, prange
 
 from ..._dtypes import compute, storage
-from .._sample import (BORDER, CUBIC, LINEAR, NEAREST, REFLECTION, TAPS, ZEROS, as_compute, cubic_taps,
-                       cubic_weights, linear_taps, load_sample, nearest_tap, store_sample, unnormalize)
+from .._sample import (BORDER, CUBIC, LINEAR, NEAREST, REFLECTION, TAPS, ZEROS, as_compute, cubic_at, cubic_weights,
+                       linear_at, load_sample, nearest_at, period, reflect_near, split_coord, split_near,
+                       store_sample, unnormalize)
 from .._scalar import load
 from . import _runtime
-from ._gather import gathered, lanes, wide_safe
+from ._gather import gather_safe, gathered, lanes
 from ._opaque import INTERNAL, opaque
 
 #: grid dtypes; ``x`` has the same dtype, or uint8
@@ -129,41 +130,64 @@ def _fast_axis(pos, m, k, size, stride, mtok, zero, base, pw, kind, first):
 
 
 @njit(cache=True, forceinline=True)
+def _taps_one(pos, j, k, size, per, stride, mtok, ptok, align, zero, near, pidx, pw, pok):
+    """Position ``j``'s padded taps on spatial axis ``k`` (``_taps_axis``); ``near``:
+    split by ``split_near`` (branch-free: the loop vectorises), else ``split_coord``."""
+    padding = len(ptok)
+    if near:
+        i, t, finite = split_near(pos[k, j], per, zero)
+    else:
+        i, t, finite = split_coord(pos[k, j], per, zero)
+    if len(mtok) == NEAREST:
+        i0, w0, ok0 = nearest_at(i, t, finite, size, per, padding, align, zero)
+        pidx[k, 0, j] = i0 * stride
+        pw[k, 0, j] = w0
+        pok[k, 0, j] = ok0
+    elif len(mtok) == LINEAR:
+        i0, i1, w0, w1, ok0, ok1 = linear_at(i, t, finite, size, per, padding, align, zero)
+        pidx[k, 0, j] = i0 * stride
+        pidx[k, 1, j] = i1 * stride
+        pw[k, 0, j] = w0
+        pw[k, 1, j] = w1
+        pok[k, 0, j] = ok0
+        pok[k, 1, j] = ok1
+    else:
+        i0, i1, i2, i3, w0, w1, w2, w3, ok0, ok1, ok2, ok3 = cubic_at(i, t, finite, size, per, padding, align, zero)
+        pidx[k, 0, j] = i0 * stride
+        pidx[k, 1, j] = i1 * stride
+        pidx[k, 2, j] = i2 * stride
+        pidx[k, 3, j] = i3 * stride
+        pw[k, 0, j] = w0
+        pw[k, 1, j] = w1
+        pw[k, 2, j] = w2
+        pw[k, 3, j] = w3
+        pok[k, 0, j] = ok0
+        pok[k, 1, j] = ok1
+        pok[k, 2, j] = ok2
+        pok[k, 3, j] = ok3
+
+
+@njit(cache=True, forceinline=True)
 def _taps_axis(pos, m, k, size, stride, mtok, ptok, align, zero, pidx, pw, pok):
     """The padded taps of spatial axis ``k`` for the positions ``pos[k, :m]``:
     ``pidx[k, t, j]`` the flat offset (padded index times ``stride``), ``pw`` the
     weight, ``pok`` whether the tap is inside (False only for zeros padding). The
-    padding is a constant where each copy compiles, so the loops vectorise."""
-    if len(mtok) == NEAREST:
+    padding is a constant where each copy compiles, so the loops vectorise; under
+    reflection the positions within a period of the input (``reflect_near``) go
+    without a division (``split_near``), the others again one by one after them."""
+    per = period(size, len(ptok), align)
+    if len(ptok) == REFLECTION:
+        far = 0
         for j in range(np.uint64(m)):
-            i, w, ok = nearest_tap(pos[k, j], size, len(ptok), align, zero)
-            pidx[k, 0, j] = i * stride
-            pw[k, 0, j] = w
-            pok[k, 0, j] = ok
-    elif len(mtok) == LINEAR:
-        for j in range(np.uint64(m)):
-            i0, i1, w0, w1, ok0, ok1 = linear_taps(pos[k, j], size, len(ptok), align, zero)
-            pidx[k, 0, j] = i0 * stride
-            pidx[k, 1, j] = i1 * stride
-            pw[k, 0, j] = w0
-            pw[k, 1, j] = w1
-            pok[k, 0, j] = ok0
-            pok[k, 1, j] = ok1
-    else:
-        for j in range(np.uint64(m)):
-            i0, i1, i2, i3, w0, w1, w2, w3, ok0, ok1, ok2, ok3 = cubic_taps(pos[k, j], size, len(ptok), align, zero)
-            pidx[k, 0, j] = i0 * stride
-            pidx[k, 1, j] = i1 * stride
-            pidx[k, 2, j] = i2 * stride
-            pidx[k, 3, j] = i3 * stride
-            pw[k, 0, j] = w0
-            pw[k, 1, j] = w1
-            pw[k, 2, j] = w2
-            pw[k, 3, j] = w3
-            pok[k, 0, j] = ok0
-            pok[k, 1, j] = ok1
-            pok[k, 2, j] = ok2
-            pok[k, 3, j] = ok3
+            _taps_one(pos, j, k, size, per, stride, mtok, ptok, align, zero, True, pidx, pw, pok)
+            far += not reflect_near(pos[k, j], per, zero)
+        if far:
+            for j in range(np.uint64(m)):
+                if not reflect_near(pos[k, j], per, zero):
+                    _taps_one(pos, j, k, size, per, stride, mtok, ptok, align, zero, False, pidx, pw, pok)
+        return
+    for j in range(np.uint64(m)):
+        _taps_one(pos, j, k, size, per, stride, mtok, ptok, align, zero, False, pidx, pw, pok)
 
 
 @njit(cache=True, forceinline=True)
@@ -359,7 +383,7 @@ def accumulate(x, xf, out, xb, xs, ob, os, C, m, mtok, ptok, count, base, pidx, 
     else:
         T = 4
     V = lanes(pw)
-    blocks = wide_safe(xf, xb + C * xs)
+    blocks = gather_safe(xf, xb + C * xs, xs)
     mu = np.uint64(m)
     osu = np.uint64(os)
     if len(ptok) != ZEROS:  # border, reflection: every tap is read, no position is 0
