@@ -160,7 +160,7 @@ def gathered(typingctx, x, xf, res, xb, base, pidx, pw, pok, j, mtok, s1, s2, in
                     builder._insert(ptrs)
                     if size < 4:
                         ptrs = builder.bitcast(ptrs, vptr)
-                    v = builder.call(gather, [ptrs, ir.Constant(ir.IntType(32), min(size, 4)),
+                    v = builder.call(gather, [ptrs, ir.Constant(ir.IntType(32), size),  # (the element's alignment)
                                               all_lanes, ir.Constant(vg, ir.Undefined)])
                     if size < 4:
                         v = builder.trunc(v, vs)

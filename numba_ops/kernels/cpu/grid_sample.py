@@ -27,7 +27,9 @@ the parallel split is over (image, positions) whatever the shape). Per segment:
    interior positions read their taps from ``base``, GENERIC ones through the
    padded taps and masks, outside ones nothing (a branch-free pass writes their
    0s first). The rank and the taps per axis are constants in each loop, so the
-   tap loops unroll.
+   tap loops unroll. Runs of ``lanes`` positions of one kind are sampled a block
+   at a time, each tap of a channel gathered for all of them (``_gather``), with
+   the same operations in the same order: the same bits as one by one.
 
 Compile time (issue 18): the mode and padding reach the kernels as tokens
 (``TOKEN``: tuples whose length numba folds to a constant and whose other branches
@@ -365,8 +367,9 @@ def accumulate(x, xf, out, xb, xs, ob, os, C, m, mtok, ptok, count, base, pidx, 
     Interior positions read their taps from ``base`` on, GENERIC ones through their
     padded taps (and masks, under zeros padding), and those with every tap of an axis
     outside store 0 without reading; ``count``: what ``plan`` returned. Blocks of
-    ``lanes(xf)`` positions of one kind (float32/float64 ``x``) are sampled together
-    (``_gather.gathered``), the others one by one. Zeros padding goes position by
+    ``lanes(pw)`` positions of one kind are sampled together (``_gather.gathered``;
+    not in the last image of 16-bit or uint8 ``x``: ``gather_safe``), the others one by
+    one. Zeros padding goes position by
     position, every channel of a position (or block) in turn, so that its plan is read
     once for all channels; border and reflection channel by channel (a channel image's
     taps stay in cache). ``x`` (N, C, D1..Dr) is passed for its rank, the mode and
