@@ -242,7 +242,10 @@ def test_warm_in_worker_processes(tmp_path):
     assert [x.split(":")[0] for x in done] == ["affine_grid float32 cpu", "affine_grid float64 cpu"]
     assert all(re.search(r"done \(\d+ compiled\)$", x) for x in done), done  # no worker failed
     got = run()
-    assert got["r"]["compiled"] == 0 and got["r"]["up_to_date"] and 0 < got["r"]["loaded"] <= r["loaded"]
+    # the stamp counts the functions this process ran; it compiles some itself when two workers
+    # wrote one function's cache index at once (numba keeps the last writer's entries)
+    assert got["r"]["compiled"] == 0 and got["r"]["up_to_date"]
+    assert 0 < got["r"]["loaded"] <= r["compiled"] + r["loaded"]
     assert not [x for x in got["seen"] if "worker" in x]
 
 
