@@ -10,23 +10,30 @@ config names another), whose ``CASES`` lists (op, name) pairs and whose
 case. So an old REV, whose harness differed or did not exist, is timed by the
 same code as the current tree.
 
-Protocol: one JSON line per event on stdout, prefixed by ``@@ab ``: first
+Events (``protocol.py``, the benchmark's one worker line protocol): first
 {"ready", "cases", "file"} (or {"error"}), then one {"case", "samples"} per case
 name read from stdin (seconds of each timed call), or {"case", "missing"} /
 {"case", "error"}.
 """
 import importlib
+import importlib.util
 import json
 import os
 import sys
 import time
 
-MARK = "@@ab "
+
+def _load_protocol():
+    """``protocol.py`` from beside this file, by path: ``numba_ops`` on sys.path may
+    be the tree being timed (an old REV), and importing it would import numba too."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "protocol.py")
+    spec = importlib.util.spec_from_file_location("_numba_ops_bench_protocol", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
-def _emit(obj):
-    sys.stdout.write(MARK + json.dumps(obj) + "\n")
-    sys.stdout.flush()
+_emit = _load_protocol().emit
 
 
 def _case_names(mod):

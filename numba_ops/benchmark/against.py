@@ -25,7 +25,7 @@ import sys
 import tempfile
 import time
 
-from . import stats
+from . import protocol, stats
 
 try:
     import fcntl
@@ -41,7 +41,6 @@ SETTLE_S = 0.15
 THRESHOLD = 0.10
 CASES_MODULE = "numba_ops._cases"
 _WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "abworker.py")
-_MARK = "@@ab "
 
 
 class AgainstError(Exception):
@@ -131,40 +130,74 @@ class RevTree:
         return False
 
 
-class _Side:
-    """One side's worker process for one round."""
+class SideError(AgainstError):
+    """A side's worker could not start timing (``side``: its label, ``why``: what it said)."""
 
-    def __init__(self, label, tree, env, cfg):
-        self.label, self.tail = label, []
-        self.p = subprocess.Popen([sys.executable, _WORKER, tree, json.dumps(cfg)], stdin=subprocess.PIPE,
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-                                  env=env, cwd=tree)
+    def __init__(self, side, why):
+        super().__init__(f"{side}: {why}")
+        self.side, self.why = side, why
 
-    def event(self):
-        for line in self.p.stdout:
-            if line.startswith(_MARK):
-                return json.loads(line[len(_MARK):])
-            self.tail = (self.tail + [line])[-30:]
-        return {"error": f"the {self.label} worker exited: {''.join(self.tail).strip()[-1200:]}"}
 
-    def ask(self, name):
+def _worker(label, tree, env, cfg):
+    """A fresh ``abworker.py`` process timing the case module of ``tree``."""
+    return protocol.Worker(label, [sys.executable, _WORKER, tree, json.dumps(cfg)], env=env, cwd=tree)
+
+
+def take_rounds(sides, cfg, select, log=print):
+    """Rounds of per-call samples, the evidence of ``--against`` (two sides) and of a
+    saved run (one side, the current tree).
+
+    ``sides``: {label: (tree, env)}; ``cfg``: the workers' config (case module,
+    dtype, device, rounds and the turn's timing: ``QUICK``/``FULL``); ``select``:
+    called once with the first side's case names, returns the names to time.
+    Each round starts a fresh worker per side, one at a time (no import overlaps
+    another's timing); then case by case each side takes a turn, the side that goes
+    first alternating between cases and rounds, each turn after ``SETTLE_S`` idle.
+    A case missing on a side or failing there is not asked again.
+
+    Returns (names, {name: {label: [samples of each round], "missing": label,
+    "error": "label: why"}} (the last two only when so), {label: its ready event}).
+    Raises SideError when a side's worker cannot start."""
+    labels = list(sides)
+    names, recs, ready = None, {}, {}
+    for r in range(cfg["rounds"]):
+        workers = {}
         try:
-            self.p.stdin.write(name + "\n")
-            self.p.stdin.flush()
-        except OSError:
-            pass
-        ev = self.event()
-        ev.setdefault("case", name)
-        return ev
-
-    def close(self):
-        with contextlib.suppress(OSError):
-            self.p.stdin.close()
-        try:
-            self.p.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.p.kill()
-            self.p.wait()
+            for label in labels:
+                tree, env = sides[label]
+                w = workers[label] = _worker(label, tree, env, cfg)
+                ev = w.event()
+                if ev is None or "error" in ev:
+                    raise SideError(label, ev["error"] if ev else w.died())
+                ready[label] = ev
+                if names is None:
+                    names = select(ev["cases"])
+                    recs = {n: {lab: [] for lab in labels} for n in names}
+            line = []
+            for i, name in enumerate(names):
+                rec = recs[name]
+                if "missing" in rec or "error" in rec:
+                    continue
+                k = (r + i) % len(labels)
+                for label in labels[k:] + labels[:k]:
+                    time.sleep(SETTLE_S)
+                    ev = workers[label].ask(name)
+                    if "samples" in ev:
+                        rec[label].append(ev["samples"])
+                    elif ev.get("missing"):
+                        rec["missing"] = label
+                        break
+                    else:
+                        rec["error"] = f"{label}: {ev.get('error')}"
+                        break
+                else:
+                    ms = [statistics.median(rec[label][-1]) for label in labels]
+                    line.append(f"{name} {ms[0] / ms[1]:.2f}" if len(ms) == 2 else f"{name} {1e3 * ms[0]:.3f} ms")
+            log(f"  round {r + 1}/{cfg['rounds']}: " + ("  ".join(line) or "-"))
+        finally:
+            for w in workers.values():
+                w.close()
+    return names, recs, ready
 
 
 def _select(names, only):
@@ -203,49 +236,11 @@ def run(rev, *, repo=None, cases_module=CASES_MODULE, only=None, quick=False, th
         if rt.note:
             log(f"note: {rt.note}")
         sides = {"current": (top, _env(top)), "rev": (rt.path, _env(rt.path, rt.cache))}
-        samples, info, names, rev_names, cur_names = {}, {}, None, None, set()
-        for r in range(mode["rounds"]):
-            workers = {}
-            try:
-                for side, (tree, env) in sides.items():  # one at a time: no import overlaps another's timing
-                    w = _Side(side, tree, env, cfg)
-                    ready = w.event()
-                    if "error" in ready:
-                        w.close()
-                        what = "the current tree" if side == "current" else f"REV {rev} ({sha[:10]})"
-                        raise AgainstError(f"{what} cannot be timed: {ready['error']}")
-                    workers[side] = w
-                    info[side] = ready["file"]
-                    if side == "current" and names is None:
-                        cur_names = set(ready["cases"])
-                        names = _select(ready["cases"], only)
-                        samples = {n: {"current": [], "rev": []} for n in names}
-                    if side == "rev":
-                        rev_names = set(ready["cases"])
-                line = []
-                for i, name in enumerate(names):
-                    rec = samples[name]
-                    if name not in rev_names:
-                        rec["missing"] = True
-                        continue
-                    if "error" in rec:
-                        continue
-                    order = ("current", "rev") if (r + i) % 2 == 0 else ("rev", "current")
-                    for side in order:
-                        time.sleep(SETTLE_S)
-                        ev = workers[side].ask(name)
-                        if "samples" in ev:
-                            rec[side].append(ev["samples"])
-                        else:
-                            rec["error"] = f"{side}: {ev.get('error') or 'missing'}"
-                            break
-                    if "error" not in rec:
-                        q = statistics.median(rec["current"][-1]) / statistics.median(rec["rev"][-1])
-                        line.append(f"{name} {q:.2f}")
-                log(f"  round {r + 1}/{mode['rounds']}: " + ("  ".join(line) or "-"))
-            finally:
-                for w in workers.values():
-                    w.close()
+        try:
+            names, samples, ready = take_rounds(sides, cfg, lambda cases: _select(cases, only), log)
+        except SideError as exc:
+            what = "the current tree" if exc.side == "current" else f"REV {rev} ({sha[:10]})"
+            raise AgainstError(f"{what} cannot be timed: {exc.why}") from None
     cases = {}
     for name in names:
         rec = samples[name]
@@ -255,16 +250,15 @@ def run(rev, *, repo=None, cases_module=CASES_MODULE, only=None, quick=False, th
         elif "error" in rec:
             row.update(status="error", verdict="error", error=rec["error"])
         else:
-            row.update(stats.ratio(rec["current"], rec["rev"]))
-            row["current_ms"] = 1e3 * statistics.median(stats.round_medians(rec["current"]))
-            row["rev_ms"] = 1e3 * statistics.median(stats.round_medians(rec["rev"]))
-            row["verdict"] = stats.verdict(row, threshold)
+            row.update(stats.judge(rec["current"], rec["rev"], threshold, ("current", "rev")))
         cases[name] = row
+    info = {side: ev["file"] for side, ev in ready.items()}
+    rev_names, cur_names = set(ready["rev"]["cases"]), set(ready["current"]["cases"])
     return {"tool": "numba-ops bench --against", "rev": rev, "sha": sha, "current_tree": top,
             "rev_files": info.get("rev"), "current_files": info.get("current"), "cases_module": cases_module,
             "dtype": dtype, "device": device, "quick": bool(quick), "threshold": threshold,
             "confidence": stats.CONFIDENCE, "settle_s": SETTLE_S, **mode,
-            "rev_only_cases": sorted((rev_names or set()) - cur_names),
+            "rev_only_cases": sorted(rev_names - cur_names),
             "seconds": round(time.perf_counter() - t_start, 1), "cases": cases}
 
 
@@ -279,34 +273,49 @@ def _ms(v):
     return "-" if v is None else f"{v:.3f}" if v < 10 else f"{v:.1f}"
 
 
-def print_report(report, out=print):
-    pct = int(round(100 * report["confidence"]))
-    out("")
-    out(f"numba-ops bench --against {report['rev']} ({report['sha'][:10]}): the current tree "
-        f"{report['current_tree']} over REV, {report['rounds']} rounds, {report['dtype']} on {report['device']}"
-        f"{', quick' if report['quick'] else ''}, threshold {report['threshold']:.0%}")
-    head = ["case", "current ms", "REV ms", "ratio", f"{pct}% interval", "verdict"]
+def print_verdicts(cases, sides, threshold, pairing, confidence=stats.CONFIDENCE, out=print):
+    """The table of a comparison, ``--against``'s and ``--compare``'s: per case each
+    side's time, the ratio, its interval and the verdict, then the legend.
+    ``sides``: the two sides' (key, label), the current one first (rows hold
+    ``<key>_ms``); ``pairing``: how the rounds were paired, for the legend."""
+    pct = int(round(100 * confidence))
+    (cur, cur_label), (base, base_label) = sides
+    head = ["case", f"{cur_label} ms", f"{base_label} ms", "ratio", f"{pct}% interval", "verdict"]
     rows = []
-    for name, r in report["cases"].items():
+    for name, r in cases.items():
         if r["status"] != "ok":
             why = r["verdict"] + (f": {r['error']}" if r.get("error") else "")
             rows.append([name, "-", "-", "-", "-", why])
             continue
         ci = "-" if r["low"] is None else f"{r['low']:.3f} - {r['high']:.3f}"
-        rows.append([name, _ms(r["current_ms"]), _ms(r["rev_ms"]), f"{r['ratio']:.3f}", ci, r["verdict"]])
+        rows.append([name, _ms(r[f"{cur}_ms"]), _ms(r[f"{base}_ms"]), f"{r['ratio']:.3f}", ci, r["verdict"]])
     widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
     for line in [head] + rows:
         out("  ".join(str(c).ljust(w) if j in (0, 5) else str(c).rjust(w)
                       for j, (c, w) in enumerate(zip(line, widths))).rstrip())
+    t = threshold
+    out(f"ms: median over rounds of each round's median call. ratio: {cur_label} / {base_label}, the "
+        f"Hodges-Lehmann estimate over {pairing}, with its exact {pct}% interval (Wilcoxon signed-rank). slower: "
+        f"ratio > {1 + t:.2f} and the interval above 1; faster: ratio < {1 / (1 + t):.3f} and the interval below 1; "
+        f"same: the interval within [{1 / (1 + t):.3f}, {1 + t:.2f}]; undecided: too noisy to say.")
+
+
+def verdict_counts(cases):
+    """"1 slower, 3 same, ..." over the cases' verdicts."""
+    verdicts = [r["verdict"] for r in cases.values()]
+    order = dict.fromkeys(["slower", "faster", "same", "undecided"] + verdicts)
+    return ", ".join(f"{verdicts.count(v)} {v}" for v in order if v in verdicts)
+
+
+def print_report(report, out=print):
+    out("")
+    out(f"numba-ops bench --against {report['rev']} ({report['sha'][:10]}): the current tree "
+        f"{report['current_tree']} over REV, {report['rounds']} rounds, {report['dtype']} on {report['device']}"
+        f"{', quick' if report['quick'] else ''}, threshold {report['threshold']:.0%}")
+    print_verdicts(report["cases"], (("current", "current"), ("rev", "REV")), report["threshold"],
+                   "paired rounds", report["confidence"], out)
     if report.get("rev_only_cases"):
         out(f"cases only in REV (not timed): {', '.join(report['rev_only_cases'])}")
-    t = report["threshold"]
-    out(f"ms: median over rounds of each round's median call. ratio: current / REV, the Hodges-Lehmann "
-        f"estimate over paired rounds, with its exact {pct}% interval (Wilcoxon signed-rank). slower: ratio > "
-        f"{1 + t:.2f} and the interval above 1; faster: ratio < {1 / (1 + t):.3f} and the interval below 1; "
-        f"same: the interval within [{1 / (1 + t):.3f}, {1 + t:.2f}]; undecided: too noisy to say.")
-    verdicts = [r["verdict"] for r in report["cases"].values()]
-    counts = ", ".join(f"{verdicts.count(v)} {v}" for v in ("slower", "faster", "same", "undecided",
-                                                            "missing in REV", "error") if v in verdicts)
     code = exit_code(report)
-    out(f"regression check: {counts}; {'FAILED' if code else 'passed'} ({report['seconds']:.0f} s)")
+    out(f"regression check: {verdict_counts(report['cases'])}; {'FAILED' if code else 'passed'} "
+        f"({report['seconds']:.0f} s)")

@@ -1,5 +1,5 @@
-"""The statistics of ``numba-ops bench --against``: the time ratio of two code
-versions with a confidence interval, and a verdict.
+"""The statistics of ``numba-ops bench --against`` and ``--compare``: the time
+ratio of two code versions with a confidence interval, and a verdict.
 
 The unit of evidence is a *round*: each round times both versions, case by case,
 alternating, in fresh processes, and keeps each case's per-call samples. Calls
@@ -23,6 +23,14 @@ Per case, with ``d_r = ln(median_current_r / median_rev_r)`` over the R rounds:
   1 / (1 + F) with the interval below 1; "same" when the whole interval lies within
   [1 / (1 + F), 1 + F]; otherwise "undecided": the noise is too large to say
   whether the change passes F.
+
+``--compare`` pairs a saved run's rounds with the new run's by their order. Those
+pairs share no minute, but the interval still holds: the difference of two
+independent rounds is symmetric about the change, which is all the signed-rank
+interval assumes; it is wider than a paired run's, so more cases are undecided.
+What it cannot see is load that differs between the two runs as a whole (it
+shifts every round alike): only ``--against``, both versions in the same minutes,
+is immune to that.
 """
 import math
 import statistics
@@ -101,3 +109,14 @@ def verdict(r, threshold):
     if lo >= down and hi <= up:
         return "same"
     return "undecided"
+
+
+def judge(current_rounds, base_rounds, threshold, names=("current", "base"), confidence=CONFIDENCE):
+    """One case's comparison, as ``--against`` and ``--compare`` report it: the
+    ``ratio`` record (current / base), its ``verdict``, and each side's time
+    (``<name>_ms``: the median over rounds of each round's median call)."""
+    r = ratio(current_rounds, base_rounds, confidence)
+    r["verdict"] = verdict(r, threshold)
+    for name, rounds in zip(names, (current_rounds, base_rounds)):
+        r[f"{name}_ms"] = 1e3 * statistics.median(round_medians(rounds))
+    return r
