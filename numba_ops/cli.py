@@ -201,7 +201,7 @@ def _threshold(text):
 
 def _parser():
     from .benchmark.against import THRESHOLD
-    from .benchmark.harness import PEERS, REGRESSION
+    from .benchmark.harness import PEERS
     ap = argparse.ArgumentParser(prog="numba-ops", description="numba_ops: ONNX AffineGrid and DeformConv in Numba.")
     sub = ap.add_subparsers(dest="command", required=True)
     p = sub.add_parser("info", help="versions, devices, threads, threading layer, JIT cache location")
@@ -216,17 +216,20 @@ def _parser():
     p.add_argument("--dtype", choices=_cases.DTYPE_NAMES, default="float32",
                    help="numba_ops' input dtype (peers stay float32); default float32")
     p.add_argument("--quick", action="store_true", help="fewer repeats: about a minute")
-    p.add_argument("--json", metavar="FILE", help="write the results (and figures) as JSON")
+    p.add_argument("--json", metavar="FILE",
+                   help="write the results as JSON, with numba_ops' per-round samples for a later --compare "
+                        "(timed in fresh processes as --against does: --quick 8 rounds, else 16)")
     p.add_argument("--compare", metavar="FILE",
-                   help=f"compare with a saved run (a --json file): exit 1 when a case's figure falls more than "
-                        f"{REGRESSION * 100:.0f}%% below FILE's, if FILE comes from this machine and package "
-                        "versions; from another, print what differs and exit 0 with a warning")
+                   help="compare numba_ops' times with a saved run's (a --json file), round by round, with "
+                        "--against's statistics and verdicts: exit 1 when a case is slower by more than --threshold "
+                        "with statistical confidence, if FILE comes from this machine and package versions; from "
+                        "another, print what differs and exit 0 with a warning")
     p.add_argument("--against", metavar="REV",
                    help="regression check: time the current source tree against git revision REV (checked out "
                         "in a temporary worktree), alternating, over several rounds; exit 1 when a case is slower "
                         "by more than --threshold with statistical confidence")
     p.add_argument("--threshold", type=_threshold, default=THRESHOLD, metavar="F",
-                   help=f"with --against: the slowdown that fails, as a fraction (default {THRESHOLD})")
+                   help=f"with --against or --compare: the slowdown that fails, as a fraction (default {THRESHOLD})")
     p.add_argument("--plot", metavar="FILE.png",
                    help="draw the table (or --against's ratios) to a PNG (needs matplotlib: numba_ops[plot])")
     p.add_argument("--only", metavar="NAMES", help="comma-separated substrings of case names to run")
@@ -234,7 +237,7 @@ def _parser():
                    help=f"comma-separated peers to time ({', '.join(PEERS)}, or none); default: those installed")
     p.add_argument("--repeat", type=_positive_int, metavar="N", help="timed calls per case (overrides --quick's)")
     p.add_argument("--load", metavar="FILE", help="show (and --compare) a saved --json report instead of measuring")
-    # internal, for tests and tools: another repository, case module, round count for --against
+    # internal, for tests and tools: another repository and case module for --against, the round count
     p.add_argument("--repo", help=argparse.SUPPRESS)
     p.add_argument("--cases", help=argparse.SUPPRESS)
     p.add_argument("--rounds", type=_positive_int, help=argparse.SUPPRESS)

@@ -210,7 +210,8 @@ def _select(names, only):
     return picked
 
 
-def _env(tree, cache=None):
+def worker_env(tree, cache=None):
+    """The environment of a worker timing ``tree``."""
     env = dict(os.environ)
     env["PYTHONPATH"] = tree  # only this tree: never the other side's (nor a PYTHONPATH of the caller's)
     if cache:
@@ -235,7 +236,7 @@ def run(rev, *, repo=None, cases_module=CASES_MODULE, only=None, quick=False, th
     with RevTree(top, sha) as rt:
         if rt.note:
             log(f"note: {rt.note}")
-        sides = {"current": (top, _env(top)), "rev": (rt.path, _env(rt.path, rt.cache))}
+        sides = {"current": (top, worker_env(top)), "rev": (rt.path, worker_env(rt.path, rt.cache))}
         try:
             names, samples, ready = take_rounds(sides, cfg, lambda cases: _select(cases, only), log)
         except SideError as exc:

@@ -1,4 +1,5 @@
-"""The benchmark table of ``numba-ops bench`` (and ``--compare`` with a saved run).
+"""The benchmark table of ``numba-ops bench``, saved runs (``--json``) and
+``--compare`` with one.
 
 ``bench`` times every case of ``numba_ops._cases`` (the case names of the shared
 peer benchmark) with numba_ops and with each installed peer (onnxruntime,
@@ -10,16 +11,17 @@ the same run, in a process of their own: write bandwidth (a numba ``prange``
 fill), then per case the alloc+fill floor of an AffineGrid output or the GEMM
 rate (NumPy's, or PyTorch's where faster) that bounds a DeformConv. The
 processes take turns case by case (the limit, then each implementation), so load
-from elsewhere on a shared machine falls on all of a case's figures alike.
+from elsewhere on a shared machine falls on all of a case's figures alike. The
+table's figures (fraction of the limit, speed relative to each peer) are for
+reading, not for gating: a ratio to a noisy peer moves with the load.
 
-Two figures per case feed ``--compare``: the fraction of the limit reached (limit
-time / our time) and the speed relative to each peer (peer time / our time), both
-from the fastest warm call of each implementation and the fastest run of each
-limit (noise on a shared machine only adds time). A case fails the comparison when
-a figure falls more than 15 % below the saved run's, but only when both runs come
-from the same machine and package versions (``machine.diff``): these figures move
-with the CPU, the BLAS kernel and the load. For a check that holds on any machine,
-see ``against`` (``--against REV``).
+A run saved with ``--json`` (format ``FORMAT``) also holds numba_ops' own
+per-round samples of each case, timed as ``--against`` times a side (rounds of
+fresh processes, ``against.take_rounds``). ``--compare FILE`` takes such rounds
+now and judges them against FILE's with ``--against``'s statistics and verdicts
+(``stats.judge``; "undecided" when the noise is too large to say), failing only
+when FILE comes from the same machine and package versions (``machine.diff``).
+For a check that holds on any machine, see ``against`` (``--against REV``).
 """
 import importlib
 import importlib.util
@@ -34,11 +36,13 @@ import numpy as np
 from numba import prange
 
 from .. import _cases
-from . import machine
+from . import machine, protocol, stats
 
 PEERS = ("onnxruntime", "torch")
-REGRESSION = 0.15  # a figure more than 15 % below the saved run's fails --compare
-_MARK = "@@numba-ops "  # prefix of the worker's result lines on stdout
+#: the version of the ``--json`` format. 2: each case holds numba_ops' per-round
+#: samples (``samples``, seconds), the evidence ``--compare`` judges, and the run its
+#: timing config (``sampling``); format 1 (no ``format`` key) held single figures.
+FORMAT = 2
 
 
 def _gemm_text(limits, sep):
@@ -99,10 +103,6 @@ def time_cold(fn, repeat, idle_s=0.2):
         fn()
         ts.append(time.perf_counter() - t0)
     return statistics.median(ts)
-
-
-def _emit(obj):
-    print(_MARK + json.dumps(obj), flush=True)
 
 
 def _ort_session(op, named, attrs, opset, device, nodes=None):
@@ -351,13 +351,13 @@ def worker(cfg):
         else:
             ready = {"ready": impl}
     except ImportError as exc:
-        _emit({"ready": impl, "error": f"{type(exc).__name__}: {exc}"})
+        protocol.emit({"ready": impl, "error": f"{type(exc).__name__}: {exc}"})
         return 0
-    _emit(ready)
+    protocol.emit(ready)
     for line in sys.stdin:
         name = line.strip()
         if name:
-            _emit(limits.case(name) if limits else _time_case(impl, name, cfg))
+            protocol.emit(limits.case(name) if limits else _time_case(impl, name, cfg))
     return 0
 
 
@@ -379,43 +379,9 @@ def worker_argv():
     return [sys.executable, "-m", "numba_ops.cli"]
 
 
-class _Worker:
+def _worker(cfg):
     """One implementation in a process of its own, timing the cases it is sent."""
-
-    def __init__(self, cfg):
-        self.impl, self.tail = cfg["impl"], []
-        # stderr joins stdout: a chatty worker cannot fill an unread pipe and stall
-        self.p = subprocess.Popen(worker_argv() + ["_worker", json.dumps(cfg)], stdin=subprocess.PIPE,
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
-
-    def next_event(self):
-        for line in self.p.stdout:
-            if line.startswith(_MARK):
-                return json.loads(line[len(_MARK):])
-            self.tail = (self.tail + [line])[-40:]
-        return None
-
-    def died(self):
-        return f"the {self.impl} process exited: {''.join(self.tail).strip()[-1500:]}"
-
-    def ask(self, name):
-        try:
-            self.p.stdin.write(name + "\n")
-            self.p.stdin.flush()
-        except OSError:
-            return {"case": name, "error": self.died()}
-        return self.next_event() or {"case": name, "error": self.died()}
-
-    def close(self):
-        try:
-            self.p.stdin.close()
-        except OSError:
-            pass
-        try:
-            self.p.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.p.kill()
-            self.p.wait()
+    return protocol.Worker(cfg["impl"], worker_argv() + ["_worker", json.dumps(cfg)])
 
 
 #: idle time before each turn of the bench (longer than any peer's spin-wait after a call)
@@ -430,8 +396,8 @@ def _measure(impls, cases, base_cfg, log):
     workers, results, limits = {}, {}, {}
     try:
         for impl in ["limits"] + impls:  # one at a time: no import overlaps the limits' measurement
-            w = _Worker(dict(base_cfg, impl=impl))
-            ev = w.next_event()
+            w = _worker(dict(base_cfg, impl=impl))
+            ev = w.event()
             if ev is None or "error" in ev:
                 log(f"  [{impl}] not timed: {ev['error'] if ev else w.died()}")
                 w.close()
@@ -531,16 +497,58 @@ def print_table(report, out=print):
     out("ms: warm medians. ours/best peer: our median over the fastest peer's (below 1: faster). "
         "% of limit: the limit's time over our fastest call (AffineGrid: alloc+fill floor; "
         "DeformConv: dense-conv FLOPs at the GEMM rate; GridSample, affine_warp: bytes read and "
-        "written at the write bandwidth); --compare compares these "
-        "fastest-call figures.")
+        "written at the write bandwidth).")
 
 
-def compare(report, saved, threshold=REGRESSION, out=print, warn=None):
-    """Compare ``report`` with a ``saved`` run: every figure of every case in both
-    must be at least (1 - threshold) of the saved one's. Returns the failures; none
-    when the runs come from different machines or package versions (the
-    differences are printed and ``warn`` gets one line: such figures are not
-    comparable). Raises ValueError for runs of another device or dtype."""
+def take_samples(cases, dtype, device, quick, rounds=None, log=print):
+    """numba_ops' own per-round samples of each case, the evidence ``--compare``
+    judges: (the timing config, {case: {"current": [seconds of each call, per
+    round]} or {"error": why}}). Timed exactly as ``--against`` times a side
+    (``against.take_rounds``: fresh worker processes, the same turns), in the source
+    tree that holds the imported numba_ops."""
+    import numba_ops
+
+    from . import against
+    tree = os.path.dirname(os.path.dirname(os.path.abspath(numba_ops.__file__)))
+    mode = dict(against.QUICK if quick else against.FULL, settle_s=against.SETTLE_S)
+    if rounds:
+        mode["rounds"] = rounds
+    cfg = {"cases_module": against.CASES_MODULE, "dtype": dtype, "device": device, **mode}
+    log(f"numba_ops' samples: {mode['rounds']} rounds of fresh processes, as --against times a side")
+    try:
+        _, recs, _ = against.take_rounds({"current": (tree, against.worker_env(tree))}, cfg, lambda _: cases, log)
+    except against.SideError as exc:
+        recs = {name: {"error": f"current: {exc.why}"} for name in cases}
+    return mode, recs
+
+
+def _compare_rows(report, saved, threshold):
+    rows = {}
+    for name, row in report["cases"].items():
+        base = saved["cases"].get(name)
+        if base is None:
+            rows[name] = {"status": "new", "verdict": "not in the saved run"}
+        elif "samples" not in row:
+            rows[name] = {"status": "error", "verdict": "error",
+                          "error": row.get("samples_error") or "current: no samples"}
+        elif "samples" not in base:
+            rows[name] = {"status": "error", "verdict": "error",
+                          "error": f"saved: {base.get('samples_error') or 'no samples'}"}
+        else:
+            rows[name] = {"status": "ok", **stats.judge(row["samples"], base["samples"], threshold,
+                                                        ("current", "saved"))}
+    return rows
+
+
+def compare(report, saved, threshold, out=print, warn=None):
+    """Compare ``report``'s per-round samples with a ``saved`` run's, case by case,
+    with ``--against``'s statistics and verdicts (``stats.judge``: ratio now /
+    saved, its interval, slower/faster/same/undecided). Returns the exit code: 1
+    when a case is slower (or fails now), 0 otherwise, and always 0 when the runs
+    come from different machines or package versions (``machine.diff``: what
+    differs is printed and ``warn`` gets one line; such times are not comparable).
+    Raises ValueError for runs of another device or dtype."""
+    from . import against
     for key in ("device", "dtype"):
         if report.get(key) != saved.get(key):
             raise ValueError(f"the saved run was measured with {key}={saved.get(key)!r}, "
@@ -554,29 +562,42 @@ def compare(report, saved, threshold=REGRESSION, out=print, warn=None):
         for line in differs + versions:
             out(f"  {line}")
         if warn:
-            warn(f"numba-ops bench --compare: warning: the saved run comes from {what}; its figures are shown "
+            warn(f"numba-ops bench --compare: warning: the saved run comes from {what}; its times are shown "
                  "for information and never fail (use --against REV for a check that holds on any machine)")
-    out(f"comparison with the saved run: a figure more than {threshold:.0%} below it "
-        + ("fails" if gated else "is marked 'lower' (not failed: not the same machine)"))
-    failures = []
-    for name, base in saved["cases"].items():
-        row = report["cases"].get(name)
-        if row is None:
-            out(f"  {name}: not run")
-            continue
-        now, was = figures(row), figures(base)
-        for fig in sorted(set(now) & set(was)):
-            rel = now[fig] / was[fig]
-            bad = rel < 1 - threshold
-            if bad and gated:
-                failures.append((name, fig, rel))
-            mark = ("REGRESSION" if gated else "lower") if bad else "ok"
-            out(f"  {mark:<10} {name} {fig}: {now[fig]:.3g} vs saved {was[fig]:.3g} ({rel - 1:+.0%})")
-    if gated:
-        out(f"comparison: {'FAILED, ' + str(len(failures)) + ' figure(s) regressed' if failures else 'passed'}")
+    now_s, was_s = report.get("sampling") or {}, saved.get("sampling") or {}
+    out(f"comparison with the saved run: numba_ops' times now over the saved run's, {now_s.get('rounds')} "
+        f"rounds now, {was_s.get('rounds')} saved, threshold {threshold:.0%}"
+        + ("" if gated else " (not gated: not the same machine)"))
+    turn = ("warmup_s", "turn_s", "min_calls", "max_calls")
+    if any(now_s.get(k) != was_s.get(k) for k in turn):
+        out("note: the runs timed their turns differently (" + ", ".join(
+            f"{k} {was_s.get(k)} -> {now_s.get(k)}" for k in turn if now_s.get(k) != was_s.get(k)) + ")")
+    rows = _compare_rows(report, saved, threshold)
+    against.print_verdicts(rows, (("current", "now"), ("saved", "saved")), threshold,
+                           "the two runs' rounds paired in order", out=out)
+    gone = sorted(set(saved["cases"]) - set(report["cases"]))
+    if gone:
+        out(f"cases in the saved run, not run now: {', '.join(gone)}")
+    code = against.exit_code({"cases": rows}) if gated else 0
+    verdict = ("FAILED" if code else "passed") if gated else "not gated (another machine or other package versions)"
+    out(f"comparison: {against.verdict_counts(rows)}; {verdict}")
+    return code
+
+
+def check_format(run, path, opt):
+    """A one-line exit (status 2) unless ``run`` is a saved table run of this
+    version of the format, the one ``--compare`` can judge."""
+    if "rev" in run and "limits" not in run:
+        why = "is an --against report; --compare takes a saved table run (numba-ops bench --json FILE)"
+    elif "format" not in run:
+        why = ("was saved by an older numba-ops bench: it holds single figures and no per-round samples, which "
+               "cannot be compared soundly; save the run again with numba-ops bench --json FILE")
+    elif run["format"] != FORMAT:
+        why = f"is format {run['format']} of numba-ops bench's JSON; this numba-ops bench reads format {FORMAT}"
     else:
-        out("comparison: not gated (another machine or other package versions)")
-    return failures
+        return
+    print(f"numba-ops bench: {opt} {path!r} {why}", file=sys.stderr)
+    raise SystemExit(2)
 
 
 def _select(only):
@@ -714,14 +735,15 @@ def main(args):
     import numba_ops
     # files first: a bad path fails now, not after the measurements
     saved = _read_json(args.compare, "--compare run") if args.compare else None
-    if saved is not None and "limits" not in saved and "rev" in saved:
-        raise SystemExit(f"numba-ops bench: --compare {args.compare!r} is an --against report; "
-                         "--compare takes a saved table run (numba-ops bench --json FILE)")
+    if saved is not None:
+        check_format(saved, args.compare, "--compare")
     _check_out_path(args.json, "--json")
     _check_out_path(args.plot, "--plot")
     _need_matplotlib(args.plot)
     if args.load:
         report = _read_json(args.load, "--load report")
+        if saved is not None:
+            check_format(report, args.load, "--load")
         try:
             for row in report["cases"].values():
                 row["figures"] = figures(row)
@@ -751,19 +773,28 @@ def main(args):
         cfg = {"cases": cases, "dtype": args.dtype, "device": device, "quick": args.quick,
                "repeat": args.repeat, "peers": peers}
         results, limits = _measure(impls, cases, cfg, lambda line: print(line, flush=True))
-        report = {"tool": "numba-ops bench", "version": numba_ops.__version__, "device": device,
+        report = {"tool": "numba-ops bench", "format": FORMAT, "version": numba_ops.__version__, "device": device,
                   "dtype": args.dtype, "quick": bool(args.quick), "threads": numba.config.NUMBA_NUM_THREADS,
                   "cpus": os.cpu_count(), "peers": peers, "seconds": round(time.perf_counter() - t0, 1),
                   "machine": meta, "limits": limits, "cases": _table(results, cases)}
+        if args.json or saved is not None:  # the evidence a comparison judges, now or later
+            report["sampling"], recs = take_samples(cases, args.dtype, device, args.quick, args.rounds,
+                                                    lambda line: print(line, flush=True))
+            for name, rec in recs.items():
+                row = report["cases"][name]
+                if "error" in rec:
+                    row["samples_error"] = rec["error"]
+                else:
+                    row["samples"] = rec["current"]
+            report["seconds"] = round(time.perf_counter() - t0, 1)
     print_table(report)
     if args.json:
         _write_json(args.json, report)
     _plot(args.plot, report)
     if saved is not None:
         try:
-            failures = compare(report, saved, warn=lambda line: print(line, file=sys.stderr))
+            return compare(report, saved, args.threshold, warn=lambda line: print(line, file=sys.stderr))
         except ValueError as exc:
             print(f"numba-ops bench --compare: {exc}", file=sys.stderr)
             return 2
-        return 1 if failures else 0
     return 0
