@@ -11,9 +11,9 @@ case. So an old REV, whose harness differed or did not exist, is timed by the
 same code as the current tree.
 
 Events (``protocol.py``, the benchmark's one worker line protocol): first
-{"ready", "cases", "file"} (or {"error"}), then one {"case", "samples"} per case
-name read from stdin (seconds of each timed call), or {"case", "missing"} /
-{"case", "error"}.
+{"ready", "cases", "file"} (or {"error"}), then one {"case", "samples", "others"}
+per case name read from stdin (seconds of each timed call; the share of the CPUs
+other processes took meanwhile), or {"case", "missing"} / {"case", "error"}.
 """
 import importlib
 import importlib.util
@@ -52,17 +52,35 @@ def _make(mod, name, cfg):
     return fn
 
 
+_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _cpu_seconds():
+    """(CPU seconds the whole machine has spent busy, steal included; CPU seconds
+    this process has spent), or None where there is no /proc/stat."""
+    try:
+        with open("/proc/stat") as fh:
+            v = [int(x) for x in fh.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    t = os.times()
+    return (sum(v) - v[3] - v[4]) / _TICK, t.user + t.system
+
+
 def time_turn(fn, cfg):
-    """Seconds of each timed call of one turn: a first call (JIT load or compile)
-    and ``warmup_s`` of calls untimed (after idle, this VM runs the first ~10 ms of
-    any code up to 2x slower), then calls until ``turn_s`` has passed and at least
-    ``min_calls`` are in, at most ``max_calls``."""
+    """One turn: {"samples": seconds of each timed call, "others": the fraction of
+    the machine's CPU time that other processes took meanwhile (None where it cannot
+    be read)}. First a call (JIT load or compile) and ``warmup_s`` of calls untimed
+    (after idle, this VM runs the first ~10 ms of any code up to 2x slower), then
+    calls until ``turn_s`` has passed and at least ``min_calls`` are in, at most
+    ``max_calls``."""
     fn()
     t_warm = time.perf_counter() + cfg["warmup_s"]
     while time.perf_counter() < t_warm:
         fn()
     samples = []
-    t_end = time.perf_counter() + cfg["turn_s"]
+    c0, w0 = _cpu_seconds(), time.perf_counter()
+    t_end = w0 + cfg["turn_s"]
     while len(samples) < cfg["max_calls"]:
         t0 = time.perf_counter()
         fn()
@@ -70,7 +88,11 @@ def time_turn(fn, cfg):
         samples.append(t1 - t0)
         if len(samples) >= cfg["min_calls"] and t1 > t_end:
             break
-    return samples
+    c1, wall = _cpu_seconds(), time.perf_counter() - w0
+    others = None
+    if c0 and c1 and wall * _TICK >= 0.1 * _TICK:  # /proc/stat counts ticks: a shorter turn is too few of them
+        others = round(min(1.0, max(0.0, (c1[0] - c0[0] - (c1[1] - c0[1])) / (wall * (os.cpu_count() or 1)))), 3)
+    return {"samples": samples, "others": others}
 
 
 def main(argv):
@@ -98,7 +120,7 @@ def main(argv):
         try:
             if name not in fns:
                 fns[name] = _make(mod, name, cfg)
-            _emit({"case": name, "samples": time_turn(fns[name], cfg)})
+            _emit({"case": name, **time_turn(fns[name], cfg)})
         except Exception as exc:  # one failing case must not hide the others
             _emit({"case": name, "error": f"{type(exc).__name__}: {exc}"[:300]})
     return 0

@@ -155,7 +155,8 @@ def take_rounds(sides, cfg, select, log=print):
     first alternating between cases and rounds, each turn after ``SETTLE_S`` idle.
     A case missing on a side or failing there is not asked again.
 
-    Returns (names, {name: {label: [samples of each round], "missing": label,
+    Returns (names, {name: {label: [samples of each round], "others": {label: [the
+    share of the CPUs other processes took in each of its turns]}, "missing": label,
     "error": "label: why"}} (the last two only when so), {label: its ready event}).
     Raises SideError when a side's worker cannot start."""
     labels = list(sides)
@@ -184,6 +185,7 @@ def take_rounds(sides, cfg, select, log=print):
                     ev = workers[label].ask(name)
                     if "samples" in ev:
                         rec[label].append(ev["samples"])
+                        rec.setdefault("others", {}).setdefault(label, []).append(ev.get("others"))
                     elif ev.get("missing"):
                         rec["missing"] = label
                         break

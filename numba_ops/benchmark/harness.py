@@ -20,7 +20,8 @@ per-round samples of each case, timed as ``--against`` times a side (rounds of
 fresh processes, ``against.take_rounds``). ``--compare FILE`` takes such rounds
 now and judges them against FILE's with ``--against``'s statistics and verdicts
 (``stats.judge``; "undecided" when the noise is too large to say), failing only
-when FILE comes from the same machine and package versions (``machine.diff``).
+when FILE comes from the same machine and package versions (``machine.diff``) and
+other processes took about the same share of the CPUs during both (``load_share``).
 For a check that holds on any machine, see ``against`` (``--against REV``).
 """
 import importlib
@@ -43,6 +44,10 @@ PEERS = ("onnxruntime", "torch")
 #: samples (``samples``, seconds), the evidence ``--compare`` judges, and the run its
 #: timing config (``sampling``); format 1 (no ``format`` key) held single figures.
 FORMAT = 2
+#: ``--compare`` gates only when other processes took about the same share of the
+#: CPUs during both runs' turns (within this much): load that differs between the
+#: runs shifts every round alike, which no interval over the rounds can see
+LOAD_GAP = 0.2
 
 
 def _gemm_text(limits, sep):
@@ -546,7 +551,9 @@ def compare(report, saved, threshold, out=print, warn=None):
     saved, its interval, slower/faster/same/undecided). Returns the exit code: 1
     when a case is slower (or fails now), 0 otherwise, and always 0 when the runs
     come from different machines or package versions (``machine.diff``: what
-    differs is printed and ``warn`` gets one line; such times are not comparable).
+    differs is printed) or when other processes took shares of the CPUs more than
+    ``LOAD_GAP`` apart during the two runs (``load_share``); ``warn`` then gets one
+    line: such times are not comparable.
     Raises ValueError for runs of another device or dtype."""
     from . import against
     for key in ("device", "dtype"):
@@ -554,9 +561,11 @@ def compare(report, saved, threshold, out=print, warn=None):
             raise ValueError(f"the saved run was measured with {key}={saved.get(key)!r}, "
                              f"this run with {key}={report.get(key)!r}")
     differs, versions = machine.diff(saved.get("machine"), report.get("machine") or {})
-    gated = not differs and not versions
+    load = [load_share(r) for r in (saved, report)]
+    busier = None not in load and abs(load[1] - load[0]) > LOAD_GAP
+    gated = not differs and not versions and not busier
     out("")
-    if not gated:
+    if differs or versions:
         what = "another machine" if differs else "other package versions"
         out(f"the saved run comes from {what}; what differs (saved -> now):")
         for line in differs + versions:
@@ -564,10 +573,18 @@ def compare(report, saved, threshold, out=print, warn=None):
         if warn:
             warn(f"numba-ops bench --compare: warning: the saved run comes from {what}; its times are shown "
                  "for information and never fail (use --against REV for a check that holds on any machine)")
+    elif busier:
+        what = "a machine under other load"
+        if warn:
+            warn(f"numba-ops bench --compare: warning: other processes took {load[0]:.0%} of the CPUs during the "
+                 f"saved run's turns and {load[1]:.0%} now: the times are shown for information and never fail "
+                 "(compare on a quieter machine, or use --against REV: both versions in the same minutes)")
+    if None not in load:
+        out(f"other processes' share of the CPUs during the turns: {load[0]:.0%} saved, {load[1]:.0%} now")
     now_s, was_s = report.get("sampling") or {}, saved.get("sampling") or {}
     out(f"comparison with the saved run: numba_ops' times now over the saved run's, {now_s.get('rounds')} "
         f"rounds now, {was_s.get('rounds')} saved, threshold {threshold:.0%}"
-        + ("" if gated else " (not gated: not the same machine)"))
+        + ("" if gated else f" (not gated: {what})"))
     turn = ("warmup_s", "turn_s", "min_calls", "max_calls")
     if any(now_s.get(k) != was_s.get(k) for k in turn):
         out("note: the runs timed their turns differently (" + ", ".join(
@@ -579,9 +596,16 @@ def compare(report, saved, threshold, out=print, warn=None):
     if gone:
         out(f"cases in the saved run, not run now: {', '.join(gone)}")
     code = against.exit_code({"cases": rows}) if gated else 0
-    verdict = ("FAILED" if code else "passed") if gated else "not gated (another machine or other package versions)"
+    verdict = ("FAILED" if code else "passed") if gated else f"not gated ({what})"
     out(f"comparison: {against.verdict_counts(rows)}; {verdict}")
     return code
+
+
+def load_share(run):
+    """The median share of the CPUs that other processes took during a run's turns
+    (each turn's, from /proc/stat), or None where none was measured."""
+    shares = [x for row in run["cases"].values() for x in row.get("others") or () if x is not None]
+    return statistics.median(shares) if shares else None
 
 
 def check_format(run, path, opt):
@@ -784,8 +808,9 @@ def main(args):
                 row = report["cases"][name]
                 if "error" in rec:
                     row["samples_error"] = rec["error"]
-                else:
-                    row["samples"] = rec["current"]
+                else:  # to the nanosecond, perf_counter's resolution: a full run's file stays small
+                    row["samples"] = [[round(t, 9) for t in turn] for turn in rec["current"]]
+                    row["others"] = rec["others"]["current"]
             report["seconds"] = round(time.perf_counter() - t0, 1)
     print_table(report)
     if args.json:
