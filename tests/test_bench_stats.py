@@ -111,3 +111,16 @@ def test_recorded_samples_scaled(factor, want):
         cur = [[x * factor for x in rnd] for rnd in row["current"]]
         r = stats.ratio(cur, row["rev"])
         assert stats.verdict(r, rec["threshold"]) == want, (name, r)
+
+
+def test_judge_is_ratio_and_verdict_with_each_sides_time():
+    """``judge``, what --against and --compare report per case: ``ratio``'s record,
+    ``verdict``'s word, and each side's median over rounds of the round medians."""
+    rng = np.random.default_rng(5)
+    rev, cur = _rounds(rng, 1.0), _rounds(rng, 1.30)
+    r = stats.judge(cur, rev, 0.10, ("current", "saved"))
+    assert {k: r[k] for k in ("ratio", "low", "high", "rounds")} == stats.ratio(cur, rev)
+    assert r["verdict"] == stats.verdict(r, 0.10) == "slower"
+    assert r["current_ms"] == pytest.approx(1e3 * np.median([np.median(x) for x in cur]))
+    assert r["saved_ms"] == pytest.approx(1e3 * np.median([np.median(x) for x in rev]))
+    assert stats.judge(rev, rev, 0.10)["verdict"] == "same" and "base_ms" in stats.judge(rev, rev, 0.10)

@@ -147,6 +147,23 @@ def test_gate_on_a_slowed_report(tmp_path, slower, verdict):
     assert ("comparison: 1 slower, 1 same; FAILED" if verdict == "slower" else "comparison: 2 same; passed") in out
 
 
+def test_a_run_saved_under_other_load_is_reported_not_failed(tmp_path):
+    """Other processes took 90 % of the CPUs during the saved run's turns and 10 %
+    now (or the reverse): the times are shown, never failed on."""
+    for was, now in ((0.9, 0.1), (0.1, 0.9)):
+        saved = json.loads(_scaled(tmp_path, 0.5).read_text())  # 2x faster then: slower now
+        current = json.loads(SAVED_RUN.read_text())
+        for run_, share in ((saved, was), (current, now)):
+            for row in run_["cases"].values():
+                row["others"] = [share] * len(row["samples"])
+        (tmp_path / "saved.json").write_text(json.dumps(saved))
+        (tmp_path / "now.json").write_text(json.dumps(current))
+        rc, out, err = run("bench", "--load", str(tmp_path / "now.json"), "--compare", str(tmp_path / "saved.json"))
+        assert rc == 0, out + err
+        assert f"{was:.0%} saved, {now:.0%} now" in out and "not gated (a machine under other load)" in out, out
+        assert re.search(r"^dc_r50_c64_56 .* slower$", out, re.M) and "warning" in err, out + err
+
+
 def test_an_old_format_file_is_refused_with_a_message(tmp_path):
     """A run saved before the samples (format 1: single figures, no "format" key)."""
     report = json.loads(SAVED_RUN.read_text())
@@ -155,8 +172,8 @@ def test_an_old_format_file_is_refused_with_a_message(tmp_path):
         del row["samples"]
     path = tmp_path / "format1.json"
     path.write_text(json.dumps(report))
-    for args in (["--load", str(SAVED_RUN), "--compare", str(path)], ["--load", str(path), "--compare", str(SAVED_RUN)]):
-        rc, out, err = run("bench", *args)
+    for load, compare in ((SAVED_RUN, path), (path, SAVED_RUN)):
+        rc, out, err = run("bench", "--load", str(load), "--compare", str(compare))
         assert rc == 2 and "older numba-ops bench" in err and "numba-ops bench --json FILE" in err, out + err
         assert "Traceback" not in err
     report["format"] = 3
