@@ -21,7 +21,7 @@ fresh processes, ``against.take_rounds``). ``--compare FILE`` takes such rounds
 now and judges them against FILE's with ``--against``'s statistics and verdicts
 (``stats.judge``; "undecided" when the noise is too large to say), failing only
 when FILE comes from the same machine and package versions (``machine.diff``) and
-other processes took about the same share of the CPUs during both (``load_share``).
+other processes left about the same share of the CPUs free during both (``load_share``).
 For a check that holds on any machine, see ``against`` (``--against REV``).
 """
 import importlib
@@ -44,10 +44,6 @@ PEERS = ("onnxruntime", "torch")
 #: samples (``samples``, seconds), the evidence ``--compare`` judges, and the run its
 #: timing config (``sampling``); format 1 (no ``format`` key) held single figures.
 FORMAT = 2
-#: ``--compare`` gates only when other processes took about the same share of the
-#: CPUs during both runs' turns (within this much): load that differs between the
-#: runs shifts every round alike, which no interval over the rounds can see
-LOAD_GAP = 0.2
 
 
 def _gemm_text(limits, sep):
@@ -551,9 +547,9 @@ def compare(report, saved, threshold, out=print, warn=None):
     saved, its interval, slower/faster/same/undecided). Returns the exit code: 1
     when a case is slower (or fails now), 0 otherwise, and always 0 when the runs
     come from different machines or package versions (``machine.diff``: what
-    differs is printed) or when other processes took shares of the CPUs more than
-    ``LOAD_GAP`` apart during the two runs (``load_share``); ``warn`` then gets one
-    line: such times are not comparable.
+    differs is printed) or when the shares of the CPUs that other processes left
+    free during the two runs' turns (``load_share``) differ by more than a factor
+    1 + ``threshold``; ``warn`` then gets one line: such times are not comparable.
     Raises ValueError for runs of another device or dtype."""
     from . import against
     for key in ("device", "dtype"):
@@ -561,8 +557,12 @@ def compare(report, saved, threshold, out=print, warn=None):
             raise ValueError(f"the saved run was measured with {key}={saved.get(key)!r}, "
                              f"this run with {key}={report.get(key)!r}")
     differs, versions = machine.diff(saved.get("machine"), report.get("machine") or {})
+    # load that differs between the runs shifts every round alike, which no interval
+    # over the rounds can see: gate only when the share of the CPUs that other
+    # processes left free was about the same (within the threshold's factor) in both
     load = [load_share(r) for r in (saved, report)]
-    busier = None not in load and abs(load[1] - load[0]) > LOAD_GAP
+    free = None if None in load else sorted(1.0 - x for x in load)
+    busier = free is not None and (free[0] <= 0.01 or free[1] / free[0] > 1.0 + threshold)
     gated = not differs and not versions and not busier
     out("")
     if differs or versions:
@@ -577,8 +577,9 @@ def compare(report, saved, threshold, out=print, warn=None):
         what = "a machine under other load"
         if warn:
             warn(f"numba-ops bench --compare: warning: other processes took {load[0]:.0%} of the CPUs during the "
-                 f"saved run's turns and {load[1]:.0%} now: the times are shown for information and never fail "
-                 "(compare on a quieter machine, or use --against REV: both versions in the same minutes)")
+                 f"saved run's turns and {load[1]:.0%} now, leaving {1 - load[0]:.0%} and {1 - load[1]:.0%} free: "
+                 "the times are shown for information and never fail (compare on a quieter machine, or use "
+                 "--against REV: both versions in the same minutes)")
     if None not in load:
         out(f"other processes' share of the CPUs during the turns: {load[0]:.0%} saved, {load[1]:.0%} now")
     now_s, was_s = report.get("sampling") or {}, saved.get("sampling") or {}
