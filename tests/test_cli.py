@@ -183,6 +183,10 @@ def test_an_old_format_file_is_refused_with_a_message(tmp_path):
     path.write_text(json.dumps(report))
     rc, out, err = run("bench", "--load", str(SAVED_RUN), "--compare", str(path))
     assert rc == 2 and "format 3" in err and "reads format 2" in err, out + err
+    for other in ([1], {"note": "not a run", "cases": {}}):
+        path.write_text(json.dumps(other))
+        rc, out, err = run("bench", "--load", str(SAVED_RUN), "--compare", str(path))
+        assert rc == 2 and "is not a run saved by numba-ops bench --json FILE" in err, out + err
 
 
 def test_a_saved_run_compared_twice_on_unchanged_code_passes(tmp_path):

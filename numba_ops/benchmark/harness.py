@@ -612,8 +612,12 @@ def load_share(run):
 def check_format(run, path, opt):
     """A one-line exit (status 2) unless ``run`` is a saved table run of this
     version of the format, the one ``--compare`` can judge."""
-    if "rev" in run and "limits" not in run:
+    if not isinstance(run, dict):
+        why = "is not a run saved by numba-ops bench --json FILE"
+    elif "rev" in run and "limits" not in run:
         why = "is an --against report; --compare takes a saved table run (numba-ops bench --json FILE)"
+    elif not isinstance(run.get("cases"), dict) or "limits" not in run:
+        why = "is not a run saved by numba-ops bench --json FILE"
     elif "format" not in run:
         why = ("was saved by an older numba-ops bench: it holds single figures and no per-round samples, which "
                "cannot be compared soundly; save the run again with numba-ops bench --json FILE")
