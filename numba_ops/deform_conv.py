@@ -166,11 +166,9 @@ def deform_conv(x: ArrayLike, w: ArrayLike, offset: ArrayLike, b: ArrayLike | No
     device : {None, "cpu", "cuda"}, default None
         None runs on the GPU when an input is a CUDA array, else on the CPU.
     stream : optional
-        The CUDA stream to run on (ignored on the CPU): None (the default
-        stream), a numba stream, an object with ``__cuda_stream__``, a CuPy or
-        PyTorch CUDA stream, or an integer handle (0: the legacy default
-        stream). With device inputs the call returns without waiting; with
-        NumPy inputs, after the copy back.
+        The CUDA stream to run on (ignored on the CPU), as for
+        :func:`affine_grid`: with device inputs the call returns without
+        waiting; with NumPy inputs, after the copy back.
 
     Returns
     -------
