@@ -1,11 +1,11 @@
 """One case table for the tests, the benchmarks (``bench/``) and ``numba-ops bench``/``check``.
 
-Benchmark cases carry the names of the shared peer benchmark
-(``shared/tools/peer_bench.py``) so figures can be compared across tools:
+Benchmark cases carry the names the peer comparisons use, so figures can be
+compared across tools:
 
 * AffineGrid: ``ag2d_small``, ``ag2d_32x256``, ``ag3d_4x64``;
 * DeformConv: ``dc_seed``, ``dc_r50_c64_56``, ``dc_b8_c32_32``, ``dc_c256_28``, ``dc_s2_g2``;
-  and the deep-channel, small-spatial sweep of issue 22 (DCNv2 in ResNet stages
+  and a deep-channel, small-spatial sweep (DCNv2 in ResNet stages
   4-5): ``dc_c512_7``, ``dc_c1024_7``, ``dc_c512_14``, ``dc_b2_c512_14``,
   ``dc_c256_14``, ``dc_c512_25x42``, ``dc3d_c256_8x14`` (3-D);
 * GridSample: ``gs2d_32x256``, ``gs3d_4x64``, ``gs2d_cubic_8x256``; affine_warp:
@@ -272,7 +272,7 @@ def _deform_seed(offset_group=1, padded=False, mask_bias=False):
 
 
 def seed_cases():
-    """The examples of the ONNX operator pages (seeds/), with their quoted values."""
+    """The examples of the ONNX operator pages, with their quoted values."""
     out = []
     for name, (theta, size, align, first, last) in _AFFINE_SEEDS.items():
         theta = np.array(theta, dtype=np.float32)
@@ -341,7 +341,7 @@ def onnx_backend_cases():
 
 
 def tolerance(dtype):
-    """(rtol, atol-per-unit-scale) of API.md for a result of ``dtype``; 16-bit types get
+    """(rtol, atol-per-unit-scale) of the accuracy contract for a result of ``dtype``; 16-bit types get
     the float32 figure widened to one ulp of the output type."""
     dt = np.dtype(dtype)
     if dt == np.float64:
@@ -352,7 +352,7 @@ def tolerance(dtype):
 
 
 def compare(got, expected, dtype):
-    """None when ``got`` matches ``expected`` within API.md's tolerance for ``dtype``,
+    """None when ``got`` matches ``expected`` within the accuracy contract's tolerance for ``dtype``,
     else a one-line description of the worst mismatch."""
     got = np.asarray(got)
     expected = np.asarray(expected, dtype=np.float64)

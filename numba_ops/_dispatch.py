@@ -68,8 +68,24 @@ def cuda_usable():
         return False
 
 
-def devices():
-    """The usable devices: ``"cpu"`` first, then ``"cuda"`` if usable."""
+def devices() -> tuple[str, ...]:
+    """The devices that ``device=`` can name here.
+
+    ``"cpu"`` always, first; then ``"cuda"`` when numba-cuda is installed and a
+    GPU is usable (or numba's CUDA simulator is on: ``NUMBA_ENABLE_CUDASIM=1``).
+    Asking never fails: a missing or broken driver means no ``"cuda"``.
+
+    Returns
+    -------
+    tuple of str
+        ``("cpu",)`` or ``("cpu", "cuda")``.
+
+    Examples
+    --------
+    >>> import numba_ops
+    >>> numba_ops.devices()[0]
+    'cpu'
+    """
     return ("cpu", "cuda") if cuda_usable() else ("cpu",)
 
 
@@ -81,7 +97,7 @@ def check_device(device):
 
 
 def resolve_device(device, inputs):
-    """API.md, Devices: None follows ``__cuda_array_interface__``; else "cpu"/"cuda"."""
+    """The device a call runs on: None follows ``__cuda_array_interface__``; else "cpu"/"cuda"."""
     if check_device(device) is None:
         device = "cuda" if any(on_device(a) for a in inputs) else "cpu"
         what = "an input is a CUDA array (device=None follows it)"
@@ -119,7 +135,7 @@ def as_array(a, name, device):
 
 
 def result_for(out, device_inputs):
-    """A launcher's result as API.md (Devices) hands it back: for calls with device
+    """A launcher's result as the ops hand it back: for calls with device
     inputs a numba device array wherever it ran (a NumPy result goes over), else as is."""
     if not device_inputs or not isinstance(out, np.ndarray):
         return out

@@ -4,7 +4,7 @@ Numba's CPU target has no float16 arithmetic, so 16-bit data reaches the kernels
 as its bit pattern: float16 as ``int16``, bfloat16 as ``uint16``. Two distinct
 integer types keep the two formats apart in a kernel's signature (see
 ``kernels/_scalar.py``: ``load``/``store``). Accumulation is float32 for the
-16-bit types and float32, float64 for float64 (API.md, dtypes).
+16-bit types and float32, float64 for float64 (the documented accuracy).
 
 ml_dtypes (bfloat16) is imported only when needed (its extension takes ~0.4 s to
 load, more than the rest of ``import numba_ops``): an array of dtype bfloat16

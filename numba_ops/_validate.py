@@ -1,4 +1,4 @@
-"""Attribute normalisation shared by the front ends (API.md, Bad input)."""
+"""Attribute normalisation shared by the front ends (ValueError/TypeError naming the input)."""
 import numbers
 import operator
 

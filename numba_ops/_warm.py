@@ -1,5 +1,5 @@
-"""``numba_ops.warm``: compile every kernel variant into numba's on-disk cache
-(API.md, "Warm-up (JIT cache)").
+"""``numba_ops.warm``: compile every kernel variant into numba's on-disk cache,
+so that a later process starts with no compile at all.
 
 Each op's front end (``numba_ops/<op>.py``) lists, per float dtype name, a few
 tiny calls of its public function (``warm_calls(dtype)``: ``(args, kwargs)``
@@ -20,6 +20,8 @@ compiles for (numba keys its cache on the sources' stamps and that CPU). A later
 warm-up of the same request that finds all of it unchanged has nothing to compile
 or load and returns at once (``up_to_date``); anything changed, and it warms as usual.
 """
+from __future__ import annotations
+
 import gc
 import importlib
 import importlib.util
@@ -27,16 +29,21 @@ import os
 import sys
 import time
 
+from typing import TYPE_CHECKING, Any
+
 from ._dispatch import DEVICES, LAUNCHERS, cuda_simulator, cuda_usable
 
-#: every op of API.md, in its order; ``warm`` takes those whose front end is installed
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterable
+
+#: every public op, in the package's order; ``warm`` takes those whose front end is installed
 ALL_OPS = ("affine_grid", "deform_conv", "grid_sample", "affine_warp")
 DTYPE_NAMES = ("float16", "bfloat16", "float32", "float64")
 
 
 def available_ops():
     """The ops with a kernel table entry (``_dispatch.LAUNCHERS``) whose front end
-    (``numba_ops/<op>.py``, defining ``warm_calls``) is installed, in API.md's order."""
+    (``numba_ops/<op>.py``, defining ``warm_calls``) is installed, in ``ALL_OPS``' order."""
     ops = []
     for op, _ in LAUNCHERS:
         if op not in ops and importlib.util.find_spec(f"numba_ops.{op}") is not None:
@@ -207,23 +214,32 @@ def _write_stamp(dirs, state):
         pass
 
 
-def warm(ops=None, dtypes=None, devices=None, *, jobs=1, progress=None, quiet=False, force=False):
+def warm(ops: str | Iterable[str] | None = None, dtypes: str | Iterable[Any] | None = None,
+         devices: str | Iterable[str] | None = None, *, jobs: int = 1,
+         progress: Callable[[int, int, str, float], Any] | None = None, quiet: bool = False,
+         force: bool = False) -> dict[str, Any]:
     """Compile every kernel variant of ``ops`` x ``dtypes`` x ``devices`` into
     numba's on-disk cache, so that later processes start with no compile.
 
+    Kernels compile on first use (seconds each) and numba keeps them in its
+    disk cache (see ``numba-ops info`` for where; ``NUMBA_CACHE_DIR`` moves
+    it). Warming once, at image build or before starting a cluster, means no
+    later process on that cache compiles anything. Ranks above 3 are not
+    warmed: they compile on first use and are cached then.
+
     Parameters
     ----------
-    ops : None, str or iterable of str
+    ops : str or iterable of str, optional
         Op names ("affine_grid", "deform_conv", "grid_sample", "affine_warp");
         default: every op of this build.
-    dtypes : None, str or iterable
+    dtypes : str or iterable, optional
         Float dtype names ("float16", "bfloat16", "float32", "float64") or
         dtypes; default: all four.
-    devices : None, str or iterable of str
+    devices : str or iterable of str, optional
         "cpu" and/or "cuda"; default: the usable devices (``numba_ops.devices()``).
         Under numba's CUDA simulator (NUMBA_ENABLE_CUDASIM=1) "cuda" is skipped:
         the simulator runs Python and compiles nothing to cache.
-    jobs : int
+    jobs : int, default 1
         Worker processes compiling at once (numba compiles one function at a
         time per process): with ``jobs > 1`` each (op, dtype, device) is warmed
         in a process of its own, ``jobs`` at a time, and then this process makes
@@ -233,11 +249,11 @@ def warm(ops=None, dtypes=None, devices=None, *, jobs=1, progress=None, quiet=Fa
         Called as ``progress(i, total, label, elapsed_s)`` before each warm-up
         call, and with ``jobs > 1`` as each worker starts and ends
         (``numba-ops warm`` prints it).
-    force : bool
+    force : bool, default False
         True: make every call even where the stamp of an earlier warm-up says the
         cache is as that run left it (see the module's docstring).
-    quiet : bool
-        False (default): print a summary (what was compiled, seconds, the cache
+    quiet : bool, default False
+        False: print a summary (what was compiled, seconds, the cache
         folder and its size, any failures) to stdout, besides returning it.
 
     Returns
@@ -261,6 +277,15 @@ def warm(ops=None, dtypes=None, devices=None, *, jobs=1, progress=None, quiet=Fa
         ones), or an op this build does not have.
     RuntimeError
         ``devices`` asks for "cuda" where no GPU (and no simulator) is usable.
+
+    Examples
+    --------
+    >>> import numba_ops
+    >>> report = numba_ops.warm("affine_grid", "float32", "cpu", quiet=True)
+    >>> report["ops"], report["devices"], report["failures"]
+    (['affine_grid'], ['cpu'], [])
+    >>> numba_ops.warm("affine_grid", "float32", "cpu", quiet=True)["up_to_date"]  # nothing changed since
+    True
     """
     t0 = time.perf_counter()
     ops = _check_ops(ops)

@@ -1,11 +1,17 @@
-"""AffineGrid (ONNX opset 20): front end. Semantics: seeds/AffineGrid-onnx-spec.txt."""
+"""AffineGrid (ONNX opset 20): front end. Semantics: the ONNX AffineGrid operator page."""
+from __future__ import annotations
+
 import math
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
 from ._dispatch import as_array, launcher, on_device, resolve_device, result_for
 from ._dtypes import common_float_dtype
 from ._validate import as_bool, int_tuple, remember
+
+if TYPE_CHECKING:
+    from numpy.typing import ArrayLike
 
 #: validated plain NumPy CPU calls: (theta shape, dtype, size values with their types
 #: (or an integer size array's dtype), align_corners and its type) -> (size, align) as the kernels
@@ -26,27 +32,68 @@ def _fast_key(theta, size, align_corners):
     return None
 
 
-def affine_grid(theta, size, align_corners=False, *, device=None, stream=None):
-    """Sampling grid of an affine transform, as ONNX AffineGrid.
+def affine_grid(theta: ArrayLike, size: Sequence[int] | ArrayLike, align_corners: bool | int = False, *,
+                device: str | None = None, stream: Any = None) -> Any:
+    """Sampling grid of a batch of affine transforms, as ONNX AffineGrid.
+
+    For each matrix ``theta[n]`` the grid holds ``theta[n] @ (x, y, 1)`` (2-D)
+    or ``theta[n] @ (x, y, z, 1)`` (3-D) at every output position, where
+    ``x, y, z`` are the normalised base coordinates of that position. The grid
+    is what :func:`grid_sample` takes; :func:`affine_warp` does both steps in
+    one pass.
 
     Parameters
     ----------
-    theta : array (N, 2, 3) or (N, 3, 4)
-        Affine matrices; float16, bfloat16, float32 or float64.
-    size : sequence or 1-D array of 4 or 5 integers
-        Target size (N, C, H, W) or (N, C, D, H, W).
-    align_corners : bool or 0/1
-        Base coordinates -1 + 2i/(L-1) if true, else (2i+1)/L - 1.
-    device : None, "cpu" or "cuda"
-    stream : None, a numba stream, an object with ``__cuda_stream__``, a CuPy or
-        PyTorch CUDA stream, or an integer handle (0: the legacy default stream)
-        The CUDA stream to run on (ignored on the CPU). With device inputs the
-        call returns without waiting; with NumPy inputs, after the copy back.
+    theta : array_like, shape (N, 2, 3) or (N, 3, 4)
+        The affine matrices: float16, bfloat16, float32 or float64. A NumPy
+        array or any CUDA array (``__cuda_array_interface__``).
+    size : sequence or 1-D array of int
+        The output size: (N, C, H, W) for 2-D, (N, C, D, H, W) for 3-D; N must
+        be ``theta``'s N (C is ignored, as in ONNX). Any zero gives an empty grid.
+    align_corners : bool or {0, 1}, default False
+        True: the base coordinate of index ``i`` on an axis of length ``L`` is
+        ``-1 + 2 i / (L - 1)`` (-1 and 1 are the centres of the corner
+        elements). False: ``(2 i + 1) / L - 1`` (their outer edges). An axis of
+        length 1 has the single coordinate 0 either way.
+    device : {None, "cpu", "cuda"}, default None
+        None runs on the GPU when an input is a CUDA array, else on the CPU.
+    stream : optional
+        The CUDA stream to run on (ignored on the CPU): None (the default
+        stream), a numba stream, an object with ``__cuda_stream__``, a CuPy or
+        PyTorch CUDA stream, or an integer handle (0: the legacy default
+        stream). With device inputs the call returns without waiting; with
+        NumPy inputs, after the copy back.
 
     Returns
     -------
-    grid : array (N, H, W, 2) or (N, D, H, W, 3), theta's dtype. NumPy for NumPy
-        input, a numba device array for device input.
+    grid : array, shape (N, H, W, 2) or (N, D, H, W, 3)
+        ``theta``'s dtype; the last axis lists x, y(, z). A NumPy array for
+        NumPy inputs, a numba device array (which CuPy and PyTorch take without
+        a copy) for CUDA inputs.
+
+    Raises
+    ------
+    ValueError
+        ``theta`` missing or of the wrong shape for ``size``; ``size`` not 4 or
+        5 non-negative integers; ``align_corners`` not a bool or 0/1; an
+        unknown ``device``.
+    TypeError
+        ``theta`` not of a supported float dtype; ``size`` not integers; a
+        ``stream`` that is not a stream.
+    RuntimeError
+        ``device="cuda"`` (or a CUDA input) where no GPU is usable.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import numba_ops
+    >>> theta = np.array([[[1, 0, 0], [0, 1, 0]]], dtype=np.float32)  # identity
+    >>> grid = numba_ops.affine_grid(theta, (1, 1, 2, 3), align_corners=True)
+    >>> grid.shape
+    (1, 2, 3, 2)
+    >>> grid[0, :, :, 0]  # x: -1 .. 1 across the width
+    array([[-1.,  0.,  1.],
+           [-1.,  0.,  1.]], dtype=float32)
     """
     key = _fast_key(theta, size, align_corners) if device is None or device == "cpu" else None
     if key is not None:
@@ -72,7 +119,7 @@ def affine_grid(theta, size, align_corners=False, *, device=None, stream=None):
     size = int_tuple(size, "size", length=(4, 5), minimum=0)
     nd = len(size) - 2
     want = (size[0], nd, nd + 1)
-    # size N = 0 asks for an empty grid (API.md): any count of well-formed matrices gives it
+    # size N = 0 asks for an empty grid: any count of well-formed matrices gives it
     if tuple(theta.shape) != want and not (size[0] == 0 and tuple(theta.shape[1:]) == want[1:]):
         raise ValueError(
             f"theta must have shape (N, {nd}, {nd + 1}) = {want} for a size of length {len(size)} "

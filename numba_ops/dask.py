@@ -1,4 +1,4 @@
-"""Scale-out on Dask (API.md, "Scale-out (Dask)"): the ops on ``dask.array`` inputs.
+"""Scale-out on Dask: the ops on ``dask.array`` inputs.
 
 Each wrapper returns a lazy ``dask.array`` with exact metadata (shape, dtype,
 chunks, and a ``meta`` of the inputs' array type), one task per output block,
@@ -34,12 +34,15 @@ threads, processes, or a ``dask.distributed`` cluster of many machines.
 This module imports dask; ``import numba_ops`` never does (install the extra
 ``numba_ops[dask]``).
 """
+from __future__ import annotations
+
 import functools
 import math
 import os
 import sys
 import threading
 import time
+from typing import Any, Sequence
 
 import dask.array as da
 import numpy as np
@@ -302,12 +305,44 @@ def _key(a, *index):
 
 # --- the ops ---------------------------------------------------------------------------------
 
-def affine_grid(theta, size, align_corners=False, **kw):
-    """``numba_ops.affine_grid`` on a dask ``theta`` (N, 2, 3) or (N, 3, 4), chunked along N.
+def affine_grid(theta: Any, size: Sequence[int] | Any, align_corners: bool | int = False,
+                **kw: Any) -> da.Array:
+    """:func:`numba_ops.affine_grid` on a dask ``theta``, one task per N chunk.
 
-    Returns the lazy grid (N, H, W, 2) or (N, D, H, W, 3) with ``theta``'s N chunks
-    (one task per chunk; the other axes whole). ``size`` and ``align_corners`` as
-    the one-call op; ``kw`` (``device``, ...) goes to it in each task.
+    Parameters
+    ----------
+    theta : dask.array.Array or array_like, shape (N, 2, 3) or (N, 3, 4)
+        Chunked along N (its other axes are joined). A NumPy array is one chunk.
+    size : sequence or 1-D array of int
+        As the one-call op: (N, C, H, W) or (N, C, D, H, W).
+    align_corners : bool or {0, 1}, default False
+        As the one-call op.
+    **kw
+        Passed to the one-call op in each task (``device``, ``stream``).
+
+    Returns
+    -------
+    dask.array.Array
+        The lazy grid (N, H, W, 2) or (N, D, H, W, 3) with ``theta``'s N chunks,
+        whole along the other axes.
+
+    Raises
+    ------
+    ValueError, TypeError
+        The one-call op's errors, raised while the graph is built; also a
+        ``ValueError`` when a block would be too large to allocate.
+
+    Examples
+    --------
+    >>> import dask.array as da
+    >>> import numpy as np
+    >>> import numba_ops.dask as nd
+    >>> theta = da.from_array(np.tile(np.eye(2, 3, dtype=np.float32), (4, 1, 1)), chunks=(2, 2, 3))
+    >>> grid = nd.affine_grid(theta, (4, 1, 8, 8))
+    >>> grid.shape, grid.chunks[0]
+    ((4, 8, 8, 2), (2, 2))
+    >>> grid.compute(scheduler="threads").shape
+    (4, 8, 8, 2)
     """
     theta = _as_dask(theta, "theta")
     if theta is None:
@@ -349,22 +384,60 @@ def affine_grid(theta, size, align_corners=False, **kw):
 _DC_ATTRS = ("kernel_shape", "strides", "pads", "dilations", "group", "offset_group")
 
 
-def deform_conv(x, w, offset, b=None, mask=None, *, output_chunks=None, **attrs):
-    """``numba_ops.deform_conv`` on dask arrays.
+def deform_conv(x: Any, w: Any, offset: Any, b: Any = None, mask: Any = None, *,
+                output_chunks: Any = None, **attrs: Any) -> da.Array:
+    """:func:`numba_ops.deform_conv` on dask arrays, one task per output block.
 
-    ``x`` (N, C, D1..Dn), ``offset`` and ``mask`` chunked along N (their other axes
-    are joined; ``offset``/``mask`` take ``x``'s N chunks); ``w`` and ``b`` NumPy or
-    dask, one chunk each (they enter the graph once). ``attrs``: the one-call op's
-    keywords (``kernel_shape``, ``strides``, ``pads``, ``dilations``, ``group``,
-    ``offset_group``, ``device``, ...).
+    Parameters
+    ----------
+    x : dask.array.Array or array_like, shape (N, C, D1, ..., Dn)
+        Chunked along N (its other axes are joined).
+    w : array_like or dask.array.Array, shape (oC, C / group, k1, ..., kn)
+        NumPy, or dask in one chunk: it enters the graph once, as one key that
+        every task names.
+    offset : dask.array.Array or array_like
+        As the one-call op; takes ``x``'s N chunks.
+    b : array_like or dask.array.Array, optional
+        As ``w``: one key.
+    mask : dask.array.Array or array_like, optional
+        As the one-call op; takes ``x``'s N chunks.
+    output_chunks : int, sequence or None, optional
+        A block size per spatial output axis (None or -1: the whole axis; or a
+        tuple of block sizes). Each image's output is then cut into spatial
+        blocks, every block reading its whole input image (offsets can reach
+        anywhere in it) and only its own region of ``offset`` and ``mask``.
+        Default: each image whole.
+    **attrs
+        The one-call op's keywords (``kernel_shape``, ``strides``, ``pads``,
+        ``dilations``, ``group``, ``offset_group``, ``device``, ``stream``).
 
-    ``output_chunks``: a block size per spatial output axis (or None / -1 for a
-    whole axis, or a tuple of block sizes); each image's output is then cut into
-    spatial blocks, every block reading its whole input image (offsets can reach
-    anywhere in it) and the offset/mask region of its own outputs. Default: whole.
+    Returns
+    -------
+    dask.array.Array
+        The lazy (N, oC, o1, ..., on) result, chunked as ``x`` along N, whole
+        along oC and as ``output_chunks`` along the spatial axes. Each block
+        equals that region of the one-call result.
 
-    Returns the lazy (N, oC, o1..on) result, chunked as ``x`` along N, whole along
-    oC and as ``output_chunks`` along the spatial axes: one task per block.
+    Raises
+    ------
+    ValueError, TypeError
+        The one-call op's errors, raised while the graph is built (the front
+        end runs on data-free stand-ins of the inputs); a bad
+        ``output_chunks``.
+
+    Examples
+    --------
+    >>> import dask.array as da
+    >>> import numpy as np
+    >>> import numba_ops.dask as nd
+    >>> x = da.ones((4, 1, 5, 5), dtype=np.float32, chunks=(2, 1, 5, 5))
+    >>> w = np.ones((1, 1, 3, 3), np.float32)
+    >>> offset = da.zeros((4, 18, 5, 5), dtype=np.float32, chunks=(2, 18, 5, 5))
+    >>> y = nd.deform_conv(x, w, offset, pads=[1, 1, 1, 1], output_chunks=(3, 5))
+    >>> y.chunks
+    ((2, 2), (1,), (3, 2), (5,))
+    >>> float(y[0, 0, 2, 2].compute())  # an interior position sums its 3 x 3 neighbours
+    9.0
     """
     named = {"X": x, "W": w, "offset": offset, "B": b, "mask": mask}
     for name in ("X", "W", "offset"):
@@ -427,17 +500,44 @@ def _required(named):
             raise ValueError(f"{name} is required")
 
 
-def grid_sample(x, grid, **kw):
-    """``numba_ops.grid_sample`` on dask arrays.
+def grid_sample(x: Any, grid: Any, **kw: Any) -> da.Array:
+    """:func:`numba_ops.grid_sample` on dask arrays, one task per output block.
 
-    ``x`` (N, C, D1..Dr) chunked along N (its other axes are joined); ``grid``
-    (N, O1..Or, r) takes ``x``'s N chunks and may be chunked along its output axes
-    O1..Or too (its last axis is joined): each grid block gives the output block of
-    its positions over all channels. ``kw``: the one-call op's keywords (``mode``,
-    ``padding_mode``, ``align_corners``, ``device``, ...).
+    Parameters
+    ----------
+    x : dask.array.Array or array_like, shape (N, C, D1, ..., Dr)
+        Chunked along N (its other axes are joined).
+    grid : dask.array.Array or array_like, shape (N, O1, ..., Or, r)
+        Takes ``x``'s N chunks and may be chunked along its output axes
+        O1..Or too (its last axis is joined): each grid block gives the output
+        block of its positions over all channels.
+    **kw
+        The one-call op's keywords (``mode``, ``padding_mode``,
+        ``align_corners``, ``device``, ``stream``).
 
-    Returns the lazy (N, C, O1..Or) result, chunked as ``x`` along N, whole along C
-    and as ``grid`` along O1..Or: one task per block.
+    Returns
+    -------
+    dask.array.Array
+        The lazy (N, C, O1, ..., Or) result, chunked as ``x`` along N, whole
+        along C and as ``grid`` along O1..Or.
+
+    Raises
+    ------
+    ValueError, TypeError
+        The one-call op's errors, raised while the graph is built.
+
+    Examples
+    --------
+    >>> import dask.array as da
+    >>> import numpy as np
+    >>> import numba_ops.dask as nd
+    >>> x = da.ones((2, 3, 4, 4), dtype=np.float32, chunks=(1, 3, 4, 4))
+    >>> grid = da.zeros((2, 6, 6, 2), dtype=np.float32, chunks=(1, 3, 6, 2))
+    >>> y = nd.grid_sample(x, grid, mode="cubic")
+    >>> y.chunks
+    ((1, 1), (3,), (3, 3), (6,))
+    >>> float(y.sum().compute())  # every position samples the image's centre: 1
+    216.0
     """
     _required({"X": x, "grid": grid})
     arrays = {"X": _as_dask(x, "X"), "grid": _as_dask(grid, "grid")}
@@ -461,16 +561,42 @@ def grid_sample(x, grid, **kw):
     return _graph(name, tasks, [x, grid], chunks, _meta(x, r + 2, x.dtype))
 
 
-def affine_warp(x, theta, size=None, **kw):
-    """``numba_ops.affine_warp`` on dask arrays.
+def affine_warp(x: Any, theta: Any, size: Sequence[int] | Any = None, **kw: Any) -> da.Array:
+    """:func:`numba_ops.affine_warp` on dask arrays, one task per N chunk.
 
-    ``x`` (N, C, H, W) or (N, C, D, H, W) chunked along N (its other axes are
-    joined); ``theta`` (N, 2, 3) or (N, 3, 4) takes ``x``'s N chunks. ``size`` as the
-    one-call op (default ``x.shape``; N and C must be ``x``'s). ``kw``: the one-call
-    op's keywords.
+    Parameters
+    ----------
+    x : dask.array.Array or array_like, shape (N, C, H, W) or (N, C, D, H, W)
+        Chunked along N (its other axes are joined).
+    theta : dask.array.Array or array_like, shape (N, 2, 3) or (N, 3, 4)
+        Takes ``x``'s N chunks.
+    size : sequence or 1-D array of int, optional
+        As the one-call op (default ``x.shape``; N and C must be ``x``'s).
+    **kw
+        The one-call op's keywords (``mode``, ``padding_mode``,
+        ``align_corners``, ``device``, ``stream``).
 
-    Returns the lazy result of shape ``size``, chunked as ``x`` along N and whole
-    along the other axes: one task per N chunk.
+    Returns
+    -------
+    dask.array.Array
+        The lazy result of shape ``size``, chunked as ``x`` along N and whole
+        along the other axes.
+
+    Raises
+    ------
+    ValueError, TypeError
+        The one-call op's errors, raised while the graph is built.
+
+    Examples
+    --------
+    >>> import dask.array as da
+    >>> import numpy as np
+    >>> import numba_ops.dask as nd
+    >>> x = da.random.default_rng(0).random((4, 1, 6, 6), chunks=(2, 1, 6, 6)).astype(np.float32)
+    >>> identity = np.tile(np.eye(2, 3, dtype=np.float32), (4, 1, 1))
+    >>> y = nd.affine_warp(x, identity, padding_mode="border")
+    >>> bool(da.allclose(y, x, atol=1e-6).compute())
+    True
     """
     _required({"X": x, "theta": theta})
     arrays = {"X": _as_dask(x, "X"), "theta": _as_dask(theta, "theta")}

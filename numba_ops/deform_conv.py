@@ -1,10 +1,17 @@
-"""DeformConv (ONNX opset 19/22): front end. Semantics: seeds/DeformConv-onnx-spec.txt."""
+"""DeformConv (ONNX opset 19/22): front end. Semantics: the ONNX DeformConv operator page."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Sequence
+
 import numpy as np
 
 from ._dispatch import as_array, launcher, on_device, resolve_device, result_for
 from ._dtypes import common_float_dtype
 from ._shapes import DeformParams, out_size
 from ._validate import as_int, int_tuple, remember
+
+if TYPE_CHECKING:
+    from numpy.typing import ArrayLike
 
 
 _PADDED_MAX = 1 << 60
@@ -112,26 +119,99 @@ def _fast_key(x, w, offset, b, mask, kernel_shape, strides, pads, dilations, gro
     return tuple(key)
 
 
-def deform_conv(x, w, offset, b=None, mask=None, *, kernel_shape=None, strides=None, pads=None,
-                dilations=None, group=1, offset_group=1, device=None, stream=None):
+def deform_conv(x: ArrayLike, w: ArrayLike, offset: ArrayLike, b: ArrayLike | None = None,
+                mask: ArrayLike | None = None, *, kernel_shape: Sequence[int] | None = None,
+                strides: Sequence[int] | None = None, pads: Sequence[int] | None = None,
+                dilations: Sequence[int] | None = None, group: int = 1, offset_group: int = 1,
+                device: str | None = None, stream: Any = None) -> Any:
     """Deformable convolution, as ONNX DeformConv, for 1-D, 2-D, 3-D (and more) inputs.
+
+    Each kernel point of each output position samples ``x`` at its regular
+    place moved by ``offset``: on axis ``i`` at
+    ``o_i * strides[i] - pads[i] + k_i * dilations[i] + offset``, by n-linear
+    interpolation where every corner outside the input counts 0. The samples,
+    scaled by ``mask``, are convolved with ``w``:
+    ``y[n, oc, o] = b[oc] + sum over c in oc's group and kernel points of
+    w[oc, c, k] * mask * sample``. With zero offsets and no mask this is an
+    ordinary (grouped) convolution.
 
     Parameters
     ----------
-    x : (N, C, D1..Dn)     w : (oC, C/group, k1..kn)
-    offset : (N, offset_group*K*n, o1..on), K = k1*..*kn, channel (g*K + kidx)*n + axis
-    b : (oC,), optional    mask : (N, offset_group*K, o1..on), optional
-    kernel_shape, strides, pads, dilations, group, offset_group : ONNX attributes
-        (pads in ONNX order: all begins, then all ends).
-    device : None, "cpu" or "cuda"
-    stream : None, a numba stream, an object with ``__cuda_stream__``, a CuPy or
-        PyTorch CUDA stream, or an integer handle (0: the legacy default stream)
-        The CUDA stream to run on (ignored on the CPU). With device inputs the
-        call returns without waiting; with NumPy inputs, after the copy back.
+    x : array_like, shape (N, C, D1, ..., Dn)
+        The input, n >= 1 spatial axes. float16, bfloat16, float32 or float64;
+        every float input of the call has the same dtype.
+    w : array_like, shape (oC, C / group, k1, ..., kn)
+        The weights.
+    offset : array_like, shape (N, offset_group * K * n, o1, ..., on)
+        Offsets in input elements, ``K = k1 * ... * kn``. Channel
+        ``(g * K + kidx) * n + i`` holds the offset along spatial axis ``i`` of
+        kernel point ``kidx`` (row-major) for offset group ``g``.
+    b : array_like, shape (oC,), optional
+        Bias; default zeros.
+    mask : array_like, shape (N, offset_group * K, o1, ..., on), optional
+        Modulation of each sample (DCNv2), channel ``g * K + kidx``; default ones.
+    kernel_shape : sequence of n int, optional
+        Defaults to ``w.shape[2:]`` and must equal it.
+    strides : sequence of n int >= 1, optional
+        Default 1 on every axis.
+    pads : sequence of 2n int >= 0, optional
+        ONNX order: every axis' begin, then every axis' end
+        (``[x1_begin, ..., xn_begin, x1_end, ..., xn_end]``); default 0.
+    dilations : sequence of n int >= 1, optional
+        Default 1 on every axis.
+    group : int >= 1, default 1
+        Divides C and oC.
+    offset_group : int >= 1, default 1
+        Divides C: channel groups that share one set of offsets and masks.
+    device : {None, "cpu", "cuda"}, default None
+        None runs on the GPU when an input is a CUDA array, else on the CPU.
+    stream : optional
+        The CUDA stream to run on (ignored on the CPU), as for
+        :func:`affine_grid`: with device inputs the call returns without
+        waiting; with NumPy inputs, after the copy back.
 
     Returns
     -------
-    y : (N, oC, o1..on), the inputs' dtype.
+    y : array, shape (N, oC, o1, ..., on)
+        The inputs' dtype, with
+        ``o_i = floor((D_i + begin_i + end_i - ((k_i - 1) * dil_i + 1)) / stride_i) + 1``.
+        A NumPy array for NumPy inputs, a numba device array for CUDA inputs.
+        N = 0 gives an empty result.
+
+    Raises
+    ------
+    ValueError
+        A missing ``x``, ``w`` or ``offset``; a wrong rank or shape (the
+        message names the input and the shape expected); an attribute of the
+        wrong length or value (``group`` or ``offset_group`` not dividing the
+        channels, ``kernel_shape`` not ``w.shape[2:]``); an output size below
+        1; an unknown ``device``.
+    TypeError
+        An input not of a supported float dtype, or inputs of mixed dtypes;
+        non-integer attributes; a ``stream`` that is not a stream.
+    RuntimeError
+        ``device="cuda"`` (or a CUDA input) where no GPU is usable.
+
+    Examples
+    --------
+    Zero offsets give an ordinary convolution:
+
+    >>> import numpy as np
+    >>> import numba_ops
+    >>> x = np.ones((1, 1, 3, 3), np.float32)
+    >>> w = np.ones((1, 1, 2, 2), np.float32)
+    >>> offset = np.zeros((1, 2 * 2 * 2, 2, 2), np.float32)  # K = 4 points, n = 2 axes
+    >>> numba_ops.deform_conv(x, w, offset)[0, 0]
+    array([[4., 4.],
+           [4., 4.]], dtype=float32)
+
+    Moving every sample half an element left reads half of the zero padding
+    at the left edge:
+
+    >>> offset[:, 1::2] = -0.5  # odd channels: offsets along the width
+    >>> numba_ops.deform_conv(x, w, offset)[0, 0]
+    array([[3., 4.],
+           [3., 4.]], dtype=float32)
     """
     if device is None or device == "cpu":
         # the fast path: a NumPy call whose shapes, dtype and attributes were validated before

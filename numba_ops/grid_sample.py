@@ -1,5 +1,10 @@
-"""GridSample (ONNX opset 20/22): front end. Semantics: API.md (grid_sample) and
-reference/GridSample-onnx-schema.txt; the per-axis math is kernels/_sample.py."""
+"""GridSample (ONNX opset 20/22): front end. Semantics: the ONNX GridSample
+operator page, with onnxruntime's choices where implementations differ (see
+``grid_sample``); the per-axis math is kernels/_sample.py."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
 import numpy as np
 
 from ._dispatch import as_array, launcher, on_device, resolve_device, result_for
@@ -7,7 +12,10 @@ from ._dtypes import SUPPORTED, common_float_dtype, entry
 from ._validate import as_bool
 from .kernels._modes import MODES, PADDING_MODES
 
-#: the most spatial axes the kernels take (API.md requires 1 to 3)
+if TYPE_CHECKING:
+    from numpy.typing import ArrayLike
+
+#: the most spatial axes the kernels take (1 to 3 are supported)
 MAX_SPATIAL = 3
 
 
@@ -27,7 +35,7 @@ def parse_attrs(mode, padding_mode, align_corners):
 
 def sample_dtypes(x, other, other_name):
     """The float dtype of ``other`` (grid or theta), checking that ``x`` shares it or
-    is uint8 (API.md, grid_sample dtypes); TypeError naming the input otherwise."""
+    is uint8 (grid_sample's dtypes); TypeError naming the input otherwise."""
     if np.dtype(x.dtype) == np.uint8:
         dtype = common_float_dtype({other_name: other})
     elif entry(np.dtype(x.dtype)) is None:
@@ -52,30 +60,71 @@ def check_input_sizes(x, out_shape):
                          f"is not empty); got shape {tuple(x.shape)}")
 
 
-def grid_sample(x, grid, *, mode="linear", padding_mode="zeros", align_corners=False, device=None,
-                stream=None):
+def grid_sample(x: ArrayLike, grid: ArrayLike, *, mode: str = "linear", padding_mode: str = "zeros",
+                align_corners: bool | int = False, device: str | None = None, stream: Any = None) -> Any:
     """Sample ``x`` at the positions of ``grid``, as ONNX GridSample.
+
+    Each output position ``y[n, :, o1, ..., or]`` is ``x[n]`` interpolated at
+    ``grid[n, o1, ..., or]``, a position normalised to [-1, 1] on every axis.
+    Where published implementations differ this follows onnxruntime:
+    ``"nearest"`` rounds the unnormalised position half to even and then pads;
+    ``"cubic"`` pads each of its taps (the position itself is not clamped).
 
     Parameters
     ----------
-    x : array (N, C, D1..Dr), r = 1, 2 or 3
+    x : array_like, shape (N, C, D1, ..., Dr), r = 1, 2 or 3
         float16, bfloat16, float32, float64, or uint8 (computed in the grid's
-        compute type, then truncated toward zero and clamped to 0..255).
-    grid : array (N, O1..Or, r)
-        Positions normalised to [-1, 1], coordinates innermost axis first
-        (x, y, z); x's dtype, or any float dtype for uint8 x.
-    mode : "linear", "nearest" or "cubic"
-        n-linear; nearest (ties to the even index); n-cubic (A = -0.75).
-    padding_mode : "zeros", "border" or "reflection"
-    align_corners : bool or 0/1
-        -1 and 1 are the centres of the corner elements if true, else their outer edges.
-    device : None, "cpu" or "cuda"
-    stream : CUDA stream (ignored on the CPU)
+        compute type, then truncated toward zero and clamped to 0..255 as
+        ONNX casts).
+    grid : array_like, shape (N, O1, ..., Or, r)
+        Positions, coordinates innermost axis first (x, y, z). ``x``'s dtype,
+        or any float dtype for a uint8 ``x``.
+    mode : {"linear", "nearest", "cubic"}, default "linear"
+        n-linear; nearest (ties to the even index); n-cubic (A = -0.75, as
+        ONNX and PyTorch), in every rank.
+    padding_mode : {"zeros", "border", "reflection"}, default "zeros"
+        What a tap outside the input reads: 0; the nearest edge element; the
+        input reflected at its edges (repeatedly, until inside).
+    align_corners : bool or {0, 1}, default False
+        True: -1 and 1 are the centres of the corner elements; False: their
+        outer edges.
+    device : {None, "cpu", "cuda"}, default None
+        None runs on the GPU when an input is a CUDA array, else on the CPU.
+    stream : optional
+        The CUDA stream to run on (ignored on the CPU), as for
+        :func:`affine_grid`.
 
     Returns
     -------
-    y : array (N, C, O1..Or), x's dtype. NumPy for NumPy input, a numba device
-        array for device input.
+    y : array, shape (N, C, O1, ..., Or)
+        ``x``'s dtype. A position that is not finite samples NaN (0 for uint8
+        ``x``). A NumPy array for NumPy inputs, a numba device array for CUDA
+        inputs.
+
+    Raises
+    ------
+    ValueError
+        A missing input; ``x`` without 1 to 3 spatial axes; a ``grid`` whose
+        shape does not fit ``x``; ``x`` with an empty spatial axis but a
+        non-empty output; a ``mode`` or ``padding_mode`` not among the values
+        listed; ``align_corners`` not a bool or 0/1; an unknown ``device``.
+    TypeError
+        A dtype not listed, or ``x`` and ``grid`` of different float dtypes;
+        a ``stream`` that is not a stream.
+    RuntimeError
+        ``device="cuda"`` (or a CUDA input) where no GPU is usable.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import numba_ops
+    >>> x = np.array([[[[0, 1], [2, 3]]]], dtype=np.float32)  # (1, 1, 2, 2)
+    >>> grid = np.array([[[[0, 0], [-0.5, -0.5]]]], dtype=np.float32)  # the centre, then pixel (0, 0)
+    >>> numba_ops.grid_sample(x, grid)
+    array([[[[1.5, 0. ]]]], dtype=float32)
+    >>> far = np.array([[[[0.9, -0.5], [3.0, 0.5]]]], np.float32)  # the second beyond the right edge
+    >>> numba_ops.grid_sample(x, far, mode="nearest", padding_mode="border")
+    array([[[[1., 3.]]]], dtype=float32)
     """
     inputs = {"X": x, "grid": grid}
     for name, a in inputs.items():

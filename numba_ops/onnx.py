@@ -198,7 +198,7 @@ def fuse(model):
     The outputs are unchanged within affine_warp's accuracy when the model runs on
     ``ReferenceEvaluator(fused, new_ops=ops())``: for float32/float64 the fused
     kernel computes the grid as AffineGrid does; for 16-bit data it skips the grid's
-    rounding to 16 bits (API.md, affine_warp).
+    rounding to 16 bits (as ``numba_ops.affine_warp``).
     """
     from onnx import ModelProto, helper
 

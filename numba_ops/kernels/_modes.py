@@ -1,4 +1,4 @@
-"""GridSample's mode and padding codes, as the kernels take them (API.md, grid_sample).
+"""GridSample's mode and padding codes, as the kernels take them (``grid_sample``'s ``mode`` and ``padding_mode``).
 
 Plain constants in a module of their own, so that the front ends read them without
 importing numba (``import numba_ops`` compiles and loads nothing)."""

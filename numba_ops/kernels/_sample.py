@@ -1,4 +1,4 @@
-"""GridSample's per-axis sampling math (API.md, grid_sample; ONNX GridSample),
+"""GridSample's per-axis sampling math (ONNX GridSample, with onnxruntime's choices),
 shared by the CPU and CUDA kernels of ``grid_sample`` and ``affine_warp``.
 
 Like ``_scalar.py`` every helper is an ``@njit`` function that the CPU kernels call

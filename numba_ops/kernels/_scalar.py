@@ -156,7 +156,7 @@ def base_coord(i, length, align_corners, one):
     """ONNX AffineGrid base coordinate of index ``i`` on an axis of ``length``.
 
     ``one`` is 1 in the compute type, so the arithmetic stays in it. An axis of
-    length 1 has the single coordinate 0 under both settings (API.md).
+    length 1 has the single coordinate 0 under both settings (as PyTorch).
     """
     if length <= 1:
         return one - one
@@ -203,7 +203,7 @@ def border_corner(base, off, size, zero):
     whether the position is inside ``(-1, size)`` (otherwise the sample is 0,
     and ``i = lam = 0``); ``finite`` whether it is finite (otherwise the sample
     is NaN). Corners outside ``[0, size - 1]`` land on the border's zeros, so
-    they count 0 exactly (API.md) without a branch.
+    they count 0 exactly (the op's definition) without a branch.
 
     The position is never rounded: ``floor(off)`` and ``off - floor(off)`` are
     exact in floating point, the integer parts add as integers, and the bounds

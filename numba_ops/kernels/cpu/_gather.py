@@ -15,9 +15,9 @@ them with the operations and in the order of the scalar sample
 code, bit for bit, written to a buffer in the compute type that the caller stores
 (``store_sample``: rounded or cast as one position's sample is).
 
-Measured (session 22, an AVX-512 Xeon, one thread, data in L2): a bilinear
-sample's 4 taps gathered 2.4-2.5x faster than by scalar loads. Session 20 measured
-gathers on a Zen 5 at the cost of scalar loads (not this kernel: not re-measured there).
+Why: on an AVX-512 Xeon (one thread, data in L2) a bilinear sample's 4 taps
+gathered run 2.4-2.5x faster than by scalar loads. On a Zen 5 gathers were
+measured at the cost of scalar loads (an earlier probe, not this kernel).
 """
 from llvmlite import ir
 from numba import types

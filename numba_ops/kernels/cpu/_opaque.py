@@ -1,4 +1,4 @@
-"""Calls between compiled CPU kernels that do not copy the callee's code (issue 18).
+"""Calls between compiled CPU kernels that do not copy the callee's code (compile time).
 
 numba compiles a call from one jitted function to another by linking the callee's
 whole LLVM module, with every function it calls in turn, into the caller's, and then

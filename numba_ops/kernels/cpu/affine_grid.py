@@ -21,7 +21,7 @@ bfloat16, so every NaN here has zero low bits), which keeps the loop unrolled.
 A 2-D grid reaches the kernels in its own shape (N, H, W, 2), a 3-D one flat:
 the rank is then part of the compiled signature, and numba prunes the
 ``grid.ndim`` branches before typing, so a 2-D call compiles the 2-D code only
-and a 3-D call the 3-D code only (issue 18). (nd stays a runtime value and the
+and a 3-D call the 3-D code only, which keeps first calls short. (nd stays a runtime value and the
 3-D grid the flat argument itself: with nd fixed at compile time, or the rows
 written through a reshaped 5-D grid, ag3d_4x64 ran 6-18 % slower here.)
 """

@@ -8,7 +8,7 @@ Algorithm, per image (images go in chunks so that scratch stays within
    1-site zero border on every spatial side and a zero tail after the last
    site. A position in ``(-1, D)`` on every axis has all 2**n interpolation
    corners at ``base + coff[corner]``: corners outside the input read the
-   border's exact zeros, so "corners outside count 0" (API.md) holds without a
+   border's exact zeros, so "corners outside count 0" (the op's definition) holds without a
    branch, and an Inf/NaN in ``x`` reaches only the samples whose support
    holds it. A position at or beyond -1 or D gets weight 0 and a base in the
    zero tail (every corner it reads is a zero, never an input value); a
@@ -51,7 +51,7 @@ tiny ones (the seed example) skip the scratch and BLAS altogether
 float32 for float16/bfloat16/float32 (16-bit data is widened on load) and
 float64 for float64.
 
-Compile time (issue 18): numba compiles each jitted function into a module of
+Compile time: numba compiles each jitted function into a module of
 its own, links in every jitted function it calls and optimises the whole again,
 so each level of ordinary calls re-optimises all the code below it. The large
 pieces are therefore called through their own compiled code (``_opaque``): the
@@ -831,7 +831,7 @@ def _direct(x, w, off, m, b, y, meta):
                     g = c // cpo
                     xc = (n * C + c) * S
                     for kidx in range(K):
-                        # the n-linear sample (API.md): corners outside the input count 0, a
+                        # the n-linear sample (the op's definition): corners outside the input count 0, a
                         # position at or beyond -1 or D on any axis gives 0, a non-finite one NaN
                         ok = True
                         fin = True

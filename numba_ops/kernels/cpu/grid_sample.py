@@ -31,7 +31,7 @@ the parallel split is over (image, positions) whatever the shape). Per segment:
    at a time, each tap of a channel gathered for all of them (``_gather``), with
    the same operations in the same order: the same bits as one by one.
 
-Compile time (issue 18): the mode and padding reach the kernels as tokens
+Compile time: the mode and padding reach the kernels as tokens
 (``TOKEN``: tuples whose length numba folds to a constant and whose other branches
 it prunes before typing), so a call compiles its own mode and padding alone; the
 per-sample helpers are inlined by LLVM (``forceinline``), not copied into numba's
@@ -229,7 +229,7 @@ def plan(x, pos, m, mtok, ptok, align, zero, base, pidx, pw, pok, kind):
     and reflection otherwise: every position GENERIC, with its padded taps; returns 0.
     (Border's padded taps are clamps, about as cheap as telling the interior positions
     apart: sorting them measured 0.87-1.13x; reflection's reduce each tap by a
-    period: on interior positions sorting measured 0.24-0.50x, session 21.) The axes are unrolled
+    period: on interior positions sorting measured 0.24-0.50x.) The axes are unrolled
     (``x.ndim`` is a constant), innermost first; the mode and the padding are tokens
     (see ``TOKEN``), so only their code compiles."""
     r = x.ndim - 2

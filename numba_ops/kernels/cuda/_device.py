@@ -1,4 +1,4 @@
-"""Device plumbing shared by the CUDA launchers (API.md, Devices).
+"""Device plumbing shared by the CUDA launchers (device inputs and results, streams).
 
 - ``as_device_array``: any object with ``__cuda_array_interface__`` (numba device
   arrays, CuPy, PyTorch CUDA tensors) as a numba device array, zero-copy. PyTorch
@@ -132,7 +132,7 @@ def launch_guard():
             sys.setswitchinterval(old)
 
 
-# --- streams (API.md, Devices: ``stream=``) ---------------------------------------
+# --- streams (every op's ``stream=``) ---------------------------------------------
 
 def _stream_type():
     if SIMULATOR:
