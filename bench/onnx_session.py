@@ -11,11 +11,13 @@
    session run in two processes of their own that take turns, a round of
    ``--runs`` calls each, with a pause between rounds longer than any thread
    pool's spin (so neither process's idle threads spin into the other's round).
+   A third process runs onnxruntime alone with its intra-op pool's spinning off,
+   as the session sets it, to tell that setting's share from the kernels'.
    Printed: the outputs' largest difference, each implementation's median ms per
-   call with the spread of the round medians (min-max), the speed ratio, and per
+   call with the spread of the round medians (min-max), the speed ratios, and per
    DeformConv node its time in the session (onnxruntime's profiler), in
    onnxruntime alone (its profiler) and in a direct ``numba_ops.deform_conv``
-   call on the same inputs.
+   call on the same inputs (one numba thread, as in the session).
 2. A 3-D model (Conv on 5-D input, a 3-D DeformConv with offsets and mask, a 3-D
    GridSample) that onnxruntime alone refuses: in the session against
    ``numba_ops.onnx.evaluator`` (same outputs within float32 accuracy, and the
@@ -95,13 +97,20 @@ def _export(path, width):
 
 # --- the timed processes --------------------------------------------------------------------
 
-def _make(kind, model):
+KINDS = ("onnxruntime", "onnxruntime-nospin", "session")
+
+
+def _make(kind, model, so=None):
+    """onnxruntime alone (its defaults, or with its pool's spinning off as the session
+    sets it), or the session."""
     import onnxruntime as ort
-    if kind == "onnxruntime":
-        so = ort.SessionOptions()
-        return ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
-    from numba_ops.onnx import session
-    return session(model)
+    so = ort.SessionOptions() if so is None else so
+    if kind == "session":
+        from numba_ops.onnx import session
+        return session(model, so)
+    if kind == "onnxruntime-nospin":
+        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    return ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
 
 
 def _profile(sess_fn, feeds, calls=20):
@@ -152,12 +161,13 @@ def _node_times(kind, model, feeds):
     session also a direct numba_ops call on the node's inputs."""
     import onnx
     import onnxruntime as ort
-    if kind == "onnxruntime":
-        return {"profiled": _profile(lambda so: ort.InferenceSession(model, so, providers=["CPUExecutionProvider"]),
-                                     feeds)}
-    from numba_ops.onnx import session
+    profiled = _profile(lambda so: _make(kind, model, so), feeds)
+    if kind != "session":
+        return {"profiled": profiled}
+    import numba
+
     import numba_ops
-    profiled = _profile(lambda so: session(model, so), feeds)
+    numba.set_num_threads(1)  # as the session runs its nodes (numba_ops.num_threads, default 1)
     m = onnx.load(model)
     nodes = [n for n in m.graph.node if n.op_type == "DeformConv"]
     extra = sorted({i for n in nodes for i in n.input if i} - {i.name for i in m.graph.initializer})
@@ -205,7 +215,7 @@ def backbone(args, tmp):
     if why:
         print(f"SKIP backbone: {why}")
         return
-    procs = {k: _Proc(k, path) for k in ("onnxruntime", "session")}
+    procs = {k: _Proc(k, path) for k in KINDS}
     outs = {}
     for k, p in procs.items():
         p.ask(f"out {os.path.join(tmp, k + '.npy')}")
@@ -214,7 +224,7 @@ def backbone(args, tmp):
     scale = float(np.abs(outs["onnxruntime"]).max())
     times = {k: [] for k in procs}
     for r in range(args.rounds):
-        for k in (list(procs) if r % 2 == 0 else list(procs)[::-1]):
+        for k in (KINDS if r % 2 == 0 else KINDS[::-1]):
             time.sleep(0.3)  # longer than numba's OpenMP spin (GOMP_SPINCOUNT) and onnxruntime's
             times[k].append(procs[k].ask(f"run {args.runs}"))
     nodes = {k: p.ask("profile") for k, p in procs.items()}
@@ -227,14 +237,16 @@ def backbone(args, tmp):
     for k, rounds in times.items():
         per_round = [1e3 * np.median(t) for t in rounds]
         med[k] = float(np.median(np.concatenate(rounds))) * 1e3
-        print(f"  {k:<12} median {med[k]:7.2f} ms per call   round medians {min(per_round):.2f}-{max(per_round):.2f} ms "
+        print(f"  {k:<18} median {med[k]:7.2f} ms per call   round medians {min(per_round):.2f}-{max(per_round):.2f} ms "
               f"({args.rounds} rounds x {args.runs} calls)")
-    print(f"  speed: session / onnxruntime alone = {med['onnxruntime'] / med['session']:.2f}x")
+    print(f"  speed: session / onnxruntime alone = {med['onnxruntime'] / med['session']:.2f}x "
+          f"(/ onnxruntime alone without spinning: {med['onnxruntime-nospin'] / med['session']:.2f}x)")
     ort_nodes, ses = nodes["onnxruntime"]["profiled"], nodes["session"]
-    print("  DeformConv node           onnxruntime  in session  direct numba_ops (ms, medians)")
+    nospin = nodes["onnxruntime-nospin"]["profiled"]
+    print("  DeformConv node          onnxruntime  (no spin)  in session  direct numba_ops (ms, medians)")
     for name in ses["direct"]:
-        print(f"  {name:<24} {ort_nodes.get(name, float('nan')):11.2f} {ses['profiled'].get(name, float('nan')):11.2f}"
-              f" {ses['direct'][name]:11.2f}")
+        print(f"  {name:<24} {ort_nodes.get(name, float('nan')):11.2f} {nospin.get(name, float('nan')):10.2f}"
+              f" {ses['profiled'].get(name, float('nan')):11.2f} {ses['direct'][name]:11.2f}")
     total = sum(ort_nodes.values())
     print(f"  onnxruntime's DeformConv nodes: {total:.2f} ms of its {med['onnxruntime']:.2f} ms per call "
           f"({100 * total / med['onnxruntime']:.0f} %)")

@@ -95,7 +95,11 @@ class _Kernel:
             spec = _SPECS.get(numba_ops) or _parse(numba_ops)
             it = iter(feed)
             args = [next(it) if p else None for p in self.present]
-            y = np.ascontiguousarray(spec.call(*args, **spec.attrs))
+            if spec.threads is None:
+                y = spec.call(*args, **spec.attrs)
+            else:
+                y = _with_threads(spec.threads, spec.call, args, spec.attrs)
+            y = np.ascontiguousarray(y)
             if y.dtype != self.out_dtype:  # the kernels keep the dtype: this is a bug, said as one
                 raise TypeError(f"numba_ops returned {y.dtype} for a {self.out_dtype} output")
             return y
@@ -138,7 +142,23 @@ def _register():
 # --- the node specs the custom ops read, and the errors they record ---------------------
 
 class _Spec:
-    __slots__ = ("op", "call", "attrs", "node", "session", "shape")
+    __slots__ = ("op", "call", "attrs", "node", "session", "shape", "threads")
+
+
+def _with_threads(n, call, args, attrs):
+    """``call`` with numba's thread count for this thread set to ``n`` (then restored)."""
+    import numba
+
+    from ..kernels.cpu._runtime import num_threads
+    before = num_threads() or numba.get_num_threads()
+    n = min(n, numba.config.NUMBA_NUM_THREADS)
+    if n == before:
+        return call(*args, **attrs)
+    numba.set_num_threads(n)
+    try:
+        return call(*args, **attrs)
+    finally:
+        numba.set_num_threads(before)
 
 
 _SPECS = {}  # attribute text -> _Spec
@@ -151,6 +171,7 @@ def _parse(text):
     d = json.loads(text)
     s = _Spec()
     s.op, s.attrs, s.node, s.session, s.shape = d["op"], d["attrs"], d["node"], d["session"], d["shape"]
+    s.threads = d.get("threads")
     s.call = CALLS[FUSED_DOMAIN if s.op == "AffineWarp" else "", s.op]
     _SPECS[text] = s
     return s
@@ -425,7 +446,7 @@ def _op_key(node, wanted):
     return node.op_type
 
 
-def prepare(model, ops=None, fuse=False, token=0):
+def prepare(model, ops=None, fuse=False, token=0, threads=None):
     """The rewritten model for ``session`` (see the module docstring) and the
     (op type, node name) of every node taken."""
     if ops is None:
@@ -498,8 +519,8 @@ def prepare(model, ops=None, fuse=False, token=0):
             out_dims = [batch] + list(dry[1:]) if None not in (shapes[0] or [None]) else [None] * len(dry)
         if out not in declared and out_dims is not None:
             new_vi.append(helper.make_tensor_value_info(out, out_elem, out_dims))
-        text = json.dumps({"op": op, "attrs": attrs, "node": node_name, "session": token, "shape": out_dims},
-                          separators=(",", ":"))
+        text = json.dumps({"op": op, "attrs": attrs, "node": node_name, "session": token, "shape": out_dims,
+                           "threads": threads}, separators=(",", ":"))
         ins, casts = [], []
         for nm, v, e in zip(in_names, inputs, elems):
             if e is None:
@@ -539,29 +560,49 @@ def _unique(name, names):
 
 def options(sess_options):
     """``sess_options`` (or new SessionOptions) with numba_ops' custom-op library
-    registered, once per options object; threading defaults for new ones."""
+    registered, once per options object, and the threading defaults where the
+    options do not set them."""
     so = ort.SessionOptions() if sess_options is None else sess_options
-    if sess_options is None:
-        apply_thread_defaults(so)
-    try:
-        so.get_session_config_entry(_MARK)
-    except Exception:  # not registered yet (onnxruntime raises for an absent entry)
+    if _entry(so, _MARK) is None:
         so.register_custom_ops_library(get_library_path())
         so.add_session_config_entry(_MARK, "1")
+    if _entry(so, SPINNING) is None:
+        so.add_session_config_entry(SPINNING, "0")
     return so
 
 
-def apply_thread_defaults(so):
-    """The threading numba_ops sets in the SessionOptions it makes (README, "ONNX")."""
-    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+#: onnxruntime's switch for its intra-op pool's spinning, which numba_ops turns off
+SPINNING = "session.intra_op.allow_spinning"
+#: the config entry that sets numba's thread count in numba_ops' nodes (default 1)
+THREADS = "numba_ops.num_threads"
+
+
+def _entry(so, key):
+    try:
+        return so.get_session_config_entry(key)
+    except Exception:  # onnxruntime raises for an absent entry
+        return None
+
+
+def node_threads(so):
+    """numba's thread count in the session's numba_ops nodes: the options' entry
+    ``numba_ops.num_threads`` ("0": numba's own count), default 1."""
+    text = _entry(so, THREADS)
+    try:
+        n = 1 if text is None else int(text)
+    except ValueError:
+        raise ValueError(f"session option {THREADS} must be an integer >= 0; got {text!r}") from None
+    if n < 0:
+        raise ValueError(f"session option {THREADS} must be an integer >= 0; got {text!r}")
+    return n or None
 
 
 def session(model, sess_options=None, *, providers=None, ops=None, fuse=False, **kwargs):
     _register()
     token = _new_token()
     try:
-        m, taken = prepare(model, ops=ops, fuse=fuse, token=token)
         so = options(sess_options)
+        m, taken = prepare(model, ops=ops, fuse=fuse, token=token, threads=node_threads(so))
         return NumbaOpsSession(m.SerializeToString(), so, ["CPUExecutionProvider"] if providers is None else providers,
                                token, taken, **kwargs)
     except BaseException:
