@@ -31,6 +31,7 @@ What the extension layer imposes, and how it is met:
 """
 import inspect
 import json
+import os
 import threading
 import weakref
 
@@ -281,10 +282,9 @@ def _load(model):
         return out
     if isinstance(model, (bytes, bytearray, memoryview)):
         return onnx.load_from_string(bytes(model))
-    try:
-        return onnx.load(model)
-    except TypeError:
-        raise TypeError(f"model must be an onnx.ModelProto, a path or bytes; got {type(model).__name__}") from None
+    if not isinstance(model, (str, os.PathLike)):
+        raise TypeError(f"model must be an onnx.ModelProto, a path or bytes; got {type(model).__name__}")
+    return onnx.load(model)
 
 
 def _value_types(graph):
@@ -344,8 +344,8 @@ def _attr_values(node, op, call):
 
 
 def _fill(op, shapes, attrs, consts):
-    """Shapes for a dry call that checks what is known: batch 0 (no work), unknown dims
-    made to fit the known ones. None where even the rank is unknown."""
+    """Shapes for a dry call that checks what is known: unknown sizes made to fit the
+    known ones, an unknown batch 0 (no work). None where even the rank is unknown."""
     def ints(v, n, default):
         try:
             v = [int(e) for e in v]
@@ -359,10 +359,20 @@ def _fill(op, shapes, attrs, consts):
         except (TypeError, ValueError):
             return default
 
+    # the batch: the first one known (so that errors quote the model's shapes), else 0 (no work)
+    batched = [sh for i, sh in enumerate(shapes) if sh and not (op == "DeformConv" and i in (1, 3))]
+    batch = next((sh[0] for sh in batched if sh[0] is not None), None)
+    if batch is None and consts is not None and np.size(consts):
+        batch = int(np.asarray(consts).reshape(-1)[0])
+    batch = batch or 0
+
     def overlay(known, made):
-        if known is None or len(known) != len(made):
-            return [0] + made[1:] if known is None else [0] + [1 if d is None else d for d in known[1:]]
-        return [0] + [m if k is None else k for k, m in zip(known[1:], made[1:])]
+        """``made`` where ``known`` has no size."""
+        if known is None:
+            return [batch] + made[1:]
+        if len(known) != len(made):
+            return [1 if d is None else d for d in known]
+        return [batch if known[0] is None else known[0]] + [m if k is None else k for k, m in zip(known[1:], made[1:])]
 
     if op == "DeformConv":
         x, w, off, b, m = (shapes + [None] * 5)[:5]
@@ -403,9 +413,9 @@ def _fill(op, shapes, attrs, consts):
     made_theta = overlay(theta, [0, r, r + 1])
     size = consts
     if size is not None:
-        size = [0] + [int(v) for v in np.asarray(size).reshape(-1)[1:]]
+        size = [int(v) for v in np.asarray(size).reshape(-1)]
     else:
-        size = [0, 1] + [1] * r
+        size = [made_theta[0], 1] + [1] * r
     if op == "AffineGrid":
         return [made_theta, size]
     made_x = overlay(x, [0, 1] + [1] * r)
@@ -415,9 +425,9 @@ def _fill(op, shapes, attrs, consts):
 
 
 def _check(op, call, node_name, elems, shapes, attrs, consts):
-    """The function's own checks of a node, at session creation: a dry call with the
-    node's dtypes and known shapes on empty inputs (batch 0: no work). Its errors
-    name the node. Returns the dry result's shape (None if not run)."""
+    """The function's own checks of a node, at session creation: a dry call on zeros
+    of the node's dtypes and known shapes (``_fill``). Its errors name the node.
+    Returns the dry result's shape (None if not run)."""
     try:
         filled = _fill(op, shapes, attrs, consts)
     except Exception:  # incomplete shapes the filler cannot reconcile: checked at run time
