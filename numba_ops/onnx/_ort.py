@@ -372,7 +372,13 @@ def _fill(op, shapes, attrs, consts):
             return [batch] + made[1:]
         if len(known) != len(made):
             return [1 if d is None else d for d in known]
-        return [batch if known[0] is None else known[0]] + [m if k is None else k for k, m in zip(known[1:], made[1:])]
+        return [batch if known[0] is None else known[0]] + fit(known[1:], made[1:])
+
+    def fit(known, made):
+        """``made`` where ``known`` (no batch axis) has no size."""
+        if known is None or len(known) != len(made):
+            return made if known is None else [1 if d is None else d for d in known]
+        return [m if k is None else k for k, m in zip(known, made)]
 
     if op == "DeformConv":
         x, w, off, b, m = (shapes + [None] * 5)[:5]
@@ -380,9 +386,8 @@ def _fill(op, shapes, attrs, consts):
         if nd is None or nd < 1:
             return None
         g, og = one(attrs.get("group", 1)), one(attrs.get("offset_group", 1))
-        k = [kk if kk else 1 for kk in (w[2:] if w is not None and len(w) == nd + 2 else
-                                        ints(attrs.get("kernel_shape", []), nd, 1))]
-        k = [1 if kk is None else kk for kk in k]
+        k = [kk or 1 for kk in (w[2:] if w is not None and len(w) == nd + 2 else
+                                ints(attrs.get("kernel_shape", []), nd, 1))]
         s, d = ints(attrs.get("strides", []), nd, 1), ints(attrs.get("dilations", []), nd, 1)
         p = ints(attrs.get("pads", []), 2 * nd, 0)
         C = x[1] if x is not None and len(x) > 1 and x[1] is not None else (
@@ -395,11 +400,7 @@ def _fill(op, shapes, attrs, consts):
         o = [max(1, (sp[i] + p[i] + p[i + nd] - ((k[i] - 1) * d[i] + 1)) // max(1, s[i]) + 1) for i in range(nd)]
         K = int(np.prod(k))
         made = [[0, C] + sp, [oC, max(1, C // g)] + k, [0, og * K * nd] + o, [oC], [0, og * K] + o]
-        out = [overlay(x, made[0]), w if w is not None and None not in w else None, overlay(off, made[2]),
-               None, overlay(m, made[4])]
-        out[1] = made[1] if out[1] is None else out[1]
-        out[3] = (b if b is not None and None not in b else made[3])
-        return out
+        return [overlay(x, made[0]), fit(w, made[1]), overlay(off, made[2]), fit(b, made[3]), overlay(m, made[4])]
     if op == "GridSample":
         x, grid = shapes
         r = len(x) - 2 if x is not None else (grid[-1] if grid and grid[-1] else None)
