@@ -303,11 +303,15 @@ def session(model, sess_options=None, *, providers=None, ops=None, fuse=False, *
         The model (a path is loaded with its external data). Never modified: the
         session runs a rewritten copy.
     sess_options : onnxruntime.SessionOptions, optional
-        Used as given, with numba_ops' custom-op library (onnxruntime-extensions')
-        registered into it once. Without it, new options with numba_ops'
-        threading defaults (README, "ONNX"): onnxruntime's intra-op pool does
-        not spin, so that its idle threads leave the cores to numba's while a
-        numba_ops node runs.
+        Used as given (default: new options), with numba_ops' custom-op library
+        (onnxruntime-extensions') registered into it once, and where the options
+        do not set them, numba_ops' threading defaults: onnxruntime's intra-op
+        pool does not spin (``session.intra_op.allow_spinning`` "0": its idle
+        threads would hold the cores that a numba_ops node and the other nodes
+        need), and numba_ops' nodes run on one numba thread, the calling one
+        (config entry ``numba_ops.num_threads``; "0" for numba's own count): a
+        second pool of numba threads beside onnxruntime's makes both wait on each
+        other's threads wherever the cores are shared.
     providers : sequence, optional
         onnxruntime's execution providers; default ``["CPUExecutionProvider"]``,
         the target. With another provider listed first (CUDA, ...) onnxruntime
