@@ -358,3 +358,31 @@ def test_runs_from_several_threads(rng):
     for t in threads:
         t.join()
     assert not failures, failures
+
+
+def test_errors_from_onnxruntime_threads_parallel_mode_and_run_async():
+    """Nodes run on onnxruntime's own threads (ORT_PARALLEL, run_async): the error
+    still comes out of run, or reaches run_async's callback as its error string."""
+    g = helper.make_graph([helper.make_node("DeformConv", ["X", "W", "offset"], ["Y"], name="dc"),
+                           helper.make_node("Relu", ["X"], ["Z"])], "g",
+                          [helper.make_tensor_value_info(n, TP.FLOAT, None) for n in ("X", "W", "offset")],
+                          [helper.make_tensor_value_info(n, TP.FLOAT, None) for n in ("Y", "Z")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 22)])
+    so = ort.SessionOptions()
+    so.execution_mode = ort.ExecutionMode.ORT_PARALLEL
+    s = session(m, so)
+    x, w = np.ones((1, 2, 4, 4), np.float32), np.ones((3, 2, 3, 3), np.float32)
+    bad = {"X": x, "W": w, "offset": np.zeros((1, 18, 3, 4), np.float32)}
+    with pytest.raises(ValueError, match="offset must have shape"):
+        s.run(None, bad)
+    y, _ = s.run(None, {"X": x, "W": w, "offset": np.zeros((1, 18, 2, 2), np.float32)})
+    np.testing.assert_array_equal(y, numba_ops.deform_conv(x, w, np.zeros((1, 18, 2, 2), np.float32)))
+    done, got = threading.Event(), {}
+
+    def callback(outputs, data, err):
+        got.update(outputs=outputs, err=err)
+        done.set()
+
+    s.run_async(None, bad, callback, None)
+    assert done.wait(60)
+    assert got["outputs"] is None and got["err"].startswith("ValueError: offset must have shape")

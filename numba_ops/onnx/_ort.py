@@ -222,6 +222,13 @@ class NumbaOpsSession(ort.InferenceSession):
     ----------
     numba_ops_nodes : tuple of (str, str)
         (op type, node name) of every node of the model that runs on numba_ops.
+
+    Notes
+    -----
+    An error is kept with the ``run`` call of the thread that made it. Where a node
+    runs on a thread of onnxruntime's (``ExecutionMode.ORT_PARALLEL``, ``run_async``)
+    it is kept with the session instead, so concurrent calls of one such session
+    may report each other's errors.
     """
 
     def __init__(self, model_bytes, sess_options, providers, token, nodes, **kwargs):
