@@ -35,14 +35,17 @@ import os
 import threading
 import weakref
 
+import numba
 import numpy as np
 import onnx
 import onnxruntime as ort
 import onnxruntime_extensions
+from numba.np.ufunc import parallel as _parallel
 from onnx import TensorProto, helper, shape_inference
 from onnxruntime_extensions import PyCustomOpDef, get_library_path
 
 from .. import _dtypes
+from ..kernels.cpu._runtime import num_threads
 from . import CALLS, DOMAIN as FUSED_DOMAIN, fuse as fuse_model
 
 #: the custom-op domain of the nodes that run on numba_ops
@@ -146,20 +149,31 @@ class _Spec:
     __slots__ = ("op", "call", "attrs", "node", "session", "shape", "threads")
 
 
-def _with_threads(n, call, args, attrs):
-    """``call`` with numba's thread count for this thread set to ``n`` (then restored)."""
-    import numba
+def _set_threads(n):
+    """Set numba's thread count for this thread to ``n`` (clamped to numba's pool);
+    return the count it had.
 
-    from ..kernels.cpu._runtime import num_threads
+    Once numba's pool is up, through its ctypes binding (as ``_runtime.num_threads``
+    reads it): ``numba.set_num_threads`` re-checks the pool and the value on every
+    call, which costs more than a tiny node's kernel."""
     before = num_threads() or numba.get_num_threads()
     n = min(n, numba.config.NUMBA_NUM_THREADS)
-    if n == before:
+    if n != before:
+        fast = getattr(_parallel, "_set_num_threads", None) if _parallel._is_initialized else None
+        (fast or numba.set_num_threads)(n)
+    return before
+
+
+def _with_threads(n, call, args, attrs):
+    """``call`` on ``n`` numba threads: the session's ``run`` has set them for its
+    thread already, a node on another thread (ORT_PARALLEL) sets them here."""
+    if num_threads() == n:
         return call(*args, **attrs)
-    numba.set_num_threads(n)
+    before = _set_threads(n)
     try:
         return call(*args, **attrs)
     finally:
-        numba.set_num_threads(before)
+        _set_threads(before)
 
 
 _SPECS = {}  # attribute text -> _Spec
@@ -231,8 +245,9 @@ class NumbaOpsSession(ort.InferenceSession):
     may report each other's errors.
     """
 
-    def __init__(self, model_bytes, sess_options, providers, token, nodes, **kwargs):
+    def __init__(self, model_bytes, sess_options, providers, token, nodes, threads, **kwargs):
         self._numba_ops_token = token
+        self._numba_ops_threads = threads
         self.numba_ops_nodes = tuple(nodes)
         weakref.finalize(self, _drop, token)
         super().__init__(model_bytes, sess_options, providers=providers, **kwargs)
@@ -242,6 +257,8 @@ class NumbaOpsSession(ort.InferenceSession):
         errors = []
         outer = getattr(_local, "run", None)
         _local.run = (token, errors)
+        threads = self._numba_ops_threads if self.numba_ops_nodes else None
+        before = None if threads is None else _set_threads(threads)  # once a run, not once a node
         try:
             out = fn(*args)
         except Exception:
@@ -251,6 +268,8 @@ class NumbaOpsSession(ort.InferenceSession):
             raise exc from None  # the numba_ops error, not what it made a later node say
         finally:
             _local.run = outer
+            if before is not None:
+                _set_threads(before)
         exc = errors[0] if errors else _take_pending(token)
         if exc is not None:
             raise exc
@@ -620,9 +639,10 @@ def session(model, sess_options=None, *, providers=None, ops=None, fuse=False, *
     token = _new_token()
     try:
         so = options(sess_options)
-        m, taken = prepare(model, ops=ops, fuse=fuse, token=token, threads=node_threads(so))
+        threads = node_threads(so)
+        m, taken = prepare(model, ops=ops, fuse=fuse, token=token, threads=threads)
         return NumbaOpsSession(m.SerializeToString(), so, ["CPUExecutionProvider"] if providers is None else providers,
-                               token, taken, **kwargs)
+                               token, taken, threads, **kwargs)
     except BaseException:
         _drop(token)
         raise
