@@ -9,7 +9,7 @@
    profiler puts its DeformConv nodes at about half the model), each two plain 3x3 convolutions
    and one ``torchvision.ops.DeformConv2d`` whose offsets and mask (a sigmoid) a
    3x3 convolution predicts; input 1x3x224x224. onnxruntime alone and the
-   session run in two processes of their own that take turns, a round of
+   session run in processes of their own that take turns, a round of
    ``--runs`` calls each, with a pause between rounds longer than any thread
    pool's spin (so neither process's idle threads spin into the other's round).
    A third process runs onnxruntime alone with its intra-op pool's spinning off,

@@ -223,8 +223,12 @@ def _new_token():
 
 
 def _drop(token):
+    """Forget a session that is gone: its pending errors and its nodes' specs."""
     with _PENDING_LOCK:
         _PENDING.pop(token, None)
+    for text, spec in list(_SPECS.items()):
+        if spec.session == token:
+            _SPECS.pop(text, None)
 
 
 class NumbaOpsSession(ort.InferenceSession):
