@@ -92,15 +92,19 @@ def cmd_info(args):
 # check
 # --------------------------------------------------------------------------
 
-def _run_case(case, device):
+def _run_case(case, device, through="evaluator"):
     """Our output for a conformance case: backend cases through ONNX's reference
-    evaluator with our operators, seed examples through the Python API."""
+    evaluator with our operators (or, ``through="session"``, as a one-node model in
+    ``numba_ops.onnx.session``), seed examples through the Python API."""
     if case.node is not None:
+        feeds = {n: v for n, v in zip(case.node.input, case.inputs) if n}
+        if through == "session":
+            from .onnx import session
+            return session(_node_model(case)).run(None, feeds)[0]
         from onnx.reference import ReferenceEvaluator
 
         from .onnx import ops
         sess = ReferenceEvaluator(case.node, new_ops=ops(device))
-        feeds = {n: v for n, v in zip(case.node.input, case.inputs) if n}
         return sess.run(None, feeds)[0]
     import numba_ops
     if case.op == "AffineGrid":
@@ -108,6 +112,27 @@ def _run_case(case, device):
     if case.op == "GridSample":
         return numba_ops.grid_sample(*case.inputs, device=device, **case.attrs)
     return numba_ops.deform_conv(*case.inputs, device=device, **case.attrs)
+
+
+def _node_model(case):
+    """A model of the backend case's one node, its inputs typed and shaped as the case's."""
+    from onnx import helper
+    ins = [helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(v.dtype), v.shape)
+           for n, v in zip(case.node.input, case.inputs) if n]
+    out = helper.make_tensor_value_info(case.node.output[0], helper.np_dtype_to_tensor_dtype(case.expected.dtype),
+                                        None)
+    return helper.make_model(helper.make_graph([case.node], case.name, ins, [out]),
+                             opset_imports=[helper.make_opsetid("", 22)])
+
+
+def _session_missing():
+    """Why ``numba_ops.onnx.session`` cannot run here, or None."""
+    try:
+        import onnxruntime  # noqa: F401
+        import onnxruntime_extensions  # noqa: F401
+    except ImportError as exc:
+        return f"{exc}; pip install 'numba_ops[onnxruntime]'"
+    return None
 
 
 def _usable(device, command):
@@ -120,9 +145,9 @@ def _usable(device, command):
     return False
 
 
-def _check_one(case, device):
+def _check_one(case, device, through="evaluator"):
     try:
-        got = _run_case(case, device)
+        got = _run_case(case, device, through)
     except Exception as exc:
         return f"{type(exc).__name__}: {exc}"
     if hasattr(got, "copy_to_host"):
@@ -149,20 +174,28 @@ def cmd_check(args):
         cases += _cases.onnx_backend_cases()
     except ImportError as exc:
         skipped = f"ONNX backend cases not run: onnx is not installed ({exc}); pip install 'numba_ops[onnx]'"
-    print(f"numba-ops check: {len(cases)} conformance cases on {device}")
+    # the backend cases once more as models in onnxruntime with numba_ops' nodes (CPU kernels)
+    runs = [(case, "evaluator") for case in cases]
+    missing = _session_missing() if device == "cpu" else "session runs numba_ops' CPU kernels"
+    if missing is None:
+        runs += [(case, "session") for case in cases if case.node is not None]
+    elif skipped is None:
+        skipped = f"ONNX backend cases not run through numba_ops.onnx.session: {missing}"
+    print(f"numba-ops check: {len(runs)} conformance cases on {device}")
     failed = 0
-    for case in cases:
+    for case, through in runs:
         t0 = time.perf_counter()
-        why = _check_one(case, device)
+        why = _check_one(case, device, through)
         ms = (time.perf_counter() - t0) * 1e3
         status = "PASS" if why is None else "FAIL"
         failed += why is not None
-        line = f"{status}  {case.source:<4}  {case.op:<10}  {case.name}  ({ms:.1f} ms)"
+        source = "ort" if through == "session" else case.source
+        line = f"{status}  {source:<4}  {case.op:<10}  {case.name}  ({ms:.1f} ms)"
         print(line if why is None else f"{line}\n      {why}", flush=True)
     if skipped:
         print("SKIP  " + skipped)
-    passed = len(cases) - failed
-    print(f"{len(cases)} cases: {passed} passed, {failed} failed" + (" (see FAIL lines)" if failed else ""))
+    passed = len(runs) - failed
+    print(f"{len(runs)} cases: {passed} passed, {failed} failed" + (" (see FAIL lines)" if failed else ""))
     return 1 if failed else 0
 
 

@@ -17,7 +17,8 @@ from numba_ops.benchmark import protocol
 
 ROOT = Path(__file__).resolve().parents[1]
 SAVED_RUN = ROOT / "tests" / "data" / "bench_run.json"  # an example saved run (bench --json), with machine metadata
-N_CHECK_CASES = 34  # 8 ONNX backend cases of AffineGrid/DeformConv, 18 of GridSample, 8 operator-page examples
+N_CHECK_CASES = 60  # 8 ONNX backend cases of AffineGrid/DeformConv, 18 of GridSample, 8 operator-page examples,
+# and the 26 backend cases once more through numba_ops.onnx.session
 
 
 def run(*args, script=None, timeout=300, stdin=None):
@@ -88,8 +89,8 @@ def test_check_fails_on_a_broken_kernel(tmp_path):
     rc, out, err = run("check", script=wrapper(tmp_path, BROKEN_AFFINE_GRID))
     assert rc == 1, out + err
     fails = [ln for ln in out.splitlines() if ln.startswith("FAIL")]
-    assert len(fails) == 8 and all("AffineGrid" in ln for ln in fails), out  # 4 backend + 4 page cases
-    assert f"{N_CHECK_CASES - 8} passed, 8 failed" in out
+    assert len(fails) == 12 and all("AffineGrid" in ln for ln in fails), out  # 4 backend + 4 page + 4 session
+    assert f"{N_CHECK_CASES - 12} passed, 12 failed" in out
 
 
 @pytest.mark.skipif("cuda" in numba_ops.devices(), reason="checks the no-GPU message")

@@ -36,13 +36,13 @@ does not import it.
 import numpy as np
 from onnx.reference.op_run import OpRun
 
-from ._dispatch import check_device
-from .affine_grid import affine_grid
-from .affine_warp import affine_warp
-from .deform_conv import deform_conv
-from .grid_sample import grid_sample
+from .._dispatch import check_device
+from ..affine_grid import affine_grid
+from ..affine_warp import affine_warp
+from ..deform_conv import deform_conv
+from ..grid_sample import grid_sample
 
-__all__ = ["AffineGrid", "AffineWarp", "DeformConv", "GridSample", "evaluator", "fuse", "ops"]
+__all__ = ["AffineGrid", "AffineWarp", "DeformConv", "GridSample", "evaluator", "fuse", "ops", "session"]
 
 #: the domain of AffineWarp, and its opset version
 DOMAIN = "numba_ops"
@@ -79,22 +79,16 @@ class _Op(OpRun):
             raise _Carried(exc) from None
 
 
-class AffineGrid(_Op):
-    """ONNX AffineGrid (opset 20) on numba_ops' kernels."""
-
-    def _run(self, theta, size, align_corners=None):
-        return self._call(affine_grid, theta, np.asarray(size).tolist(),
-                          align_corners=0 if align_corners is None else align_corners)
+def _affine_grid(theta, size, align_corners=None, device=None):
+    return affine_grid(theta, np.asarray(size).tolist(), align_corners=0 if align_corners is None else align_corners,
+                       device=device)
 
 
-class DeformConv(_Op):
-    """ONNX DeformConv (opset 19 and 22) on numba_ops' kernels."""
-
-    def _run(self, X, W, offset, B=None, mask=None, dilations=None, group=None, kernel_shape=None,
-             offset_group=None, pads=None, strides=None):
-        return self._call(deform_conv, X, W, offset, B, mask, kernel_shape=kernel_shape, strides=strides,
-                          pads=pads, dilations=dilations, group=1 if group is None else group,
-                          offset_group=1 if offset_group is None else offset_group)
+def _deform_conv(X, W, offset, B=None, mask=None, dilations=None, group=None, kernel_shape=None,
+                 offset_group=None, pads=None, strides=None, device=None):
+    return deform_conv(X, W, offset, B, mask, kernel_shape=kernel_shape, strides=strides, pads=pads,
+                       dilations=dilations, group=1 if group is None else group,
+                       offset_group=1 if offset_group is None else offset_group, device=device)
 
 
 def _mode(mode):
@@ -103,13 +97,47 @@ def _mode(mode):
     return "linear" if mode is None else _OPSET16_MODES.get(mode, mode)
 
 
+def _grid_sample(X, grid, align_corners=None, mode=None, padding_mode=None, device=None):
+    return grid_sample(X, grid, mode=_mode(mode), padding_mode="zeros" if padding_mode is None else padding_mode,
+                       align_corners=0 if align_corners is None else align_corners, device=device)
+
+
+def _affine_warp(X, theta, size, align_corners=None, mode=None, padding_mode=None, device=None):
+    size = [int(v) for v in np.asarray(size).reshape(-1)]
+    if len(size) >= 2 and np.ndim(X) >= 2:
+        size[1] = int(np.shape(X)[1])
+    return affine_warp(X, theta, size, mode=_mode(mode), padding_mode="zeros" if padding_mode is None else padding_mode,
+                       align_corners=0 if align_corners is None else align_corners, device=device)
+
+
+#: (domain, op type) -> the numba_ops call for a node's inputs (in ONNX order, None where
+#: absent) and attributes (ONNX names; absent ones take ONNX's defaults): what both the
+#: evaluator's classes and ``session`` run
+CALLS = {("", "AffineGrid"): _affine_grid, ("", "DeformConv"): _deform_conv, ("", "GridSample"): _grid_sample,
+         (DOMAIN, "AffineWarp"): _affine_warp}
+
+
+class AffineGrid(_Op):
+    """ONNX AffineGrid (opset 20) on numba_ops' kernels."""
+
+    def _run(self, theta, size, align_corners=None):
+        return self._call(_affine_grid, theta, size, align_corners=align_corners)
+
+
+class DeformConv(_Op):
+    """ONNX DeformConv (opset 19 and 22) on numba_ops' kernels."""
+
+    def _run(self, X, W, offset, B=None, mask=None, dilations=None, group=None, kernel_shape=None,
+             offset_group=None, pads=None, strides=None):
+        return self._call(_deform_conv, X, W, offset, B, mask, dilations=dilations, group=group,
+                          kernel_shape=kernel_shape, offset_group=offset_group, pads=pads, strides=strides)
+
+
 class GridSample(_Op):
     """ONNX GridSample (opset 20 and 22; opset 16's mode names too) on numba_ops' kernels."""
 
     def _run(self, X, grid, align_corners=None, mode=None, padding_mode=None):
-        return self._call(grid_sample, X, grid, mode=_mode(mode),
-                          padding_mode="zeros" if padding_mode is None else padding_mode,
-                          align_corners=0 if align_corners is None else align_corners)
+        return self._call(_grid_sample, X, grid, align_corners=align_corners, mode=mode, padding_mode=padding_mode)
 
 
 class AffineWarp(_Op):
@@ -124,12 +152,8 @@ class AffineWarp(_Op):
     op_domain = DOMAIN
 
     def _run(self, X, theta, size, align_corners=None, mode=None, padding_mode=None):
-        size = [int(v) for v in np.asarray(size).reshape(-1)]
-        if len(size) >= 2 and np.ndim(X) >= 2:
-            size[1] = int(np.shape(X)[1])
-        return self._call(affine_warp, X, theta, size, mode=_mode(mode),
-                          padding_mode="zeros" if padding_mode is None else padding_mode,
-                          align_corners=0 if align_corners is None else align_corners)
+        return self._call(_affine_warp, X, theta, size, align_corners=align_corners, mode=mode,
+                          padding_mode=padding_mode)
 
 
 _CLASSES = (AffineGrid, DeformConv, GridSample, AffineWarp)
@@ -266,3 +290,71 @@ def evaluator(model, device=None, new_ops=(), **kwargs):
         funcs.append(ReferenceEvaluator(f, new_ops=new, functions=list(funcs), **kwargs))
     return ReferenceEvaluator(model.graph, opsets={d.domain: d.version for d in model.opset_import},
                               functions=funcs, new_ops=new, **kwargs)
+
+
+def session(model, sess_options=None, *, providers=None, ops=None, fuse=False, **kwargs):
+    """An ``onnxruntime.InferenceSession`` for ``model`` in which every DeformConv,
+    AffineGrid and GridSample node runs on numba_ops' CPU kernels and every other
+    node on onnxruntime's.
+
+    Parameters
+    ----------
+    model : onnx.ModelProto, str, os.PathLike or bytes
+        The model (a path is loaded with its external data). Never modified: the
+        session runs a rewritten copy.
+    sess_options : onnxruntime.SessionOptions, optional
+        Used as given (default: new options), with numba_ops' custom-op library
+        (onnxruntime-extensions') registered into it once, and where the options
+        do not set them, numba_ops' threading defaults: onnxruntime's intra-op
+        pool does not spin (``session.intra_op.allow_spinning`` "0": its idle
+        threads would hold the cores that a numba_ops node and the other nodes
+        need), and numba_ops' nodes run on one numba thread, the calling one
+        (config entry ``numba_ops.num_threads``; "0" for numba's own count): a
+        second pool of numba threads beside onnxruntime's makes both wait on each
+        other's threads wherever the cores are shared.
+    providers : sequence, optional
+        onnxruntime's execution providers; default ``["CPUExecutionProvider"]``,
+        the target. With another provider listed first (CUDA, ...) onnxruntime
+        places the numba_ops nodes on the CPU all the same and copies their
+        inputs and outputs across; they run on numba_ops' CPU kernels.
+    ops : iterable of str, optional
+        The op types taken (``"DeformConv"``, ``"AffineGrid"``, ``"GridSample"``,
+        ``"AffineWarp"``); default all. The others run on onnxruntime.
+    fuse : bool
+        Run ``fuse(model)`` first, so that AffineGrid -> GridSample pairs run as
+        one AffineWarp node (which only numba_ops runs).
+    **kwargs
+        Passed to ``onnxruntime.InferenceSession`` (``provider_options``, ...).
+
+    Returns
+    -------
+    onnxruntime.InferenceSession
+        The real one (``run``, ``get_inputs``, ``io_binding``, ...): a subclass whose
+        ``run``, ``run_with_iobinding``, ``run_with_ort_values`` raise the error a
+        numba_ops node met (the function's ValueError/TypeError), and whose
+        ``numba_ops_nodes`` lists the (op type, name) of the nodes it took.
+
+    Raises
+    ------
+    ImportError
+        Without onnxruntime and onnxruntime-extensions (``pip install 'numba_ops[onnxruntime]'``).
+    ValueError, TypeError
+        For a node numba_ops cannot run (an attribute, a dtype, a shape known in
+        the model), as the function raises it, naming the node.
+
+    Notes
+    -----
+    Every rank and dtype the functions take works, including those onnxruntime
+    refuses (3-D DeformConv, bfloat16 nodes, 1-D GridSample). float16 and
+    bfloat16 nodes run as Cast to float32, the float32 kernel, Cast back: the
+    functions' 16-bit results exactly. Nodes are taken from the main graph;
+    those inside subgraphs (If, Loop, Scan) and model-local functions run on
+    onnxruntime. An error that only shows at run time (a dynamic shape that does
+    not fit) raises from ``run``; the process and the session live on.
+    """
+    try:
+        from . import _ort
+    except ImportError as exc:
+        raise ImportError("numba_ops.onnx.session needs onnxruntime and onnxruntime-extensions: "
+                          f"pip install 'numba_ops[onnxruntime]' ({exc})") from exc
+    return _ort.session(model, sess_options, providers=providers, ops=ops, fuse=fuse, **kwargs)

@@ -1,0 +1,388 @@
+"""numba_ops.onnx.session: whole models in onnxruntime with numba_ops' nodes, against
+the functions (API.md, ONNX). Shapes are tiny; the default matrix covers every op,
+dtype and rank at least once, the exhaustive product is marked ``full``."""
+import itertools
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+
+import numpy as np
+import pytest
+
+import numba_ops
+
+onnx = pytest.importorskip("onnx")
+ort = pytest.importorskip("onnxruntime")
+pytest.importorskip("onnxruntime_extensions")
+import ml_dtypes  # noqa: E402
+from onnx import TensorProto as TP  # noqa: E402
+from onnx import helper  # noqa: E402
+
+from numba_ops.onnx import session  # noqa: E402
+
+DT = {"float32": np.dtype(np.float32), "float64": np.dtype(np.float64), "float16": np.dtype(np.float16),
+      "bfloat16": np.dtype(ml_dtypes.bfloat16)}
+ELEM = {"float32": TP.FLOAT, "float64": TP.DOUBLE, "float16": TP.FLOAT16, "bfloat16": TP.BFLOAT16}
+
+
+def _model(nodes, floats, others, dtype, out_elem=None, opset=22, static=True):
+    """A model whose float inputs (``floats``: name -> array of ``dtype``) come in as
+    float32 and are cast to 16-bit inside (onnxruntime's Python API takes no bfloat16
+    arrays), the others (``others``) as they are; output ``Y`` likewise cast back.
+    Returns (model, feeds)."""
+    half = dtype in ("float16", "bfloat16")
+    pre, feeds, ins = [], {}, []
+    for name, a in floats.items():
+        if half:
+            pre.append(helper.make_node("Cast", [name + "_in"], [name], to=ELEM[dtype]))
+            feeds[name + "_in"] = a.astype(np.float32)  # exact: a holds 16-bit values
+            ins.append(helper.make_tensor_value_info(name + "_in", TP.FLOAT, a.shape if static else None))
+        else:
+            feeds[name] = a
+            ins.append(helper.make_tensor_value_info(name, ELEM[dtype], a.shape if static else None))
+    for name, a in others.items():
+        feeds[name] = a
+        ins.append(helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(a.dtype),
+                                                 a.shape if static else None))
+    out_elem = ELEM[dtype] if out_elem is None else out_elem
+    post = []
+    if half and out_elem in (TP.FLOAT16, TP.BFLOAT16):
+        nodes = [helper.make_node(n.op_type, n.input, ["Y16" if o == "Y" else o for o in n.output], domain=n.domain,
+                                  name=n.name, **{a.name: helper.get_attribute_value(a) for a in n.attribute})
+                 for n in nodes]
+        post.append(helper.make_node("Cast", ["Y16"], ["Y"], to=TP.FLOAT))
+        out_elem = TP.FLOAT
+    g = helper.make_graph(pre + list(nodes) + post, "g", ins, [helper.make_tensor_value_info("Y", out_elem, None)])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)]), feeds
+
+
+def _equal(got, want):
+    want = np.asarray(want)
+    if want.dtype in (DT["float16"], DT["bfloat16"]):
+        want = want.astype(np.float32)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    np.testing.assert_array_equal(got, want)
+
+
+def _values(rng, shape, dtype, scale=1.0, uniform=None):
+    a = rng.uniform(*uniform, shape) if uniform else scale * rng.standard_normal(shape)
+    return a.astype(DT[dtype])
+
+
+# --- every op x dtype x rank, against the function ---------------------------------------
+
+def _deform_case(rng, dtype, nd, optional="B+mask"):
+    spatial = (7, 6, 5)[:nd]
+    k = (3, 2, 2)[:nd]
+    N, C, oC, group, og = 2, 4, 6, 2, 2
+    pads = [1] * nd + [0] * nd
+    outs = tuple(s + 1 - kk + 1 for s, kk in zip(spatial, k))
+    K = int(np.prod(k))
+    f = {"X": _values(rng, (N, C) + spatial, dtype), "W": _values(rng, (oC, C // group) + k, dtype),
+         "offset": _values(rng, (N, og * K * nd) + outs, dtype, 1.5),
+         "B": _values(rng, (oC,), dtype), "mask": _values(rng, (N, og * K) + outs, dtype, uniform=(0, 1))}
+    names = {"B+mask": ["X", "W", "offset", "B", "mask"], "none": ["X", "W", "offset"],
+             "mask": ["X", "W", "offset", "", "mask"], "B": ["X", "W", "offset", "B"]}[optional]
+    attrs = dict(pads=pads, group=group, offset_group=og)
+    node = helper.make_node("DeformConv", names, ["Y"], name="dc", **attrs)
+    floats = {n: f[n] for n in names if n}
+    want = numba_ops.deform_conv(*(f[n] if n else None for n in names), **attrs)
+    return [node], floats, {}, want, None
+
+
+def _grid_case(rng, dtype, r, mode="linear", padding="zeros", x_u8=False):
+    x = (rng.integers(0, 256, (2, 3) + (5, 6, 4)[:r]).astype(np.uint8) if x_u8
+         else _values(rng, (2, 3) + (5, 6, 4)[:r], dtype))
+    grid = _values(rng, (2,) + (4, 3, 2)[:r] + (r,), dtype, uniform=(-1.2, 1.2))
+    node = helper.make_node("GridSample", ["X", "grid"], ["Y"], name="gs", mode=mode, padding_mode=padding,
+                            align_corners=1)
+    want = numba_ops.grid_sample(x, grid, mode=mode, padding_mode=padding, align_corners=1)
+    if x_u8:
+        return [node], {"grid": grid}, {"X": x}, want, TP.UINT8
+    return [node], {"X": x, "grid": grid}, {}, want, None
+
+
+def _affine_case(rng, dtype, r, align=0):
+    size = np.array((2, 1) + (3, 4, 5)[:r], np.int64)
+    theta = _values(rng, (2, r, r + 1), dtype)
+    node = helper.make_node("AffineGrid", ["theta", "size"], ["Y"], name="ag", align_corners=align)
+    return [node], {"theta": theta}, {"size": size}, numba_ops.affine_grid(theta, size, align), None
+
+
+def _run_case(case, dtype, **kw):
+    nodes, floats, others, want, out_elem = case
+    m, feeds = _model(nodes, floats, others, dtype, out_elem)
+    s = session(m, **kw)
+    assert len(s.numba_ops_nodes) == 1
+    got, = s.run(None, feeds)
+    _equal(got, want)
+    return s
+
+
+COVER = [("DeformConv", "float32", 2), ("DeformConv", "float64", 1), ("DeformConv", "float32", 3),
+         ("DeformConv", "float16", 2), ("DeformConv", "bfloat16", 3),
+         ("GridSample", "float32", 1), ("GridSample", "float64", 2), ("GridSample", "float32", 3),
+         ("GridSample", "float16", 2), ("GridSample", "bfloat16", 1),
+         ("AffineGrid", "float32", 2), ("AffineGrid", "float64", 3), ("AffineGrid", "float16", 3),
+         ("AffineGrid", "bfloat16", 2)]
+FULL = [c for c in itertools.product(("DeformConv", "GridSample"), DT, (1, 2, 3))] + \
+       [c for c in itertools.product(("AffineGrid",), DT, (2, 3))]
+
+
+def _case(rng, op, dtype, rank):
+    if op == "DeformConv":
+        return _deform_case(rng, dtype, rank)
+    if op == "GridSample":
+        return _grid_case(rng, dtype, rank, mode=("linear", "nearest", "cubic")[rank - 1],
+                          padding=("zeros", "border", "reflection")[rank - 1])
+    return _affine_case(rng, dtype, rank, align=rank % 2)
+
+
+@pytest.mark.parametrize("op,dtype,rank", COVER)
+def test_op_dtype_rank(rng, op, dtype, rank):
+    _run_case(_case(rng, op, dtype, rank), dtype)
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("op,dtype,rank", [c for c in FULL if c not in COVER])
+def test_op_dtype_rank_full(rng, op, dtype, rank):
+    _run_case(_case(rng, op, dtype, rank), dtype)
+
+
+@pytest.mark.parametrize("optional", ["none", "B", "mask"])
+def test_deform_conv_optional_inputs(rng, optional):
+    _run_case(_deform_case(rng, "float32", 2, optional), "float32")
+
+
+@pytest.mark.parametrize("dtype,r", [("float32", 2), ("float16", 3)])
+def test_grid_sample_uint8_x(rng, dtype, r):
+    _run_case(_grid_case(rng, dtype, r, mode="cubic", x_u8=True), dtype)
+
+
+@pytest.mark.parametrize("dtype,r,x_u8", [("float32", 2, False), ("float64", 3, False), ("bfloat16", 2, False),
+                                          ("float32", 2, True)])
+def test_fuse_runs_affine_warp(rng, dtype, r, x_u8):
+    """fuse=True: AffineGrid -> GridSample as one AffineWarp node, equal to affine_warp."""
+    x = rng.integers(0, 256, (2, 3) + (5, 6, 4)[:r]).astype(np.uint8) if x_u8 else _values(rng, (2, 3) + (5, 6, 4)[:r],
+                                                                                          dtype)
+    theta = (np.eye(r, r + 1) + 0.2 * rng.standard_normal((2, r, r + 1))).astype(DT[dtype])
+    size = np.array((2, 3) + (4, 3, 5)[:r], np.int64)
+    nodes = [helper.make_node("AffineGrid", ["theta", "size"], ["G"], align_corners=1),
+             helper.make_node("GridSample", ["X", "G"], ["Y"], align_corners=1, mode="cubic", padding_mode="border")]
+    floats, others = {"theta": theta}, {"size": size}
+    (others if x_u8 else floats)["X"] = x
+    m, feeds = _model(nodes, floats, others, dtype, TP.UINT8 if x_u8 else None)
+    s = session(m, fuse=True)
+    assert [op for op, _ in s.numba_ops_nodes] == ["AffineWarp"]
+    got, = s.run(None, feeds)
+    _equal(got, numba_ops.affine_warp(x, theta, size, mode="cubic", padding_mode="border", align_corners=1))
+    plain = session(m)
+    assert sorted(op for op, _ in plain.numba_ops_nodes) == ["AffineGrid", "GridSample"]
+
+
+# --- ops=, providers, options, model forms --------------------------------------------------
+
+def _two_op_model(rng):
+    nodes, floats, _, want, _ = _deform_case(rng, "float32", 2, "none")
+    nodes = nodes + [helper.make_node("GridSample", ["Y0", "grid"], ["Y"], name="gs")]
+    nodes[0].output[0] = "Y0"
+    floats["grid"] = _values(rng, (2, 3, 4, 2), "float32", uniform=(-1, 1))
+    m, feeds = _model(nodes, floats, {}, "float32")
+    return m, feeds, numba_ops.grid_sample(want, floats["grid"])
+
+
+def test_ops_restricts_the_op_types(rng):
+    m, feeds, want = _two_op_model(rng)
+    assert session(m).numba_ops_nodes == (("DeformConv", "dc"), ("GridSample", "gs"))
+    s = session(m, ops=["DeformConv"])
+    assert s.numba_ops_nodes == (("DeformConv", "dc"),)
+    got, = s.run(None, feeds)  # GridSample on onnxruntime's kernel
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    assert session(m, ops=()).numba_ops_nodes == ()
+    with pytest.raises(ValueError, match="ops must hold op types"):
+        session(m, ops=["Conv"])
+    with pytest.raises(ValueError, match="AffineWarp"):
+        session(m, ops=["GridSample"], fuse=True)
+
+
+def test_model_forms_and_the_model_left_unchanged(rng, tmp_path):
+    m, feeds, want = _two_op_model(rng)
+    before = m.SerializeToString()
+    path = tmp_path / "m.onnx"
+    onnx.save(m, str(path))
+    for form in (m, before, str(path), path):
+        got, = session(form).run(None, feeds)
+        _equal(got, want)
+    assert m.SerializeToString() == before
+    with pytest.raises(TypeError, match="model"):
+        session(12)
+
+
+def test_sess_options_used_and_reusable(rng):
+    """The caller's options are used (and take numba_ops' library once: a second
+    session from the same options works); run_with_iobinding raises too."""
+    m, feeds, want = _two_op_model(rng)
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 1
+    a, b = session(m, so), session(m, so)
+    for s in (a, b):
+        _equal(s.run(None, feeds)[0], want)
+    assert so.intra_op_num_threads == 1
+    binding = a.io_binding()
+    for k, v in feeds.items():
+        binding.bind_cpu_input(k, v)
+    binding.bind_output("Y")
+    a.run_with_iobinding(binding)
+    _equal(binding.copy_outputs_to_cpu()[0], want)
+
+
+# --- errors ---------------------------------------------------------------------------------
+
+def _dc_model(attrs=None, x_elem=TP.FLOAT, offset_shape=None, name="my_dc"):
+    node = helper.make_node("DeformConv", ["X", "W", "offset"], ["Y"], name=name, **(attrs or {}))
+    ins = [helper.make_tensor_value_info("X", x_elem, [1, 4, 5, 5]),
+           helper.make_tensor_value_info("W", TP.FLOAT, [2, 4, 3, 3]),
+           helper.make_tensor_value_info("offset", TP.FLOAT, offset_shape)]
+    g = helper.make_graph([node], "g", ins, [helper.make_tensor_value_info("Y", x_elem, None)])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 22)])
+
+
+@pytest.mark.parametrize("model,error,match", [
+    (_dc_model({"pads": [1, 1, 1]}), ValueError, "pads must have 4 entries"),
+    (_dc_model({"group": 3}), ValueError, "group=3 must divide"),
+    (_dc_model({"strides": [0, 1]}), ValueError, "strides entries must be >= 1"),
+    (_dc_model({"foo": 1}), ValueError, "no attribute 'foo'"),
+    (_dc_model(x_elem=TP.INT32), TypeError, "X has dtype int32"),
+    (_dc_model(offset_shape=[1, 18, 4, 3]), ValueError, r"offset must have shape .* = \(1, 18, 3, 3\)"),
+])
+def test_bad_nodes_fail_at_creation(model, error, match):
+    with pytest.raises(error, match=match) as info:
+        session(model)
+    assert "DeformConv node 'my_dc'" in str(info.value)
+
+
+def test_bad_grid_sample_attribute_fails_at_creation():
+    node = helper.make_node("GridSample", ["X", "G"], ["Y"], name="g1", mode="bogus")
+    g = helper.make_graph([node], "g", [helper.make_tensor_value_info("X", TP.FLOAT, None),
+                                        helper.make_tensor_value_info("G", TP.FLOAT, [1, 2, 2, 2])],
+                          [helper.make_tensor_value_info("Y", TP.FLOAT, None)])
+    with pytest.raises(ValueError, match="GridSample node 'g1': mode must be one of"):
+        session(helper.make_model(g, opset_imports=[helper.make_opsetid("", 22)]))
+
+
+RUNTIME_ERROR = textwrap.dedent("""
+    import numpy as np
+    from onnx import TensorProto as TP, helper
+    import numba_ops
+    from numba_ops.onnx import session
+    def model(after):
+        nodes = [helper.make_node("DeformConv", ["X", "W", "offset"], ["D"], name="dc", pads=[1, 1, 1, 1])]
+        nodes += after
+        ins = [helper.make_tensor_value_info(n, TP.FLOAT, None) for n in ("X", "W", "offset")]
+        ins += [helper.make_tensor_value_info("K", TP.FLOAT, [1, 4])]
+        g = helper.make_graph(nodes, "g", ins, [helper.make_tensor_value_info(after[-1].output[0] if after else "D",
+                                                                              TP.FLOAT, None)])
+        return helper.make_model(g, opset_imports=[helper.make_opsetid("", 22)])
+    x, w = np.ones((1, 2, 4, 4), np.float32), np.ones((3, 2, 3, 3), np.float32)
+    good, bad = np.zeros((1, 18, 4, 4), np.float32), np.zeros((1, 18, 3, 4), np.float32)
+    k = np.ones((1, 4), np.float32)
+    try:
+        numba_ops.deform_conv(x, w, bad, pads=[1, 1, 1, 1])
+    except ValueError as exc:
+        want = str(exc)
+    # alone; then followed by an onnxruntime node that the stand-in output makes fail (Add of
+    # shapes that do not broadcast), whose error must give way to numba_ops'
+    for after in ([], [helper.make_node("Add", ["D", "K"], ["Y"])]):
+        s = session(model(after))
+        for i in range(2):
+            try:
+                s.run(None, {"X": x, "W": w, "offset": bad, "K": k})
+                print("NO ERROR")
+            except ValueError as exc:
+                assert str(exc) == want, (str(exc), want)
+                print("VALUEERROR", exc)
+        assert s.run(None, {"X": x, "W": w, "offset": good, "K": k})[0].shape == (1, 3, 4, 4)
+    print("ALIVE")
+""")
+
+
+def test_run_time_error_raises_and_the_process_lives():
+    """A bad input that only shows at run time raises the function's ValueError from
+    run, never an abort (in a child process: an abort would kill pytest)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(numba_ops.__file__))]
+                                                      + os.environ.get("PYTHONPATH", "").split(os.pathsep)))
+    p = subprocess.run([sys.executable, "-c", RUNTIME_ERROR], capture_output=True, text=True, env=env, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.count("VALUEERROR offset must have shape") == 4, p.stdout
+    assert "NO ERROR" not in p.stdout and p.stdout.strip().endswith("ALIVE"), p.stdout
+
+
+def test_without_onnxruntime_extensions_an_import_error_names_the_extra():
+    code = ("import sys; sys.modules['onnxruntime_extensions'] = None\n"
+            "from numba_ops.onnx import session\n"
+            "try:\n    session(b'')\nexcept ImportError as e:\n    print(e)\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    assert "numba_ops[onnxruntime]" in p.stdout
+
+
+# --- threads ----------------------------------------------------------------------------------
+
+def test_runs_from_several_threads(rng):
+    """Concurrent runs of one session: each its own result, and a bad run's error stays
+    with that run."""
+    s = session(_dc_model(offset_shape=None, name="dc"))
+    x = [rng.standard_normal((1, 4, 5, 5)).astype(np.float32) for _ in range(4)]
+    w = rng.standard_normal((2, 4, 3, 3)).astype(np.float32)
+    off = rng.standard_normal((1, 18, 3, 3)).astype(np.float32)
+    bad = off[:, :, :2]
+    want = [numba_ops.deform_conv(a, w, off) for a in x]
+    failures = []
+
+    def work(i):
+        try:
+            for j in range(20):
+                if i == 3 and j % 2:
+                    with pytest.raises(ValueError, match="offset must have shape"):
+                        s.run(None, {"X": x[i], "W": w, "offset": bad})
+                else:
+                    np.testing.assert_array_equal(s.run(None, {"X": x[i], "W": w, "offset": off})[0], want[i])
+        except BaseException as exc:  # noqa: B036 (reported below)
+            failures.append(exc)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failures, failures
+
+
+def test_errors_from_onnxruntime_threads_parallel_mode_and_run_async():
+    """Nodes run on onnxruntime's own threads (ORT_PARALLEL, run_async): the error
+    still comes out of run, or reaches run_async's callback as its error string."""
+    g = helper.make_graph([helper.make_node("DeformConv", ["X", "W", "offset"], ["Y"], name="dc"),
+                           helper.make_node("Relu", ["X"], ["Z"])], "g",
+                          [helper.make_tensor_value_info(n, TP.FLOAT, None) for n in ("X", "W", "offset")],
+                          [helper.make_tensor_value_info(n, TP.FLOAT, None) for n in ("Y", "Z")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 22)])
+    so = ort.SessionOptions()
+    so.execution_mode = ort.ExecutionMode.ORT_PARALLEL
+    s = session(m, so)
+    x, w = np.ones((1, 2, 4, 4), np.float32), np.ones((3, 2, 3, 3), np.float32)
+    bad = {"X": x, "W": w, "offset": np.zeros((1, 18, 3, 4), np.float32)}
+    with pytest.raises(ValueError, match="offset must have shape"):
+        s.run(None, bad)
+    y, _ = s.run(None, {"X": x, "W": w, "offset": np.zeros((1, 18, 2, 2), np.float32)})
+    np.testing.assert_array_equal(y, numba_ops.deform_conv(x, w, np.zeros((1, 18, 2, 2), np.float32)))
+    done, got = threading.Event(), {}
+
+    def callback(outputs, data, err):
+        got.update(outputs=outputs, err=err)
+        done.set()
+
+    s.run_async(None, bad, callback, None)
+    assert done.wait(60)
+    assert got["outputs"] is None and got["err"].startswith("ValueError: offset must have shape")
