@@ -28,9 +28,9 @@ Algorithm, per image (images go in chunks so that scratch stays within
 3. The tile's columns ``(group, T, K, C/group)`` times the weights, reordered
    once to ``(group, oC/group, K, C/group)``, is one single-threaded BLAS GEMM
    per group (numba's ``np.dot`` calls SciPy's BLAS, which ``launch`` holds at
-   one thread (``_blas.ONE_THREAD``) while numba's workers run, so two pools never fight over the
-   cores). Bias and the one rounding to the output dtype happen when the GEMM
-   tile is written out.
+   one thread, ``_blas.ONE_THREAD``, while numba's workers run, so two pools never
+   fight over the cores). Bias and the one rounding to the output dtype happen
+   when the GEMM tile is written out.
 
 A parallel run gives each thread whole tiles (the position split), or, where the
 positions are few beside the weights (deep channels at small spatial sizes), splits
@@ -38,10 +38,10 @@ each tile by output channels (the channel split): the threads fill shares of its
 positions, the columns are turned into w's own (channel, kernel point) order, and
 each thread multiplies them by its share of w's rows, read where they lie (no
 reorder pass) and packed by BLAS once per tile in all instead of once per thread.
-``_deform_plan.plan_sizes`` chooses from the elements each thread's GEMMs pack. With one group
-and few output channels per thread, the channel split's GEMMs share the reduction
-instead (each thread all the output channels over its share of w's columns, through
-``_blas.gemm_tn``; the partial sums are added as y is written:
+``_deform_plan.plan_sizes`` chooses from the elements each thread's GEMMs pack. With
+one group and few output channels per thread, the channel split's GEMMs share the
+reduction instead (each thread all the output channels over its share of w's
+columns, through ``_blas.gemm_tn``; the partial sums are added as y is written:
 ``_deform_plan.reduction_split``).
 
 Calls too small for the pool, and calls at one thread, run on the caller's thread
@@ -84,7 +84,8 @@ from .._sample import as_compute
 from .._scalar import border_corner, load, store
 from . import _runtime
 from ._blas import ONE_THREAD, gemm_tn
-from ._deform_plan import padded_extent, state, tile_parts, unpack_geometry, unpack_plan, workspace, ws_sizes
+from ._deform_plan import (padded_extent, state, tile_parts, unpack_geometry, unpack_plan, workspace,
+                           ws_sizes)
 from ._opaque import INTERNAL, opaque
 from ._views import flat, flat3, shaped
 
