@@ -4,7 +4,7 @@ the existing bench cases to deep channels at small spatial sizes, float32.
 Per shape of the shared case table (``numba_ops._cases.DEFORM``): numba_ops' median
 ms (with the 10th-90th percentile spread), the same kernel forced to split every
 parallel run along positions (the split used before the channel split existed, so
-old and new are compared in this one process: ``deform_conv._SPLIT``), onnxruntime's
+old and new are compared in this one process: ``_deform_plan.SPLIT``), onnxruntime's
 median ms (a one-node DeformConv model, as ``numba-ops bench`` builds it), the ratio
 onnxruntime / numba_ops (above 1: numba_ops faster), and the fraction of the GEMM
 bound (the dense convolution's FLOPs at the sgemm rate measured in the same run
@@ -108,7 +108,7 @@ def main(argv=None):
 
     import numba_ops
     from numba_ops import _cases
-    from numba_ops.kernels.cpu import deform_conv as cpu_dc
+    from numba_ops.kernels.cpu import _deform_plan as dc_plan
 
     names = SWEEP + [n for n in _cases.DEFORM if n not in SWEEP]
     if a.only:
@@ -130,24 +130,24 @@ def main(argv=None):
         def ours():
             return numba_ops.deform_conv(X, W, off, B, mask, **attrs)
         # the shape's own plan (channel or position split, as chosen), then the position split forced
-        cpu_dc._STATES.clear()
-        cpu_dc._SPLIT = None
+        dc_plan.STATES.clear()
+        dc_plan.SPLIT = None
         ours()
-        st_new = dict(cpu_dc._STATES)
-        cpu_dc._STATES.clear()
-        cpu_dc._SPLIT = False
+        st_new = dict(dc_plan.STATES)
+        dc_plan.STATES.clear()
+        dc_plan.SPLIT = False
         ours()
-        st_old = dict(cpu_dc._STATES)
-        cpu_dc._SPLIT = None
+        st_old = dict(dc_plan.STATES)
+        dc_plan.SPLIT = None
         nth = numba.get_num_threads()
-        chosen = [st for st in st_new.values()][0].meta.get(nth, (None,))[0]
-        split = "channel" if chosen is not None and chosen[0][-1] else "position"
-        if len(st_new) and [st for st in st_new.values()][0].small is not None:
+        chosen = [st for st in st_new.values()][0].tilings.get(nth)
+        split = "channel" if chosen is not None and chosen.plan.split else "position"
+        if len(st_new) and [st for st in st_new.values()][0].small:
             split = "serial"
 
         def use(states):
-            cpu_dc._STATES.clear()
-            cpu_dc._STATES.update(states)
+            dc_plan.STATES.clear()
+            dc_plan.STATES.update(states)
         peer = ort_fn(args, attrs, spin=not a.cpu)
         impls = [("new", lambda: (use(st_new), ours())), ("old", lambda: (use(st_old), ours()))]
         if callable(peer):

@@ -257,7 +257,7 @@ def warm_calls(dtype):
     (small) and parallel path, without and with B and mask. Sizes follow the
     CPU launcher's thresholds: 2 channels in and out, a kernel of 2 per axis."""
     from ._cases import np_dtype
-    from .kernels.cpu import deform_conv as k
+    from .kernels.cpu._deform_plan import DIRECT_MAX
     from .kernels.cpu._runtime import PARALLEL_MIN_WORK
     dt = np_dtype(dtype)
     C = oC = 2
@@ -272,7 +272,7 @@ def warm_calls(dtype):
             return o
 
         direct = 1
-        serial = side(lambda P: P * K * C * oC << nd > k._DIRECT_MAX)
+        serial = side(lambda P: P * K * C * oC << nd > DIRECT_MAX)
         parallel = side(lambda P: P * K * (C + oC * C // 4 + 4) >= PARALLEL_MIN_WORK)
         for o in (direct, serial, parallel):
             x = np.zeros((1, C) + (o + 1,) * nd, dt)

@@ -15,7 +15,7 @@ import pytest
 import numba_ops
 from numba_ops._dispatch import launcher
 from numba_ops.deform_conv import _params
-from numba_ops.kernels.cpu import deform_conv as cpu_dc
+from numba_ops.kernels.cpu import _deform_plan as dc_plan
 from reference import assert_api_close, deform_conv_ref, in_threads
 
 da = pytest.importorskip("dask.array")
@@ -428,8 +428,8 @@ def test_launch_origin(case, blk, device, path, monkeypatch):
     """Each CPU path (the direct loops, the tiled plans: 32-bit in 2-D/3-D, general
     otherwise) and the CUDA kernel."""
     if device == "cpu":
-        monkeypatch.setattr(cpu_dc, "_DIRECT_MAX", 1 << 62 if path == "direct" else -1)
-        monkeypatch.setattr(cpu_dc, "_STATES", {})
+        monkeypatch.setattr(dc_plan, "DIRECT_MAX", 1 << 62 if path == "direct" else -1)
+        monkeypatch.setattr(dc_plan, "STATES", {})
     N, C, D, oC, k, pads, strides, dil, group, og = case
     rng = np.random.default_rng(10)
     x = rng.standard_normal((N, C) + D)
@@ -555,11 +555,11 @@ def test_launch_origin_32bit_limit():
     assert p.out_spatial == (3, 2) and p.strides == (1, s)
     off = 0.7 * rng.standard_normal((1, 8, 3, 2))
     whole = numba_ops.deform_conv(x, w, off, strides=[1, s], pads=[0, 0, 0, s])
-    fast = lambda st: st.meta[1][0][0][1 + 7 * 2 + 7]  # noqa: E731  (dims[7]: the 32-bit plans' rank, or 0)
+    fast = lambda st: st.tilings[1].plan.fast  # noqa: E731  (the 32-bit plans' rank, or 0)
     pb = p._replace(out_spatial=(1, 1))
-    assert fast(cpu_dc._State(x, w, pb, (0, 1))) == 0  # ends at output 2: 2 * 2**28
+    assert fast(dc_plan.State(x, w, pb, (0, 1))) == 0  # ends at output 2: 2 * 2**28
     q = _params(x, w, None, [1, 2], [0, 0, 0, 2], None, 1, 1)
-    assert fast(cpu_dc._State(x, w, q._replace(out_spatial=(1, 1)), (0, 1))) == 2
+    assert fast(dc_plan.State(x, w, q._replace(out_spatial=(1, 1)), (0, 1))) == 2
     run = launcher("deform_conv", "cpu", x.dtype)
     for h in range(3):
         y = run(x, w, np.ascontiguousarray(off[:, :, h:h + 1, 1:]), None, None, pb, origin=(h, 1))

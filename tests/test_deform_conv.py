@@ -9,7 +9,7 @@ import pytest
 
 import numba_ops
 from numba_ops import _cases
-from numba_ops.kernels.cpu import deform_conv as cpu_dc
+from numba_ops.kernels.cpu import _deform_plan as dc_plan
 from reference import assert_api_close, deform_conv_ref
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -135,8 +135,8 @@ def test_2d_vs_torchvision(i, device):
 def _force_path(monkeypatch, path):
     """Make every CPU call take ``path`` ("direct" loops or the "tiled" path), whatever
     its size would pick; plans made before are dropped."""
-    monkeypatch.setattr(cpu_dc, "_DIRECT_MAX", 1 << 62 if path == "direct" else -1)
-    monkeypatch.setattr(cpu_dc, "_STATES", {})
+    monkeypatch.setattr(dc_plan, "DIRECT_MAX", 1 << 62 if path == "direct" else -1)
+    monkeypatch.setattr(dc_plan, "STATES", {})
 
 
 # --- 1-D, 2-D, 3-D against the float64 oracle -------------------------------------------------
@@ -197,16 +197,16 @@ def test_parallel_path_vs_reference(dtype, monkeypatch):
     ins = cast(cast(ins, dtype), np.float64)  # the inputs as the dtype holds them
     want = ref(ins, att)
     monkeypatch.setattr(numba_ops.kernels.cpu._runtime, "PARALLEL_MIN_WORK", 0)
-    monkeypatch.setattr(cpu_dc, "_TILE_BYTES", 4096)
-    monkeypatch.setattr(cpu_dc, "_SCRATCH_BYTES", 1)
-    monkeypatch.setattr(cpu_dc, "_STATES", {})
-    assert cpu_dc._plan_sizes(3, 8, 9, 6, 99, 2, 2, 2, 11 * 13, 4, 2)[1] == 1
+    monkeypatch.setattr(dc_plan, "TILE_BYTES", 4096)
+    monkeypatch.setattr(dc_plan, "SCRATCH_BYTES", 1)
+    monkeypatch.setattr(dc_plan, "STATES", {})
+    assert dc_plan.plan_sizes(3, 8, 9, 6, 99, 2, 2, 2, 11 * 13, 4, 2)[1] == 1
     for _ in range(2):  # the second call reuses the workspace the first one left
         assert_api_close(call(cast(ins, dtype), att), want, dtype)
-    monkeypatch.setattr(cpu_dc, "_SCRATCH_BYTES", 192 << 20)
-    monkeypatch.setattr(cpu_dc, "_STATES", {})
+    monkeypatch.setattr(dc_plan, "SCRATCH_BYTES", 192 << 20)
+    monkeypatch.setattr(dc_plan, "STATES", {})
     assert_api_close(call(cast(ins, dtype), att), want, dtype)
-    monkeypatch.setattr(cpu_dc, "_STATES", {})
+    monkeypatch.setattr(dc_plan, "STATES", {})
     monkeypatch.setattr(numba_ops.kernels.cpu._runtime, "PARALLEL_MIN_WORK", 1 << 62)
     assert_api_close(call(cast(ins, dtype), att), want, dtype)
 
@@ -235,28 +235,28 @@ def test_channel_split_vs_reference(i, dtype, monkeypatch):
     want = ref(ins, att)
     lo = cast(ins, dtype)
     monkeypatch.setattr(numba_ops.kernels.cpu._runtime, "PARALLEL_MIN_WORK", 0)
-    monkeypatch.setattr(cpu_dc, "_SPLIT", True)
-    monkeypatch.setattr(cpu_dc, "_STATES", {})
+    monkeypatch.setattr(dc_plan, "SPLIT", True)
+    monkeypatch.setattr(dc_plan, "STATES", {})
     y = call(lo, att)
     assert_api_close(y, want, dtype)
     nth = numba.get_num_threads()
     one_group = att["group"] == 1
-    if nth > 1:  # the plan took the channel split (the last meta entry), by the reduction in one group here
-        (st,) = cpu_dc._STATES.values()
-        assert all(m[-1] == (2 if one_group else 1) for m in st.meta[nth][0])
+    if nth > 1:  # the plan took the channel split, by the reduction in one group here
+        (st,) = dc_plan.STATES.values()
+        assert all(dc_plan.unpack_plan.py_func(m).split == (2 if one_group else 1) for m in st.tilings[nth].metas)
     if one_group:  # the GEMMs' shares forced the other way: the output channels, then the reduction again
         for ks in (False, True):
-            monkeypatch.setattr(cpu_dc, "_KSPLIT", ks)
-            monkeypatch.setattr(cpu_dc, "_STATES", {})
+            monkeypatch.setattr(dc_plan, "KSPLIT", ks)
+            monkeypatch.setattr(dc_plan, "STATES", {})
             assert_api_close(call(lo, att), want, dtype)
-    monkeypatch.setattr(cpu_dc, "_TILE_BYTES", 64)
-    monkeypatch.setattr(cpu_dc, "_TILE_MIN", 5)
-    monkeypatch.setattr(cpu_dc, "_SCRATCH_BYTES", 1)
-    monkeypatch.setattr(cpu_dc, "_STATES", {})
+    monkeypatch.setattr(dc_plan, "TILE_BYTES", 64)
+    monkeypatch.setattr(dc_plan, "TILE_MIN", 5)
+    monkeypatch.setattr(dc_plan, "SCRATCH_BYTES", 1)
+    monkeypatch.setattr(dc_plan, "STATES", {})
     for _ in range(2):  # the second call reuses the workspace the first one left
         assert_api_close(call(lo, att), want, dtype)
-    monkeypatch.setattr(cpu_dc, "_SPLIT", False)
-    monkeypatch.setattr(cpu_dc, "_STATES", {})
+    monkeypatch.setattr(dc_plan, "SPLIT", False)
+    monkeypatch.setattr(dc_plan, "STATES", {})
     pos = call(lo, att)
     assert_api_close(pos, want, dtype)
     if dtype == np.float64:
@@ -264,8 +264,8 @@ def test_channel_split_vs_reference(i, dtype, monkeypatch):
     full = numba.get_num_threads()
     try:
         numba.set_num_threads(1)
-        monkeypatch.setattr(cpu_dc, "_SPLIT", True)
-        monkeypatch.setattr(cpu_dc, "_STATES", {})
+        monkeypatch.setattr(dc_plan, "SPLIT", True)
+        monkeypatch.setattr(dc_plan, "STATES", {})
         assert_api_close(call(lo, att), want, dtype)
     finally:
         numba.set_num_threads(full)
@@ -278,19 +278,32 @@ def test_reduction_split_short_reduction(monkeypatch):
     want = ref(ins, att)
     lo = cast(ins, np.float32)
     monkeypatch.setattr(numba_ops.kernels.cpu._runtime, "PARALLEL_MIN_WORK", 0)
-    monkeypatch.setattr(cpu_dc, "_SPLIT", True)
-    monkeypatch.setattr(cpu_dc, "_KSPLIT", True)
-    monkeypatch.setattr(cpu_dc, "_STATES", {})
-    cpu_dc._workspace(np.float32, 1 << 16)[:] = np.nan  # what a previous call may leave
+    monkeypatch.setattr(dc_plan, "SPLIT", True)
+    monkeypatch.setattr(dc_plan, "KSPLIT", True)
+    monkeypatch.setattr(dc_plan, "STATES", {})
+    dc_plan.workspace(np.float32, 1 << 16)[:] = np.nan  # what a previous call may leave
     assert_api_close(call(lo, att), want, np.float32)
+
+
+def test_plan_vector_round_trip():
+    """The one int64 vector the kernels' entries take (numba's dispatcher types it
+    fastest) reads back as the named geometry and plan that were packed into it."""
+    geo = dc_plan.Geometry(*(np.arange(3) + 10 * i for i in range(7)))
+    plan = dc_plan.Plan(*range(1, 13))
+    meta = dc_plan.pack(geo, plan)
+    for unpack_geometry, unpack_plan in ((dc_plan.unpack_geometry.py_func, dc_plan.unpack_plan.py_func),
+                                         (dc_plan.unpack_geometry, dc_plan.unpack_plan)):
+        back = unpack_geometry(meta)
+        assert back._fields == geo._fields and all(np.array_equal(a, b) for a, b in zip(back, geo))
+        assert tuple(unpack_plan(meta)) == plan
 
 
 def test_reduction_split_choice():
     """The channel split's GEMMs share the reduction in one group where a thread's share
     of the output channels would be under 256 rows."""
-    assert cpu_dc._reduction_split(256, 1, 2) and cpu_dc._reduction_split(130, 1, 2)
-    assert not cpu_dc._reduction_split(512, 1, 2) and not cpu_dc._reduction_split(256, 2, 2)
-    assert cpu_dc._reduction_split(512, 1, 4)
+    assert dc_plan.reduction_split(256, 1, 2) and dc_plan.reduction_split(130, 1, 2)
+    assert not dc_plan.reduction_split(512, 1, 2) and not dc_plan.reduction_split(256, 2, 2)
+    assert dc_plan.reduction_split(512, 1, 4)
 
 
 @pytest.mark.parametrize("name, split", [
@@ -306,14 +319,14 @@ def test_split_choice(name, split):
     P = int(np.prod([(s + 2 * pad - dil * (k - 1) - 1) // stride + 1 for s in spatial]))
     S = int(np.prod([s + 2 for s in spatial]))
     args = (N, C, k ** len(spatial), oC, P, group, og, len(spatial), S, 4)
-    T, nb, osplit = cpu_dc._plan_sizes(*args, 2, None, True)
+    T, nb, osplit = dc_plan.plan_sizes(*args, 2, None, True)
     assert osplit == split and 1 <= T <= P and nb >= 1
-    assert cpu_dc._plan_sizes(*args, 2, None, False)[2] == (split and name != "dc_b2_c512_14")
-    assert cpu_dc._plan_sizes(*args, 1)[2] is False
+    assert dc_plan.plan_sizes(*args, 2, None, False)[2] == (split and name != "dc_b2_c512_14")
+    assert dc_plan.plan_sizes(*args, 1)[2] is False
     # one thread: native weights in place where the column rows are fewer than the weight rows
-    assert cpu_dc._plan_sizes(*args, 1, None, True)[2] is (N * P * group < oC)
-    assert cpu_dc._plan_sizes(*args, 1, False, True)[2] is False
-    assert cpu_dc._plan_sizes(*args, 2, True)[2] is True and cpu_dc._plan_sizes(*args, 2, False)[2] is False
+    assert dc_plan.plan_sizes(*args, 1, None, True)[2] is (N * P * group < oC)
+    assert dc_plan.plan_sizes(*args, 1, False, True)[2] is False
+    assert dc_plan.plan_sizes(*args, 2, True)[2] is True and dc_plan.plan_sizes(*args, 2, False)[2] is False
 
 
 @pytest.mark.parametrize("case", [
@@ -326,8 +339,8 @@ def test_fast_plans_match_generic_plan(case, monkeypatch):
     ins, att = make_case(np.random.default_rng(12), **case)
     fast = call(ins, att)
     assert_api_close(fast, ref(ins, att), np.float64)
-    monkeypatch.setattr(cpu_dc, "_I32", 0)
-    monkeypatch.setattr(cpu_dc, "_STATES", {})
+    monkeypatch.setattr(dc_plan, "I32", 0)
+    monkeypatch.setattr(dc_plan, "STATES", {})
     slow = call(ins, att)
     np.testing.assert_allclose(slow, fast, rtol=1e-13, atol=1e-13)
 
@@ -595,10 +608,10 @@ def test_zero_length_spatial_axis(device):
 def test_scratch_stays_bounded():
     """Whatever N is, the chunk of padded images and the tiles fit the budget."""
     for N in (1, 64, 10 ** 6):
-        T, nb, _ = cpu_dc._plan_sizes(N, 64, 9, 64, 56 * 56, 1, 1, 2, 58 * 58, 4, 2)
+        T, nb, _ = dc_plan.plan_sizes(N, 64, 9, 64, 56 * 56, 1, 1, 2, 58 * 58, 4, 2)
         scratch = nb * 58 * 58 * 64 * 4 + 2 * T * (9 * 64 + 64) * 4
         assert scratch <= 256 << 20 and T >= 1 and nb >= 1
-    T, nb, _ = cpu_dc._plan_sizes(1, 4096, 27, 64, 10 ** 5, 1, 4096, 3, 10 ** 5, 4, 2)
+    T, nb, _ = dc_plan.plan_sizes(1, 4096, 27, 64, 10 ** 5, 1, 4096, 3, 10 ** 5, 4, 2)
     assert 2 * T * (27 * 4096 * 4 + 4096 * 27 * 44) <= 256 << 20
 
 

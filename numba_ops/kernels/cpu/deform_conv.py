@@ -2,7 +2,7 @@
 plans, im2col fill and single-threaded BLAS per tile, all on numba's one pool.
 
 Algorithm, per image (images go in chunks so that scratch stays within
-``_SCRATCH_BYTES`` whatever N is):
+``_deform_plan.SCRATCH_BYTES`` whatever N is):
 
 1. ``xp``: the image in the compute type, channel-last (sites x C), with a
    1-site zero border on every spatial side and a zero tail after the last
@@ -17,7 +17,7 @@ Algorithm, per image (images go in chunks so that scratch stays within
    and keeps the offset's fraction exactly, and only offsets under 2**30 (the
    32-bit plans) or 2**62 reach an integer conversion, so huge offsets never
    overflow an index; indices are 64-bit (the 2-D/3-D plans use 32 bits per
-   axis only when the sizes fit, see ``_State``).
+   axis only when the sizes fit, see ``_deform_plan.State``).
 2. Output positions are cut into tiles of ``T``. For each tile and each
    (offset group, kernel point) a plan (base index, 2**n weights; the 2-D and
    3-D plans, vectorised along the last output axis, fold a finite mask in) is
@@ -28,9 +28,9 @@ Algorithm, per image (images go in chunks so that scratch stays within
 3. The tile's columns ``(group, T, K, C/group)`` times the weights, reordered
    once to ``(group, oC/group, K, C/group)``, is one single-threaded BLAS GEMM
    per group (numba's ``np.dot`` calls SciPy's BLAS, which ``launch`` holds at
-   one thread while numba's workers run, so two pools never fight over the
-   cores). Bias and the one rounding to the output dtype happen when the GEMM
-   tile is written out.
+   one thread, ``_blas.ONE_THREAD``, while numba's workers run, so two pools never
+   fight over the cores). Bias and the one rounding to the output dtype happen
+   when the GEMM tile is written out.
 
 A parallel run gives each thread whole tiles (the position split), or, where the
 positions are few beside the weights (deep channels at small spatial sizes), splits
@@ -38,10 +38,11 @@ each tile by output channels (the channel split): the threads fill shares of its
 positions, the columns are turned into w's own (channel, kernel point) order, and
 each thread multiplies them by its share of w's rows, read where they lie (no
 reorder pass) and packed by BLAS once per tile in all instead of once per thread.
-``_plan_sizes`` chooses from the elements each thread's GEMMs pack. With one group
-and few output channels per thread, the channel split's GEMMs share the reduction
-instead (each thread all the output channels over its share of w's columns, through
-``_gemm_tn``; the partial sums are added as y is written: ``_reduction_split``).
+``_deform_plan.plan_sizes`` chooses from the elements each thread's GEMMs pack. With
+one group and few output channels per thread, the channel split's GEMMs share the
+reduction instead (each thread all the output channels over its share of w's
+columns, through ``_blas.gemm_tn``; the partial sums are added as y is written:
+``_deform_plan.reduction_split``).
 
 Calls too small for the pool, and calls at one thread, run on the caller's thread
 (``_serial``; with float32/float64 weights and fewer column rows than weight rows it
@@ -64,80 +65,52 @@ one thread. The small set-up helpers are inlined as numba IR (``inline="always"`
 typed in their caller, never a module of their own). A call compiles its own rank's
 code: ``tok``, the input's spatial shape, goes down to ``_plan``/``_fill``, whose
 ``len(tok)`` branches numba prunes before typing.
-"""
-import ctypes
-import glob
-import os
-import threading
 
+The modules: this one holds the kernels and ``launch``; ``_deform_plan`` the launch
+policy (tile sizes, splits, the per-geometry ``State`` and the workspaces) and the
+call's ``Geometry`` and ``Plan`` (named fields, one int64 vector across numba's
+dispatcher, unpacked first by every entry); ``_blas`` the BLAS GEMM binding and the
+OpenBLAS thread holder. Kernel arguments travel in groups: ``io`` (offsets, mask,
+bias, output), ``pad`` (padded images, corner offsets, channel runs), ``bufs`` (a
+thread's tile buffers: columns, GEMM tile, plan indices, weights and masks), ``at``
+(image and positions of a tile), ``chunk`` (first image, images).
+"""
 import numpy as np
 from numba import njit, prange, types
-from numba.core import cgutils
 from numba.core.imputils import impl_ret_borrowed
 from numba.extending import intrinsic, overload
 
-from ..._dtypes import compute, storage
+from .._sample import as_compute
 from .._scalar import border_corner, load, store
 from . import _runtime
+from ._blas import ONE_THREAD, gemm_tn
+from ._deform_plan import (padded_extent, state, tile_parts, unpack_geometry, unpack_plan, workspace,
+                           ws_sizes)
 from ._opaque import INTERNAL, opaque
 from ._views import flat, flat3, shaped
 
 DTYPES = ("float16", "bfloat16", "float32", "float64")
 
-#: the scratch budget of one call: padded images plus every thread's tile buffers.
-_SCRATCH_BYTES = 192 << 20
-#: target bytes of one tile's column buffer (about an L2 cache), and the fewest positions.
-_TILE_BYTES = 512 << 10
-_TILE_MIN = 256
-#: calls with at most this many (sample, output channel, corner) triples take the direct path.
-_DIRECT_MAX = 1024
-#: the parallel run's split: None chooses from the shape (``_plan_sizes``), True forces the
-#: channel split, False the position split (tests, benchmarks; plans made before keep theirs)
-_SPLIT = None
-#: the channel split's GEMM shares: None chooses (``_reduction_split``), True forces shares of
-#: the reduction, False of the output channels (tests)
-_KSPLIT = None
+
+# --- compute-type and typing helpers --------------------------------------------------------
+
+def _zero(like):
+    """0 in the compute type of array ``like`` (a storage or a compute array): float64
+    for float64, else float32 (16-bit storage is widened on load)."""
 
 
-# --- compute-type helpers -----------------------------------------------------------
-
-def _empty_like_compute(like, n):
-    """np.empty(n) of the compute type of storage array ``like``."""
-
-
-@overload(_empty_like_compute, jit_options={"inline": "always"})
-def _empty_like_compute_ol(like, n):
-    if like.dtype == types.float64:
-        return lambda like, n: np.empty(n, np.float64)
-    return lambda like, n: np.empty(n, np.float32)
-
-
-def _czero(like):
-    """0 in the compute type of storage array ``like``."""
-
-
-@overload(_czero, jit_options={"inline": "always"})
-def _czero_ol(like):
+@overload(_zero, jit_options={"inline": "always"})
+def _zero_ol(like):
     if like.dtype == types.float64:
         return lambda like: np.float64(0)
     return lambda like: np.float32(0)
 
 
-def _cast(ref, v):
-    """``v`` converted to the type of the float scalar ``ref``."""
-
-
-@overload(_cast, jit_options={"inline": "always"})
-def _cast_ol(ref, v):
-    if ref == types.float64:
-        return lambda ref, v: np.float64(v)
-    return lambda ref, v: np.float32(v)
-
-
 @intrinsic
 def _mutable(typingctx, a):
     """``a`` typed writable: a read-only caller's array (never written) then has the type
-    of a workspace slice, so that one call site takes either."""
+    of a workspace slice, so that one call site takes either (numba's
+    ``impl_ret_borrowed``: the one numba internal here)."""
     if not isinstance(a, types.Array):
         return None
     rt = a.copy(readonly=False)
@@ -147,65 +120,30 @@ def _mutable(typingctx, a):
     return rt(a), codegen
 
 
-@intrinsic
-def _gemm_tn(typingctx, a, ao, lda, b, bo, ldb, c, co, ldc, m, n, k):
-    """``c[co + i + j * ldc] = sum_l a[ao + i * lda + l] * b[bo + j * ldb + l]`` for i < m,
-    j < n, l < k: one BLAS GEMM (numba's own ``numba_xxgemm``, the one ``np.dot`` calls)
-    on rows of a and b that are any stride apart, so that a share of the reduction
-    axis (a column range of w's rows) needs no copy. a, b, c: 1-D arrays of one float
-    type; offsets, leading dimensions and sizes: integers."""
-    if not all(isinstance(t, types.Array) and t.dtype in (types.float32, types.float64) for t in (a, b, c)) \
-            or len({a.dtype, b.dtype, c.dtype}) != 1:
-        return None
-    sig = types.void(a, ao, lda, b, bo, ldb, c, co, ldc, m, n, k)
-
-    def codegen(context, builder, sig, args):
-        from llvmlite import ir
-        from numba.np.linalg import ensure_blas, get_blas_kind
-        ensure_blas()
-        char, vp = ir.IntType(8), ir.IntType(8).as_pointer()
-        ip = context.get_value_type(types.intp)
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(
-            ir.IntType(32), [char, char, char, ip, ip, ip, vp, vp, ip, vp, ip, vp, vp, ip]), "numba_xxgemm")
-        dt = sig.args[0].dtype
-        av = [context.cast(builder, v, t, types.intp) for v, t in zip(args, sig.args)]
-
-        def ptr(i):
-            data = context.make_array(sig.args[i])(context, builder, args[i]).data
-            return builder.bitcast(builder.gep(data, [av[i + 1]]), vp)
-        one = cgutils.alloca_once_value(builder, context.get_constant(dt, 1))
-        zero = cgutils.alloca_once_value(builder, context.get_constant(dt, 0))
-        # column-major C (m x n) = A^T B, A stored (k x m) with lda, B (k x n) with ldb
-        builder.call(fn, (ir.Constant(char, ord(get_blas_kind(dt))), ir.Constant(char, ord("t")),
-                          ir.Constant(char, ord("n")), av[9], av[10], av[11], builder.bitcast(one, vp), ptr(0),
-                          av[2], ptr(3), av[5], builder.bitcast(zero, vp), ptr(6), av[8]))
-        return context.get_dummy_value()
-    return sig, codegen
-
-
 # --- phase 1: padded channel-last images and reordered weights ---------------------------
 
 @njit(**INTERNAL)
 def _pad_row(x3, n, xp, geo, r):
     """Padded row ``r`` (all leading padded coordinates, flattened) of image ``n``
     into ``xp`` (sites x C, flat): interior copied channel-last, border zeroed."""
-    nd = geo.shape[1]
+    sizes = geo.sizes
+    nd = sizes.shape[0]
     C = x3.shape[1]
-    L = geo[0, nd - 1]
+    L = sizes[nd - 1]
     Lp = L + 2
-    zero = _czero(x3)
+    zero = _zero(x3)
     src_row = 0
     border = False
     q = r
     mul = 1
     for ax in range(nd - 2, -1, -1):
-        dp = geo[0, ax] + 2
+        dp = sizes[ax] + 2
         cp = q % dp
         q //= dp
         if cp == 0 or cp == dp - 1:
             border = True
         src_row += (cp - 1) * mul
-        mul *= geo[0, ax]
+        mul *= sizes[ax]
     dst = r * Lp * C
     if border:
         for i in range(Lp * C):
@@ -284,11 +222,13 @@ def _convert_w(w3, wr, o):
 
 
 @njit(**INTERNAL)
-def _to_cmajor(cols, shared, j0, tl, T, K, cpg, group):
+def _to_cmajor(cols, shared, j0, tl, d):
     """Column rows 0..tl of ``cols`` ((group, T, K, cpg) order) into rows j0.. of ``shared``
     in (group, T, cpg, K) order: the order of w's own rows, so that the channel split
     multiplies by the weights without reordering them (the columns of a tile are far
     fewer than the weights where the channel split runs)."""
+    T, K, group = d.T, d.K, d.group
+    cpg = d.C // group
     kc = K * cpg
     uK, ucpg = np.uint64(K), np.uint64(cpg)
     for gi in range(group):
@@ -303,14 +243,21 @@ def _to_cmajor(cols, shared, j0, tl, T, K, cpg, group):
 # --- phase 2: sampling plans, column fill, GEMM, write-out -------------------------------
 
 @njit(**INTERNAL)
-def _plan_row2d(oy, ox, mm, has_mask, by, bx, sx, hw, ys, zsite, C, q0, q1, j0, pidx, pw, pm):
+def _plan_row2d(offs, mm, has_mask, corner, lattice, span, out):
     """2-D plan of output positions q0..q1 of one output row: the hot loop,
     branch-free, 32-bit (the launcher checks the sizes) and on 0-based slices,
-    so that it vectorises. ``by``, ``bx + i * sx``: the positions' integer parts."""
-    zero = _czero(pw)
+    so that it vectorises. ``offs``: the offset rows (y, x); ``corner`` (by, bx, sx):
+    the positions' integer parts are ``by``, ``bx + i * sx``; ``lattice`` (Hi, Wi, ys,
+    zsite, C): the input's sizes, a padded row's sites, the zero tail's site, channels;
+    ``span`` (q0, q1, j0): the positions and the first plan slot; ``out`` (pidx, pw, pm)."""
+    oy, ox = offs
+    by, bx, sx = corner
+    Hi, Wi, ys, zsite, C = lattice
+    q0, q1, j0 = span
+    pidx, pw, pm = out
+    zero = _zero(pw)
     one = zero + 1
-    nan = _cast(zero, np.nan)
-    Hi, Wi = hw
+    nan = as_compute(zero, np.nan)
     n = q1 - q0
     oy, ox, mm = oy[q0:q1], ox[q0:q1], mm[q0:q1] if has_mask else mm[:0]
     pidx, pm = pidx[j0:j0 + n], pm[j0:j0 + n]
@@ -336,12 +283,18 @@ def _plan_row2d(oy, ox, mm, has_mask, by, bx, sx, hw, ys, zsite, C, q0, q1, j0, 
 
 
 @njit(**INTERNAL)
-def _plan_row3d(oz, oy, ox, mm, has_mask, bz, by, bx, sx, dhw, zs, ys, zsite, C, q0, q1, j0, pidx, pw, pm):
-    """3-D plan of output positions q0..q1 of one output row (see ``_plan_row2d``)."""
-    zero = _czero(pw)
+def _plan_row3d(offs, mm, has_mask, corner, lattice, span, out):
+    """3-D plan of output positions q0..q1 of one output row (see ``_plan_row2d``):
+    ``offs`` (z, y, x), ``corner`` (bz, by, bx, sx), ``lattice`` (Di, Hi, Wi, zs, ys,
+    zsite, C)."""
+    oz, oy, ox = offs
+    bz, by, bx, sx = corner
+    Di, Hi, Wi, zs, ys, zsite, C = lattice
+    q0, q1, j0 = span
+    pidx, pw, pm = out
+    zero = _zero(pw)
     one = zero + 1
-    nan = _cast(zero, np.nan)
-    Di, Hi, Wi = dhw
+    nan = as_compute(zero, np.nan)
     n = q1 - q0
     oz, oy, ox, mm = oz[q0:q1], oy[q0:q1], ox[q0:q1], mm[q0:q1] if has_mask else mm[:0]
     pidx, pm = pidx[j0:j0 + n], pm[j0:j0 + n]
@@ -370,68 +323,73 @@ def _plan_row3d(oz, oy, ox, mm, has_mask, bz, by, bx, sx, dhw, zs, ys, zsite, C,
 
 
 @njit(**INTERNAL)
-def _plan(tok, off3, m3, has_mask, n, geo, pstr, C, kidx, g, K, p0, p1, pidx, pw, pm, fast, zsite):
-    """Sampling plan of offset group ``g``, kernel point ``kidx`` for output
-    positions [p0, p1): ``pidx`` the flat index of the lowest corner in ``xp``,
-    ``pw[corner]`` the n-linear weights (NaN for a non-finite position, 0 outside),
-    and ``pm`` the mask, applied after the sum as the definition orders it. The
-    2-D/3-D plans fold a finite mask into ``pw`` instead (``pm`` is then 1) and
-    keep only a non-finite one in ``pm``; the general plan keeps every mask there.
+def _plan(tok, geo, d, off3, m3, n, gk, span, out):
+    """Sampling plan of offset group ``g``, kernel point ``kidx`` (``gk``) of image ``n``
+    for output positions [p0, p1) (``span``): ``out`` (pidx, pw, pm): ``pidx`` the flat
+    index of the lowest corner in ``xp``, ``pw[corner]`` the n-linear weights (NaN for
+    a non-finite position, 0 outside), and ``pm`` the mask, applied after the sum as the
+    definition orders it. The 2-D/3-D plans fold a finite mask into ``pw`` instead
+    (``pm`` is then 1) and keep only a non-finite one in ``pm``; the general plan keeps
+    every mask there.
 
     ``tok`` (the input's spatial shape, a tuple of n) fixes the rank when numba
     compiles: the ``len(tok)`` branches are pruned before typing, so a 2-D call
     compiles the 2-D plan (and the general one, its fallback for sizes past 32
     bits) and never the 3-D one, and a 1-D call neither."""
-    nd = geo.shape[1]
+    g, kidx = gk
+    p0, p1 = span
+    pidx, pw, pm = out
+    C, K, fast, zsite, has_mask = d.C, d.K, d.fast, d.sites, d.has_mask != 0
+    sizes, kernel, strides, begin, dil, outs, pstr = geo
+    nd = sizes.shape[0]
     NC = 1 << nd
-    oL = geo[5, nd - 1]
-    zero = _czero(pw)
+    oL = outs[nd - 1]
+    zero = _zero(pw)
     one = zero + 1
-    nan = _cast(zero, np.nan)
+    nan = as_compute(zero, np.nan)
     ch0 = (g * K + kidx) * nd
     mm = m3[n, g * K + kidx]
     if len(tok) == 2 and fast == 2:
-        hw = (np.int32(geo[0, 0]), np.int32(geo[0, 1]))
-        sx = np.int32(geo[2, 1])
-        ys = np.int32(pstr[0])
+        lattice = (np.int32(sizes[0]), np.int32(sizes[1]), np.int32(pstr[0]), np.int32(zsite), C)
+        sx = np.int32(strides[1])
         # kernel point coordinates: the constant part of the positions on each axis
-        ky = (kidx // geo[1, 1]) * geo[4, 0] - geo[3, 0]
-        kx = (kidx % geo[1, 1]) * geo[4, 1] - geo[3, 1]
+        ky = (kidx // kernel[1]) * dil[0] - begin[0]
+        kx = (kidx % kernel[1]) * dil[1] - begin[1]
         p = p0
         while p < p1:
             ol = p % oL
             end = min(p1, p - ol + oL)
-            by = np.int32((p // oL) * geo[2, 0] + ky)
-            bx = np.int32(ol * geo[2, 1] + kx)
-            _plan_row2d(off3[n, ch0], off3[n, ch0 + 1], mm, has_mask, by, bx, sx, hw, ys, np.int32(zsite), C,
-                        p, end, p - p0, pidx, pw, pm)
+            by = np.int32((p // oL) * strides[0] + ky)
+            bx = np.int32(ol * strides[1] + kx)
+            _plan_row2d((off3[n, ch0], off3[n, ch0 + 1]), mm, has_mask, (by, bx, sx), lattice, (p, end, p - p0),
+                        out)
             p = end
         return
     if len(tok) == 3 and fast == 3:
-        dhw = (np.int32(geo[0, 0]), np.int32(geo[0, 1]), np.int32(geo[0, 2]))
-        sx = np.int32(geo[2, 2])
-        zs, ys = np.int32(pstr[0]), np.int32(pstr[1])
-        kz = (kidx // (geo[1, 1] * geo[1, 2])) * geo[4, 0] - geo[3, 0]
-        ky = ((kidx // geo[1, 2]) % geo[1, 1]) * geo[4, 1] - geo[3, 1]
-        kx = (kidx % geo[1, 2]) * geo[4, 2] - geo[3, 2]
+        lattice = (np.int32(sizes[0]), np.int32(sizes[1]), np.int32(sizes[2]), np.int32(pstr[0]),
+                   np.int32(pstr[1]), np.int32(zsite), C)
+        sx = np.int32(strides[2])
+        kz = (kidx // (kernel[1] * kernel[2])) * dil[0] - begin[0]
+        ky = ((kidx // kernel[2]) % kernel[1]) * dil[1] - begin[1]
+        kx = (kidx % kernel[2]) * dil[2] - begin[2]
         p = p0
         while p < p1:
             ol = p % oL
             end = min(p1, p - ol + oL)
             row = p // oL
-            bz = np.int32((row // geo[5, 1]) * geo[2, 0] + kz)
-            by = np.int32((row % geo[5, 1]) * geo[2, 1] + ky)
-            bx = np.int32(ol * geo[2, 2] + kx)
-            _plan_row3d(off3[n, ch0], off3[n, ch0 + 1], off3[n, ch0 + 2], mm, has_mask, bz, by, bx, sx, dhw,
-                        zs, ys, np.int32(zsite), C, p, end, p - p0, pidx, pw, pm)
+            bz = np.int32((row // outs[1]) * strides[0] + kz)
+            by = np.int32((row % outs[1]) * strides[1] + ky)
+            bx = np.int32(ol * strides[2] + kx)
+            _plan_row3d((off3[n, ch0], off3[n, ch0 + 1], off3[n, ch0 + 2]), mm, has_mask, (bz, by, bx, sx),
+                        lattice, (p, end, p - p0), out)
             p = end
         return
     rem = kidx
     kpos = np.empty(nd, np.int64)
     for ax in range(nd - 1, -1, -1):
-        kk = rem % geo[1, ax]
-        rem //= geo[1, ax]
-        kpos[ax] = kk * geo[4, ax] - geo[3, ax]
+        kk = rem % kernel[ax]
+        rem //= kernel[ax]
+        kpos[ax] = kk * dil[ax] - begin[ax]
     lam = np.empty(nd, pw.dtype)
     for q in range(p0, p1):
         rq = q
@@ -439,10 +397,10 @@ def _plan(tok, off3, m3, has_mask, n, geo, pstr, C, kidx, g, K, p0, p1, pidx, pw
         fin = True
         base = 0
         for ax in range(nd - 1, -1, -1):
-            oq = rq % geo[5, ax]
-            rq //= geo[5, ax]
-            f, l, okk, finn = border_corner(oq * geo[2, ax] + kpos[ax], load(off3[n, ch0 + ax], q),
-                                            geo[0, ax], zero)
+            oq = rq % outs[ax]
+            rq //= outs[ax]
+            f, l, okk, finn = border_corner(oq * strides[ax] + kpos[ax], load(off3[n, ch0 + ax], q),
+                                            sizes[ax], zero)
             ok = ok & okk
             fin = fin & finn
             base += (f + 1) * pstr[ax]
@@ -463,10 +421,10 @@ def _plan(tok, off3, m3, has_mask, n, geo, pstr, C, kidx, g, K, p0, p1, pidx, pw
 
 
 @njit(cache=True, inline="always")
-def _segments(dims):
+def _segments(d):
     """The channel runs of a column row: one per (offset group, conv group) overlap,
     as rows (offset group, first channel, length, offset in the row's tile)."""
-    C, K, group, og, T = dims[0], dims[1], dims[2], dims[3], dims[4]
+    C, K, group, og, T = d.C, d.K, d.group, d.og, d.T
     cpo, cpg = C // og, C // group
     segs = np.empty((og + group, 4), np.int64)
     ns = 0
@@ -483,9 +441,11 @@ def _segments(dims):
 
 
 @njit(**INTERNAL)
-def _fill(tok, xp, coff, pidx, pw, pm, cols, segs, tl, K, cpg):
-    """Apply the tile's plans: cols[gi, j, kidx, c - gi*cpg] =
-    mask * sum_corner w * xp[pidx + coff + c] for every channel c.
+def _fill(tok, pad, plans, cols, cshape):
+    """Apply the tile's plans (``plans``: pidx, pw, pm) to the image's padded sites
+    (``pad``: xp of the image, coff, segs): cols[gi, j, kidx, c - gi*cpg] =
+    mask * sum_corner w * xp[pidx + coff + c] for every channel c, ``cshape`` being
+    (tl, K, cpg): the tile's positions, kernel points and channels per group.
 
     Position by position, so that each column row is written front to back;
     each (kernel point, offset group) is a contiguous run of channels in ``xp``
@@ -494,12 +454,15 @@ def _fill(tok, xp, coff, pidx, pw, pm, cols, segs, tl, K, cpg):
     own, and the mask is not in the runs: what ``_plan`` leaves in ``pm`` (a
     non-finite mask, or every mask of the general plan; else 1) multiplies the
     finished sample afterwards, as the definition orders it."""
+    xp, coff, segs = pad
+    pidx, pw, pm = plans
+    tl, K, cpg = cshape
     if len(tok) == 2:  # the rank is fixed at compile time (see ``_plan``)
-        _fill_bilinear(xp, np.uint64(coff[1]), np.uint64(coff[2]), np.uint64(coff[3]), pidx, pw, cols, segs,
-                       tl, K, cpg)
+        _fill_bilinear(xp, (np.uint64(coff[1]), np.uint64(coff[2]), np.uint64(coff[3])), pidx, pw, cols, segs,
+                       cshape)
     else:
-        _fill_any(tok, xp, coff, pidx, pw, cols, segs, tl, K, cpg)
-    one = _czero(pm) + 1
+        _fill_any(tok, xp, coff, pidx, pw, cols, segs, cshape)
+    one = _zero(pm) + 1
     kc = K * cpg
     for s in range(segs.shape[0]):
         g, L, d = segs[s, 0], segs[s, 2], segs[s, 3]
@@ -513,11 +476,14 @@ def _fill(tok, xp, coff, pidx, pw, pm, cols, segs, tl, K, cpg):
 
 
 @njit(fastmath={"contract"}, **INTERNAL)
-def _fill_bilinear(xp, u1, u2, u3, pidx, pw, cols, segs, tl, K, cpg):
+def _fill_bilinear(xp, u, pidx, pw, cols, segs, cshape):
     """The runs of ``_fill`` in 2-D: 4 loads and FMAs per channel (SIMD), unsigned
-    indices (no negative-index fix-ups in the short loops). Apart from ``_fill_any``
-    on purpose: in one loop with a branch on the corner count (or a corner count
-    fixed by an inlined helper) the 2-D runs measured 3-20 % slower."""
+    indices (no negative-index fix-ups in the short loops; ``u``: the corners'
+    offsets but the first's). Apart from ``_fill_any`` on purpose: in one loop with a
+    branch on the corner count (or a corner count fixed by an inlined helper) the 2-D
+    runs measured 3-20 % slower."""
+    u1, u2, u3 = u
+    tl, K, cpg = cshape
     uKc = np.uint64(K * cpg)
     ucpg = np.uint64(cpg)
     for j in range(tl):
@@ -534,9 +500,10 @@ def _fill_bilinear(xp, u1, u2, u3, pidx, pw, cols, segs, tl, K, cpg):
 
 
 @njit(fastmath={"contract"}, **INTERNAL)
-def _fill_any(tok, xp, coff, pidx, pw, cols, segs, tl, K, cpg):
+def _fill_any(tok, xp, coff, pidx, pw, cols, segs, cshape):
     """The runs of ``_fill`` in 1-D (2 corners), 3-D (8) and beyond (a pass per corner);
     the rank, ``len(tok)``, is fixed at compile time (see ``_plan``)."""
+    tl, K, cpg = cshape
     NC = coff.shape[0]
     u1 = np.uint64(coff[1 % NC])
     u2, u3 = np.uint64(coff[2 % NC]), np.uint64(coff[3 % NC])
@@ -581,15 +548,21 @@ _plan_op, _fill_op = opaque(_plan), opaque(_fill)
 
 
 @njit(**INTERNAL)
-def _tile(tok, n, nl, p0, p1, xp, off3, m3, has_mask, wr, b, has_b, y3, geo, pstr, coff, segs, dims,
-          cols, outb, pidx, pw, pm, fill, oc0, oc1):
-    """Output positions [p0, p1) of image ``n`` (``nl``: its slot in ``xp``): when
-    ``fill``, plans and column fill into ``cols`` (its row 0 is position p0); then,
-    for output channels [oc0, oc1) (global), one GEMM per group they touch, bias and
-    rounding into ``y3``. The position split calls it once per tile (fill, all
-    channels); the channel split (``_parallel``) once per thread to fill its share
-    of a tile's positions (no channels), then once per thread for its channels."""
-    C, K, group, og, T = dims[0], dims[1], dims[2], dims[3], dims[4]
+def _tile(tok, geo, d, io, pad, wr, bufs, at, fill, chans):
+    """Output positions [p0, p1) of image ``n`` (``at``: n, nl, p0, p1; ``nl``: the
+    image's slot in ``xp``): when ``fill``, plans and column fill into ``cols`` (its row
+    0 is position p0); then, for output channels [oc0, oc1) (``chans``, global), one
+    GEMM per group they touch by the weight rows ``wr``, bias and rounding into ``y3``.
+    The position split calls it once per tile (fill, all channels); the channel split
+    (``_parallel``) once per thread to fill its share of a tile's positions (no
+    channels), then once per thread for its channels."""
+    off3, m3, b, y3 = io
+    xp, coff, segs = pad
+    cols, outb, pidx, pw, pm = bufs
+    n, nl, p0, p1 = at
+    oc0, oc1 = chans
+    C, K, group, og, T = d.C, d.K, d.group, d.og, d.T
+    has_b = d.has_b != 0
     oC = y3.shape[1]
     cpg, ocg = C // group, oC // group
     kc = K * cpg
@@ -598,10 +571,9 @@ def _tile(tok, n, nl, p0, p1, xp, off3, m3, has_mask, wr, b, has_b, y3, geo, pst
         for g in range(og):
             for kidx in range(K):
                 gk = g * K + kidx
-                _plan_op(tok, off3, m3, has_mask, n, geo, pstr, C, kidx, g, K, p0, p1, pidx[gk], pw[gk], pm[gk],
-                         dims[7], dims[8])
-        _fill_op(tok, xp[nl], coff, pidx, pw, pm, cols, segs, tl, K, cpg)
-    zero = _czero(wr)
+                _plan_op(tok, geo, d, off3, m3, n, (g, kidx), (p0, p1), (pidx[gk], pw[gk], pm[gk]))
+        _fill_op(tok, (xp[nl], coff, segs), (pidx, pw, pm), cols, (tl, K, cpg))
+    zero = _zero(wr)
     blk = outb[ocg * T:ocg * (T + 16)]
     yf = flat(y3)
     P = y3.shape[2]
@@ -617,7 +589,7 @@ def _tile(tok, n, nl, p0, p1, xp, off3, m3, has_mask, wr, b, has_b, y3, geo, pst
         # this very call; its implementation costs a second of compile time)
         wo, co = lo * kc, gi * T * kc
         if ol * tl * kc >= 16384:  # below this, BLAS's call overhead dominates
-            _gemm_tn(wr, wo, kc, cols, co, kc, outf, 0, ol, ol, tl, kc)
+            gemm_tn(wr, wo, kc, cols, co, kc, outf, 0, ol, ol, tl, kc)
         else:
             for j in range(tl):
                 for o in range(ol):
@@ -649,27 +621,33 @@ _tile_op = opaque(_tile)
 
 
 @njit(**INTERNAL)
-def _reduction_phase(phase, th, nth, shared, wmat, outb, fws, base, stride, b, has_b, y3, n, p0, tl):
+def _reduction_phase(phase, th, d, mats, sums, io, at):
     """Thread ``th``'s part of the reduction split (one group) for the tile of ``tl``
-    positions from ``p0`` of image ``n``, whose columns ``shared`` holds in w's order.
-    Phase 1: its GEMM tile ``outb`` (o, j) = the partial sum over its share of w's
-    columns (``wmat``'s rows, all output channels), through ``_gemm_tn``. Phase 2: its
-    share of y's rows, y[n, o, p0 + j] = bias + the threads' partial sums
-    ``fws[base + t * stride + o * tl + j]`` (t = 0..nth-1 in that order: every thread's
-    GEMM tile), rounded once to y's dtype."""
+    positions from ``p0`` of image ``n`` (``at``: n, p0, tl), whose columns ``shared``
+    holds in w's order (``mats``: shared, wmat, outb). Phase 1: its GEMM tile ``outb``
+    (o, j) = the partial sum over its share of w's columns (``wmat``'s rows, all output
+    channels), through ``gemm_tn``. Phase 2: its share of y's rows, y[n, o, p0 + j] =
+    bias + the threads' partial sums ``fws[base + t * stride + o * tl + j]`` (``sums``:
+    fws, base, stride; t = 0..nth-1 in that order: every thread's GEMM tile), rounded
+    once to y's dtype."""
+    shared, wmat, outb = mats
+    fws, base, stride = sums
+    _, _, b, y3 = io
+    n, p0, tl = at
+    nth, has_b = d.nth, d.has_b != 0
     oC, P = y3.shape[1], y3.shape[2]
     if phase == 1:
         kc = wmat.size // oC  # one group: w's rows are (C * K) long
         k0, k1 = th * kc // nth, (th + 1) * kc // nth
         if k1 > k0:
-            _gemm_tn(shared, k0, kc, wmat, k0, kc, outb, 0, tl, tl, oC, k1 - k0)
+            gemm_tn(shared, k0, kc, wmat, k0, kc, outb, 0, tl, tl, oC, k1 - k0)
         else:
             for i in range(tl * oC):
                 outb[i] = 0
         return
     o0, o1 = th * oC // nth, (th + 1) * oC // nth
     yf = flat(y3)
-    zero = _czero(fws)
+    zero = _zero(fws)
     for o in range(o0, o1):
         bias = load(b, o) if has_b else zero
         src = np.uint64(base + o * tl)
@@ -682,81 +660,23 @@ def _reduction_phase(phase, th, nth, shared, wmat, outb, fws, base, stride, b, h
 
 
 @njit(cache=True, inline="always")
-def _padded_extent(geo, pstr):
-    """(rows, sites, tail) of a padded image: its rows (bordered axes but the last),
-    its sites, and the zero tail after them (at least as long as the corner offsets)."""
-    nd = geo.shape[1]
-    rows = 1
-    sites = 1
-    tail = 1
-    for ax in range(nd):
-        sites *= geo[0, ax] + 2
-        tail += pstr[ax]
-        if ax < nd - 1:
-            rows *= geo[0, ax] + 2
-    return rows, sites, tail
-
-
-@njit(cache=True, inline="always")
-def _tile_parts(dims, nd, ocg):
-    """Elements of one thread's tile buffers: columns, GEMM tile (and the 16-position
-    block its write-out transposes through), plan weights, plan masks (compute type)
-    and plan indices (int64)."""
-    C, K, og, T = dims[0], dims[1], dims[3], dims[4]
-    plans = og * K * T
-    return max(1, T * K * C), ocg * (T + 16), plans << nd, plans, plans
-
-
-@njit(cache=True, inline="always")
-def _ws_sizes(C, oC, geo, pstr, dims):
-    """Workspace elements: (reordered weights, padded images, one thread's tile
-    buffers) in the compute type, and one thread's plan indices in int64."""
-    ocg = oC // dims[2]
-    _, sites, tail = _padded_extent(geo, pstr)
-    ncols, nout, npw, npm, nidx = _tile_parts(dims, geo.shape[1], ocg)
-    return max(1, oC * dims[1] * (C // dims[2])), dims[5] * max(1, (sites + tail) * C), \
-        ncols + nout + npw + npm, nidx
-
-
-@njit(cache=True, inline="always")
-def _scratch(fws, iws, dims, nd, ocg):
-    """One thread's tile buffers, carved from its workspace slices: columns,
-    GEMM tile, the plans of every (offset group, kernel point)."""
-    K, og, T = dims[1], dims[3], dims[4]
-    ncols, nout, npw, npm, nidx = _tile_parts(dims, nd, ocg)
+def _scratch(ws, th, d, nd, ocg, base, per):
+    """Thread ``th``'s tile buffers (``bufs``), carved from the workspaces ``ws`` (fws,
+    iws; its share of fws: ``per`` elements from ``base + th * per``): columns, GEMM
+    tile, the plans of every (offset group, kernel point)."""
+    fws, iws = ws
+    K, og, T = d.K, d.og, d.T
+    ncols, nout, npw, npm, nidx = tile_parts(d, nd, ocg)
+    f0 = base + th * per
+    fw = fws[f0:f0 + per]
     n1 = ncols + nout
     n2 = n1 + npw
-    cols = fws[:ncols]
-    outb = fws[ncols:n1]
-    pw = shaped(fws[n1:n2], (og * K, 1 << nd, T))
-    pm = shaped(fws[n2:n2 + npm], (og * K, T))
-    pidx = shaped(iws[:nidx], (og * K, T))
+    cols = fw[:ncols]
+    outb = fw[ncols:n1]
+    pw = shaped(fw[n1:n2], (og * K, 1 << nd, T))
+    pm = shaped(fw[n2:n2 + npm], (og * K, T))
+    pidx = shaped(iws[th * nidx:(th + 1) * nidx], (og * K, T))
     return cols, outb, pidx, pw, pm
-
-
-def _ws_sizes_host(C, oC, geo, pstr, dims):
-    """``_ws_sizes`` run as Python, for the launcher: sizes need no compile."""
-    ocg = oC // dims[2]
-    _, sites, tail = _padded_extent.py_func(geo, pstr)
-    ncols, nout, npw, npm, nidx = _tile_parts.py_func(dims, geo.shape[1], ocg)
-    return max(1, oC * dims[1] * (C // dims[2])), dims[5] * max(1, (sites + tail) * C), \
-        ncols + nout + npw + npm, nidx
-
-
-def _geometry(x3shape, p, origin=None):
-    """geo rows: 0 sizes, 1 kernel, 2 strides, 3 pads begin, 4 dilations, 5 outputs.
-
-    ``origin`` (a region's first output index per axis, see ``launch``) is folded into
-    row 3: output ``o`` of the region is output ``origin + o`` of the whole, whose
-    position base ``(origin + o) * stride - begin`` is ``o * stride - (begin - origin * stride)``."""
-    nd = p.nd
-    begin = p.pads_begin if origin is None else [pb - o * s for pb, o, s in zip(p.pads_begin, origin, p.strides)]
-    geo = np.array([x3shape, p.kernel_shape, p.strides, begin, p.dilations, p.out_spatial],
-                   dtype=np.int64).reshape(6, nd)
-    pstr = np.ones(nd, np.int64)  # padded site strides
-    for ax in range(nd - 2, -1, -1):
-        pstr[ax] = pstr[ax + 1] * (geo[0, ax + 1] + 2)
-    return geo, pstr
 
 
 @njit(cache=True, inline="always")
@@ -766,7 +686,7 @@ def _padded_buffer(buf, nb, sites, tail, C):
     every corner they read is an exact zero, never an input value."""
     per = max(1, (sites + tail) * C)
     xp = shaped(buf[:nb * per], (nb, per))
-    zero = _czero(buf)
+    zero = _zero(buf)
     for i in range(nb):
         for j in range(sites * C, per):
             xp[i, j] = zero
@@ -796,31 +716,33 @@ def _direct(x, w, off, m, b, y, meta):
     than setting up the tiled path when the work is this small). Arrays are
     indexed flat, and each axis's position base ``o * stride - pad`` and kernel
     step ``k * dilation`` are tabulated first (``ib``), so no sample divides."""
-    geo, pstr, dims, has_mask, has_b = _unpack(meta)
+    geo, d = unpack_geometry(meta), unpack_plan(meta)
+    sizes, kernel, strides, begin, dil, outs, _ = geo
+    has_mask, has_b = d.has_mask != 0, d.has_b != 0
     xf, wf, of, mf, yf, bb = flat(x), flat(w), flat(off), flat(m), flat(y), b
-    nd = geo.shape[1]
+    nd = sizes.shape[0]
     N, C, oC = x.shape[0], x.shape[1], y.shape[1]
-    K, group, og = dims[1], dims[2], dims[3]
+    K, group, og = d.K, d.group, d.og
     S = 1
     P = 1
     for ax in range(nd):
-        S *= geo[0, ax]
-        P *= geo[5, ax]
+        S *= sizes[ax]
+        P *= outs[ax]
     cpg, cpo, ocg = C // group, C // og, oC // group
-    zero = _czero(w)
+    zero = _zero(w)
     one = zero + 1
     ib = np.empty((nd, P + K + 1), np.int64)  # per axis: P position bases, K kernel steps, a floor
-    lm = _empty_like_compute(w, nd)
+    lm = np.empty(nd, type(zero))
     for q in range(P):
         r = q
         for ax in range(nd - 1, -1, -1):
-            ib[ax, q] = (r % geo[5, ax]) * geo[2, ax] - geo[3, ax]
-            r //= geo[5, ax]
+            ib[ax, q] = (r % outs[ax]) * strides[ax] - begin[ax]
+            r //= outs[ax]
     for k in range(K):
         r = k
         for ax in range(nd - 1, -1, -1):
-            ib[ax, P + k] = (r % geo[1, ax]) * geo[4, ax]
-            r //= geo[1, ax]
+            ib[ax, P + k] = (r % kernel[ax]) * dil[ax]
+            r //= kernel[ax]
     for n in range(N):
         for oc in range(oC):
             gi = oc // ocg
@@ -838,14 +760,14 @@ def _direct(x, w, off, m, b, y, meta):
                         for ax in range(nd):
                             f, lam, okk, finn = border_corner(
                                 ib[ax, q] + ib[ax, P + kidx],
-                                load(of, ((n * og + g) * K + kidx) * nd * P + ax * P + q), geo[0, ax], zero)
+                                load(of, ((n * og + g) * K + kidx) * nd * P + ax * P + q), sizes[ax], zero)
                             ok = ok and okk
                             fin = fin and finn
                             ib[ax, P + K] = f
                             lm[ax] = lam
                         sv = zero
                         if not fin:
-                            sv = _cast(zero, np.nan)
+                            sv = as_compute(zero, np.nan)
                         elif ok:
                             for cr in range(1 << nd):
                                 wt = one
@@ -854,10 +776,10 @@ def _direct(x, w, off, m, b, y, meta):
                                 for ax in range(nd):
                                     bit = (cr >> (nd - 1 - ax)) & 1
                                     i = ib[ax, P + K] + bit
-                                    if i < 0 or i >= geo[0, ax]:
+                                    if i < 0 or i >= sizes[ax]:
                                         inside = False
                                     wt *= lm[ax] if bit else one - lm[ax]
-                                    site = site * geo[0, ax] + i
+                                    site = site * sizes[ax] + i
                                 if inside:
                                     sv += wt * load(xf, xc + site)
                         if has_mask:
@@ -874,35 +796,20 @@ _to_cmajor_op, _reduction_phase_op = opaque(_to_cmajor), opaque(_reduction_phase
 
 
 @njit(cache=True, inline="always")
-def _unpack(meta):
-    """meta = [nd, geo (6 x nd), pstr (nd), dims...]: one argument instead of five,
-    because every argument costs time in numba's dispatcher on tiny calls."""
-    nd = meta[0]
-    geo = shaped(meta[1:1 + 6 * nd], (6, nd))
-    pstr = meta[1 + 6 * nd:1 + 7 * nd]
-    dims = meta[1 + 7 * nd:]
-    return geo, pstr, dims, dims[9] != 0, dims[10] != 0
-
-
-@njit(cache=True, inline="always")
-def _padded_setup(buf, x3, geo, pstr, nb):
-    """Rows of a padded image (its bordered axes but the last), the padded buffer
-    for ``nb`` images in ``buf``, and the corners' offsets in it."""
-    rows, sites, tail = _padded_extent(geo, pstr)
-    C = x3.shape[1]
-    return rows, _padded_buffer(buf, nb, sites, tail, C), _corner_offsets(pstr, C)
-
-
-@njit(cache=True, inline="always")
-def _tile_rounds(dims):
+def _tile_rounds(d):
     """Pool rounds per tile of the channel split: fill, GEMM (and the reduction's sum)."""
-    return 3 if dims[11] == 2 else 2
+    return 3 if d.split == 2 else 2
 
 
 @njit(**INTERNAL)
-def _pad_round(th, nth, x3, n0, nc, rows, wrows, xp, w3, wr, geo, K, csplit):
-    """Thread ``th``'s share of a pool round of set-up: padded rows of images ``n0 ..
-    n0 + nc`` and ``wrows`` weight rows, dealt out in turn."""
+def _pad_round(th, chunk, imgs, wts, geo, d):
+    """Thread ``th``'s share of a pool round of set-up: padded rows of the chunk's images
+    (``chunk``: n0, nc; ``imgs``: x3, xp, rows per padded image) and ``wrows`` weight rows
+    (``wts``: w3, wr, wrows), dealt out in turn."""
+    n0, nc = chunk
+    x3, xp, rows = imgs
+    w3, wr, wrows = wts
+    nth, K, csplit = d.nth, d.K, d.split != 0
     for i in range(th, nc * rows + wrows, nth):
         if i < nc * rows:
             _pad_row_op(x3, n0 + i // rows, xp[i // rows], geo, i % rows)
@@ -913,25 +820,30 @@ def _pad_round(th, nth, x3, n0, nc, rows, wrows, xp, w3, wr, geo, K, csplit):
 
 
 @njit(**INTERNAL)
-def _round(th, rd, tok, n0, nc, xp, off3, m3, has_mask, wr, wmat, shared, b, has_b, y3, geo, pstr, coff, segs,
-           dims, fws, iws):
-    """Thread ``th``'s part of pool round ``rd`` over the tiles of images ``n0 ..
-    n0 + nc`` (see ``_parallel``): the position split's run of tiles, or its share of
-    one tile's phase (fill, GEMM, reduction) in the channel and reduction splits."""
-    C, K, group, T, nth = dims[0], dims[1], dims[2], dims[4], dims[6]
+def _round(th, rd, chunk, tok, geo, d, io, pad, wts, ws):
+    """Thread ``th``'s part of pool round ``rd`` over the tiles of the chunk's images
+    (``chunk``: n0, nc; see ``_parallel``): the position split's run of tiles, or its
+    share of one tile's phase (fill, GEMM, reduction) in the channel and reduction
+    splits. ``wts``: the weight rows (wr), w in its own order (wmat) and the shared
+    columns; ``ws``: the workspaces (fws, iws)."""
+    n0, nc = chunk
+    wr, wmat, shared = wts
+    fws = ws[0]
+    y3 = io[3]
+    C, K, group, T, nth = d.C, d.K, d.group, d.T, d.nth
     oC, P = y3.shape[1], y3.shape[2]
-    nd = geo.shape[1]
+    nd = geo.sizes.shape[0]
     ocg = oC // group
-    nw, nxp, ntile_ws, nint = _ws_sizes(C, oC, geo, pstr, dims)
-    csplit = dims[11] != 0
-    ksplit = dims[11] == 2  # (one group only)
-    nr = _tile_rounds(dims)  # pool rounds per tile of the channel (reduction) split
-    ncols = _tile_parts(dims, nd, ocg)[0]
+    nw, nxp, ntile_ws, nint = ws_sizes(oC, geo, d)
+    csplit = d.split != 0
+    ksplit = d.split == 2  # (one group only)
+    nr = _tile_rounds(d)  # pool rounds per tile of the channel (reduction) split
+    ncols = tile_parts(d, nd, ocg)[0]
     u = 16 if oC >= 64 * nth else 1
     ntile = (P + T - 1) // T
     items = nc * ntile
-    f0 = nw + nxp + th * ntile_ws
-    cols, outb, pidx, pw, pm = _scratch(fws[f0:f0 + ntile_ws], iws[th * nint:(th + 1) * nint], dims, nd, ocg)
+    bufs = _scratch(ws, th, d, nd, ocg, nw + nxp, ntile_ws)
+    cols, outb = bufs[0], bufs[1]
     lo = th * items // nth
     hi = (th + 1) * items // nth
     if csplit:
@@ -940,22 +852,21 @@ def _round(th, rd, tok, n0, nc, xp, off3, m3, has_mask, wr, wmat, shared, b, has
     for it in range(lo, hi):
         nl, t = it // ntile, it % ntile
         p0, p1 = t * T, min(P, t * T + T)
-        buf, wm, fill, o0, o1 = cols, wr, True, 0, oC
+        tb, wm, fill, o0, o1 = bufs, wr, True, 0, oC
         if csplit and phase == 0:  # this thread's share of the positions
             p0, p1, o1 = p0 + th * (p1 - p0) // nth, p0 + (th + 1) * (p1 - p0) // nth, 0
         elif ksplit:  # the reduction split
-            _reduction_phase_op(phase, th, nth, shared, wmat, outb, fws, nw + nxp + ncols, ntile_ws,
-                                b, has_b, y3, n0 + nl, p0, p1 - p0)
+            _reduction_phase_op(phase, th, d, (shared, wmat, outb), (fws, nw + nxp + ncols, ntile_ws), io,
+                                (n0 + nl, p0, p1 - p0))
             fill, o1 = False, 0  # (nothing left for _tile)
         elif csplit:  # this thread's share of the output channels
-            buf, wm, fill = shared, wmat, False
+            tb, wm, fill = (shared, outb, bufs[2], bufs[3], bufs[4]), wmat, False
             o0 = min(oC, (th * oC // nth + u // 2) // u * u) if th else 0
             o1 = min(oC, ((th + 1) * oC // nth + u // 2) // u * u) if th < nth - 1 else oC
         if p1 > p0 and (fill or o1 > o0):
-            _tile_op(tok, n0 + nl, nl, p0, p1, xp, off3, m3, has_mask, wm, b, has_b, y3, geo, pstr,
-                     coff, segs, dims, buf, outb, pidx, pw, pm, fill, o0, o1)
+            _tile_op(tok, geo, d, io, pad, wm, tb, (n0 + nl, nl, p0, p1), fill, (o0, o1))
             if csplit and fill:
-                _to_cmajor_op(cols, shared, p0 - t * T, p1 - p0, T, K, C // group, group)
+                _to_cmajor_op(cols, shared, p0 - t * T, p1 - p0, d)
 
 
 #: the pool rounds, called through their own compiled code by both entries: the parallel
@@ -964,30 +875,33 @@ _pad_round_op, _round_op = opaque(_pad_round), opaque(_round)
 
 
 @njit(cache=True, inline="always")
-def _entry(x, w, off, m, b, y, meta, fws):
-    """What both tiled entries derive from their arguments: the flat arrays, the shapes,
-    the padded images, the weights' buffers and the shared columns in ``fws``."""
-    geo, pstr, dims, has_mask, has_b = _unpack(meta)
+def _entry(x, w, off, m, y, geo, d, fws):
+    """What both tiled entries derive from their arguments: the flat arrays, the weights'
+    buffers in ``fws`` (wr, wmat, the shared columns), the padded images, the corners'
+    offsets, the channel runs and the rows of a padded image. (A flat tuple: numba's
+    array analysis in the parallel entry fails on nested tuples returned by an inlined
+    function; the entries group them.)"""
     x3, w3, off3, m3, y3 = flat3(x), flat3(w), flat3(off), flat3(m), flat3(y)
     C, oC = x3.shape[1], y3.shape[1]
-    K, T, nb, nth = dims[1], dims[4], dims[5], dims[6]
-    nw, nxp, ntile_ws, _ = _ws_sizes(C, oC, geo, pstr, dims)
+    K, T, nb, nth = d.K, d.T, d.nb, d.nth
+    nw, nxp, ntile_ws, _ = ws_sizes(oC, geo, d)
     wr = fws[:nw]
-    rows, xp, coff = _padded_setup(fws[nw:nw + nxp], x3, geo, pstr, nb)
+    rows, sites, tail = padded_extent(geo)
+    xp = _padded_buffer(fws[nw:nw + nxp], nb, sites, tail, C)
     shared = fws[nw + nxp + nth * ntile_ws:nw + nxp + nth * ntile_ws + T * K * C]  # (channel split only)
-    return (geo, pstr, dims, has_mask, has_b, x3, w3, off3, m3, y3, b, x.shape[2:], wr, rows, xp, coff,
-            _segments(dims), shared, _mutable(_wmat(w3, wr)))
+    return (x3, w3, off3, m3, y3, wr, _mutable(_wmat(w3, wr)), shared, xp, _corner_offsets(geo.pstr, C),
+            _segments(d), rows)
 
 
 @njit(cache=True, inline="always")
-def _chunk_rounds(dims, n0, nc, ntile, w3, oC):
+def _chunk_rounds(d, n0, nc, ntile, w3, oC):
     """(weight rows of the set-up round, tile rounds) of the chunk of ``nc`` images from
     ``n0`` (see ``_parallel``): the first chunk's set-up reorders or converts the weights
     unless the channel split reads them where they lie; the position split runs one
     tile round, the channel split two per tile, its reduction variant three."""
-    csplit = dims[11] != 0
+    csplit = d.split != 0
     wrows = oC if n0 == 0 and not (csplit and _native(w3)) else 0
-    return wrows, (_tile_rounds(dims) * nc * ntile if csplit else 1)
+    return wrows, (_tile_rounds(d) * nc * ntile if csplit else 1)
 
 
 @njit(cache=True, nogil=True)
@@ -996,44 +910,44 @@ def _serial(x, w, off, m, b, y, meta):
     ``_round``) at one thread, in scratch of its own (serial calls run side by side,
     e.g. Dask tasks; allocated here: from the launcher it cost small calls ~1 us more).
     ``meta`` is a one-thread plan: its channel split is the weights read in place
-    (``_plan_sizes``)."""
-    geo, pstr, dims, _, _ = _unpack(meta)
-    nw, nxp, ntile_ws, nint = _ws_sizes(x.shape[1], y.shape[1], geo, pstr, dims)
-    fws = _empty_like_compute(x, nw + nxp + ntile_ws + (dims[4] * dims[1] * x.shape[1] if dims[11] != 0 else 0))
+    (``_deform_plan.plan_sizes``)."""
+    geo, d = unpack_geometry(meta), unpack_plan(meta)
+    nw, nxp, ntile_ws, nint = ws_sizes(y.shape[1], geo, d)
+    fws = np.empty(nw + nxp + ntile_ws + (d.T * d.K * x.shape[1] if d.split != 0 else 0), type(_zero(x)))
     iws = np.empty(max(1, nint), np.int64)
-    (geo, pstr, dims, has_mask, has_b, x3, w3, off3, m3, y3, b, tok, wr, rows, xp, coff, segs, shared,
-     wmat) = _entry(x, w, off, m, b, y, meta, fws)
+    x3, w3, off3, m3, y3, wr, wmat, shared, xp, coff, segs, rows = _entry(x, w, off, m, y, geo, d, fws)
+    io, pad, wts, tok = (off3, m3, b, y3), (xp, coff, segs), (wr, wmat, shared), x.shape[2:]
     N, oC, P = x3.shape[0], y3.shape[1], y3.shape[2]
-    K, T, nb = dims[1], dims[4], dims[5]
+    T, nb = d.T, d.nb
     ntile = (P + T - 1) // T
-    csplit = dims[11] != 0
     for n0 in range(0, N, nb):
-        nc = min(nb, N - n0)
-        wrows, nrounds = _chunk_rounds(dims, n0, nc, ntile, w3, oC)
-        _pad_round_op(0, 1, x3, n0, nc, rows, wrows, xp, w3, wr, geo, K, csplit)
+        chunk = (n0, min(nb, N - n0))
+        wrows, nrounds = _chunk_rounds(d, n0, chunk[1], ntile, w3, oC)
+        _pad_round_op(0, chunk, (x3, xp, rows), (w3, wr, wrows), geo, d)
         for rd in range(nrounds):
-            _round_op(0, rd, tok, n0, nc, xp, off3, m3, has_mask, wr, wmat, shared, b, has_b, y3, geo, pstr, coff,
-                      segs, dims, fws, iws)
+            _round_op(0, rd, chunk, tok, geo, d, io, pad, wts, (fws, iws))
 
 
 @njit(cache=True, parallel=True, nogil=True)
 def _parallel(x, w, off, m, b, y, meta, fws, iws):
     """The tiled path on numba's pool: any rank (C-contiguous arrays, as ``launch``
-    passes them). ``fws``/``iws``: the caller's workspaces (see ``_ws_sizes``), reused
+    passes them). ``fws``/``iws``: the caller's workspaces (see ``ws_sizes``), reused
     across calls: fresh scratch pages cost a page fault each, up to a fifth of a call."""
-    (geo, pstr, dims, has_mask, has_b, x3, w3, off3, m3, y3, b, tok, wr, rows, xp, coff, segs, shared,
-     wmat) = _entry(x, w, off, m, b, y, meta, fws)
+    geo, d = unpack_geometry(meta), unpack_plan(meta)
+    x3, w3, off3, m3, y3, wr, wmat, shared, xp, coff, segs, rows = _entry(x, w, off, m, y, geo, d, fws)
+    io, pad, wts, tok = (off3, m3, b, y3), (xp, coff, segs), (wr, wmat, shared), x.shape[2:]
     N, oC, P = x3.shape[0], y3.shape[1], y3.shape[2]
-    K, T, nb, nth = dims[1], dims[4], dims[5], dims[6]
+    T, nb, nth = d.T, d.nb, d.nth
     ntile = (P + T - 1) // T
-    csplit = dims[11] != 0
+    ws = (fws, iws)
     for n0 in range(0, N, nb):
-        nc = min(nb, N - n0)
+        chunk = (n0, min(nb, N - n0))
         # round -1: padded rows of this chunk, and (first chunk only) the weights' rows, the
         # items dealt out in turn (a padded row and a weight row differ several-fold in work:
         # contiguous halves would leave one thread waiting for the other) (the channel split
         # reads float32/float64 weights where they lie: no weight rows)
-        wrows, nrounds = _chunk_rounds(dims, n0, nc, ntile, w3, oC)
+        wrows, nrounds = _chunk_rounds(d, n0, chunk[1], ntile, w3, oC)
+        imgs, wset = (x3, xp, rows), (w3, wr, wrows)
         # the tiles, in rounds: the position split runs one round (each thread a contiguous run
         # of tiles: one image's rows stay in its cache); the channel split two per tile: the
         # threads fill shares of its positions (each in its own column buffer, then turned into
@@ -1049,214 +963,12 @@ def _parallel(x, w, off, m, b, y, meta, fws, iws):
         for rd in range(-1, nrounds):
             for th in prange(nth):
                 if rd < 0:
-                    _pad_round_op(np.int64(th), nth, x3, n0, nc, rows, wrows, xp, w3, wr, geo, K, csplit)
+                    _pad_round_op(np.int64(th), chunk, imgs, wset, geo, d)
                 else:
-                    _round_op(np.int64(th), rd, tok, n0, nc, xp, off3, m3, has_mask, wr, wmat, shared, b, has_b,
-                              y3, geo, pstr, coff, segs, dims, fws, iws)
-
-
-# --- SciPy's BLAS thread count ----------------------------------------------------------
-
-class _BlasThreads:
-    """Holds SciPy's OpenBLAS (the BLAS numba's np.dot calls) at one thread while
-    numba_ops' kernels call it, from any number of Python threads at once (a count
-    of the holders: the first sets 1, the last restores the caller's setting).
-    Other BLAS builds are left alone."""
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._get = self._set = None
-        self._loaded = False
-        self._holders = 0
-        self._prev = None
-
-    def _load(self):
-        self._loaded = True
-        try:
-            import scipy
-            libdir = os.path.join(os.path.dirname(os.path.dirname(scipy.__file__)), "scipy.libs")
-            for path in glob.glob(os.path.join(libdir, "*openblas*.so*")):
-                lib = ctypes.CDLL(path)
-                for prefix in ("scipy_openblas", "openblas"):
-                    get = getattr(lib, prefix + "_get_num_threads", None)
-                    put = getattr(lib, prefix + "_set_num_threads", None)
-                    if get is not None and put is not None:
-                        get.restype = ctypes.c_int
-                        put.argtypes = [ctypes.c_int]
-                        self._get, self._set = get, put
-                        return
-        except Exception:  # no SciPy OpenBLAS found: nothing to hold
-            pass
-
-    def __enter__(self):
-        with self._lock:
-            if not self._loaded:
-                self._load()
-            self._holders += 1
-            if self._holders == 1 and self._get is not None:
-                prev = self._get()
-                if prev != 1:
-                    self._set(1)
-                    self._prev = prev
-        return self
-
-    def __exit__(self, *exc):
-        with self._lock:
-            self._holders -= 1
-            if self._holders == 0 and self._prev is not None:
-                self._set(self._prev)
-                self._prev = None
-
-
-_BLAS = _BlasThreads()
+                    _round_op(np.int64(th), rd, chunk, tok, geo, d, io, pad, wts, ws)
 
 
 # --- launch -------------------------------------------------------------------------------
-
-#: the 2-D/3-D fast plans compute sites and positions in 32 bits: sizes, sites and the
-#: positions' integer parts must stay under this (``border_corner``'s int32 bound)
-_I32 = 1 << 29
-
-
-def _plan_sizes(N, C, K, oC, P, group, og, nd, S, item, nth, split=None, native=False):
-    """(tile length T, images per chunk nb, channel split) for ``S`` sites per padded image.
-
-    Tiles hold about ``_TILE_BYTES`` of columns (an L2 cache) but at least
-    ``_TILE_MIN`` positions, as every tile's GEMM re-packs the weights; when the
-    L2 target is under half that, the columns live in L3 anyway and tiles get
-    ``2 * _TILE_MIN``. Tiles never take more than a quarter of
-    ``_SCRATCH_BYTES`` over all threads. The padded images of a chunk take the
-    rest of the budget (at least one image).
-
-    A parallel run splits the work one of two ways. The position split gives each
-    thread whole tiles (a multiple of ``nth`` tiles in all, so that no thread idles
-    at the end); each tile's GEMM packs all the weights. The channel split fills
-    each tile's columns once (the threads share its positions), then gives each
-    thread a share of the output channels, so that each tile's weights are packed
-    once in all and each GEMM gets the whole tile. Where positions are few beside
-    the weights (deep channels at small spatial sizes: a handful of positions per
-    thread, every thread packing megabytes of weights for them) the channel split
-    wins. The choice counts the elements each thread's GEMMs pack (weights and
-    columns), the work that does not shrink with more threads: the position split
-    packs (weights + T columns) per tile, the channel split (weights / nth + T
-    columns) per tile; with ``native`` weights (float32/float64: the channel split
-    reads them where they lie) the position split also reorders them once per call
-    (weights / nth). ``split`` (True/False) forces one way (tests, benchmarks).
-
-    At one thread, True means the same weights-in-place order on the caller's thread
-    (``_serial``), chosen for native weights where the column rows (N * P) are fewer
-    than the weight rows (oC): each tile's columns are turned into w's order instead
-    of all of w into the columns' on every call."""
-    kc_all = max(1, K * C)
-    per_pos = (kc_all + oC // group) * item + og * K * (((1 << nd) + 1) * item + 8)
-    T = _TILE_BYTES // (kc_all * item)
-    # columns far too wide for a cache-sized tile live in L3 anyway: fewer, bigger GEMMs win
-    T = 2 * _TILE_MIN if 2 * T < _TILE_MIN else max(T, _TILE_MIN)
-    T = max(1, min(P, T, (_SCRATCH_BYTES // 4 // nth) // per_pos))
-    osplit = False
-    if nth > 1:
-        wts = oC * kc_all // max(1, group)
-        ntile = -(-P // T)
-        To = -(-P // ntile)  # the channel split's tiles: as even as T allows
-        while (N * ntile) % nth and ntile < P:
-            ntile += 1
-        Tp = -(-P // ntile)
-        cost_p = -(-N * ntile // nth) * (wts + Tp * kc_all) + (wts // nth if native else 0)
-        cost_o = N * -(-P // To) * (wts // nth + To * kc_all)
-        osplit = cost_o < cost_p if split is None else bool(split)
-        T = To if osplit else Tp
-    elif native and split is not False:
-        # one thread (small calls, Dask tasks): float32/float64 weights read where they lie
-        # (the columns turned into w's order: N * P column rows) rather than reordered
-        # (oC rows) where the positions are fewer than the weights' rows
-        osplit = N * P * group < oC if split is None else True
-    img = max(1, S * C * item)
-    budget = _SCRATCH_BYTES - nth * (T * per_pos + 16 * (oC // group) * item) - oC * kc_all * item // max(1, group)
-    nb = max(1, min(N, budget // img))
-    return T, nb, osplit
-
-
-def _reduction_split(oC, group, nth):
-    """Whether a channel split's GEMMs take shares of the reduction (each thread all the
-    output channels for its share of w's columns, the partial sums added at the
-    write-out) instead of shares of the output channels: with one group, where each
-    thread's share of the channels would be under 256 rows. There OpenBLAS's GEMM of a
-    thread's rows with a long reduction runs well under its rate (1 x 1024 x 7 x 7 ->
-    256: 128 rows of 9216 each, against 256 of 4608 for the reduction split: the pair of
-    threads' GEMMs 1.39 ms against 1.04, medians of 7 alternating rounds); at 256 rows and
-    more the two measured the same. ``_KSPLIT`` (True/False) forces it (tests)."""
-    if group != 1:
-        return False
-    return oC < 256 * nth if _KSPLIT is None else bool(_KSPLIT)
-
-
-class _State:
-    """Everything ``launch`` derives from a call's geometry, kept per geometry."""
-    __slots__ = ("p", "origin", "xshape", "dtype", "oC", "yshape", "view", "empty", "small", "nob", "meta",
-                 "ctype")
-
-    def __init__(self, x, w, p, origin=None):
-        N, C = x.shape[0], x.shape[1]
-        oC = w.shape[0]
-        nd, K, group = p.nd, p.K, p.group
-        P = 1
-        for o in p.out_spatial:
-            P *= o
-        geo, pstr = _geometry(x.shape[2:], p, origin)
-        _, S, tail = _padded_extent.py_func(geo, pstr)  # sites of a padded image, its zero tail
-        self.p, self.origin, self.xshape, self.dtype, self.oC = p, origin, x.shape, x.dtype, oC
-        self.yshape = (N, oC) + tuple(p.out_spatial)
-        view = storage(x.dtype)
-        self.view = view if view != x.dtype else None  # 16-bit: their bit patterns
-        self.empty = N == 0 or oC == 0
-        self.nob = np.empty(0, x.dtype)  # the kernels' B when there is none
-        work = N * P * K * (C + oC * (C // group) // 4 + 4)
-        dwork = N * P * K * C * max(1, oC // group) << nd  # samples x corners of the direct path
-        # small work runs on the caller's thread: the direct loops when tiny, else the tiled path
-        self.small = None
-        if work < _runtime.PARALLEL_MIN_WORK:
-            self.small = _direct if dwork <= _DIRECT_MAX else _serial
-        self.ctype = compute(x.dtype)
-        item = self.ctype.itemsize
-        # 2-D and 3-D plans compute sites and positions in 32 bits: only when they fit (a
-        # region's positions are those of the whole output up to origin + out_spatial)
-        ends = p.out_spatial if origin is None else [o0 + o for o0, o in zip(origin, p.out_spatial)]
-        fits = (S < _I32 and max(x.shape[2:], default=0) < _I32 and max(p.pads_begin) < _I32
-                and max(ends) * max(p.strides) + max(p.kernel_shape) * max(p.dilations) < _I32)
-        fast = nd if (fits and nd in (2, 3)) else 0
-        self.meta = {}
-        for nth in {1, _runtime.num_threads()}:
-            T, nb, osplit = _plan_sizes(N, C, K, oC, P, p.group, p.offset_group, nd, S + tail, item, nth,
-                                        _SPLIT, self.view is None)
-            split = int(osplit) + int(osplit and nth > 1 and _reduction_split(oC, p.group, nth))
-            dims = [C, K, p.group, p.offset_group, T, nb, nth, fast, S]
-            # index has_mask * 2 + has_b: dims[9] has_mask, dims[10] has_b; dims[11] the split: 0 by
-            # positions, 1 by output channels, 2 by the reduction (both after a shared fill)
-            metas = [np.array([nd] + geo.ravel().tolist() + pstr.tolist() + dims + [hm, hb, split],
-                              dtype=np.int64)
-                     for hm in (0, 1) for hb in (0, 1)]
-            nw, nxp, ntile_ws, nint = _ws_sizes_host(C, oC, geo, pstr, metas[0][1 + 7 * nd:])
-            # metas, then the parallel run's workspace elements (compute type, int64); the
-            # channel split's shared columns after the threads' tile buffers
-            self.meta[nth] = (metas, nw + nxp + nth * ntile_ws + (T * K * C if osplit else 0), nth * nint)
-
-
-_WORKSPACE = {}
-
-
-def _workspace(dtype, n):
-    """A buffer of at least ``n`` elements kept between parallel calls (used under the
-    pool lock only): fresh scratch pages fault once each, up to a fifth of a call."""
-    a = _WORKSPACE.get(dtype)
-    if a is None or a.size < n:
-        _WORKSPACE[dtype] = None  # free the old one first
-        a = _WORKSPACE[dtype] = np.empty(max(1, n), dtype)
-    return a
-
-
-_STATES = {}
-_STATES_MAX = 256
-
 
 def launch(x, w, offset, b, mask, p, origin=None):
     """Compute DeformConv for validated inputs (see numba_ops.deform_conv).
@@ -1264,14 +976,7 @@ def launch(x, w, offset, b, mask, p, origin=None):
     ``origin`` (internal, numba_ops.dask): a tuple of first output indices per spatial
     axis; the call then computes the region ``origin .. origin + p.out_spatial`` of
     the whole output (``offset``/``mask`` hold that region only, ``x`` the whole image)."""
-    key = id(p) if origin is None else (id(p), origin)
-    st = _STATES.get(key)
-    if (st is None or st.p is not p or st.origin != origin or st.xshape != x.shape or st.dtype is not x.dtype
-            or st.oC != w.shape[0]):
-        st = _State(x, w, p, origin)  # the state holds p, so its id is not reused while it lives
-        if len(_STATES) >= _STATES_MAX:
-            _STATES.clear()
-        _STATES[key] = st
+    st = state(x, w, p, origin)
     y = np.empty(st.yshape, x.dtype)
     if st.empty:
         return y
@@ -1289,18 +994,15 @@ def launch(x, w, offset, b, mask, p, origin=None):
     args = (c(x), c(w), c(offset), c(mask), c(b), y)
     if st.view is not None:  # 16-bit data as its bit patterns
         args = tuple(a.view(st.view) for a in args)
-    if st.small is not None:
-        st.small(*args, st.meta[1][0][i])
+    if st.small:
+        (_direct if st.direct else _serial)(*args, st.tilings[1].metas[i])
         return y
     nth = _runtime.num_threads() if _runtime.pool_usable() else 1
-    plan = st.meta.get(nth)
-    if plan is None:  # the caller changed numba's thread count
-        plan = st.meta[nth] = _State(x, w, p, origin).meta[nth]
-    metas, nf, ni = plan
+    t = st.tiling(nth, x, w)
     if nth == 1:  # the caller's thread alone: no pool, so no pool lock (Dask tasks run side by side)
-        with _BLAS:
-            _serial(*args, metas[i])
+        with ONE_THREAD:
+            _serial(*args, t.metas[i])
         return y
-    with _runtime.POOL_LOCK, _BLAS:
-        _parallel(*args, metas[i], _workspace(st.ctype, nf), _workspace(np.int64, ni))
+    with _runtime.POOL_LOCK, ONE_THREAD:
+        _parallel(*args, t.metas[i], workspace(st.ctype, t.nf), workspace(np.int64, t.ni))
     return y
