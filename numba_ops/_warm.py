@@ -28,10 +28,10 @@ import sys
 import time
 
 from ._dispatch import DEVICES, LAUNCHERS, cuda_simulator, cuda_usable
+from ._dtypes import NAMES
 
 #: every op of API.md, in its order; ``warm`` takes those whose front end is installed
 ALL_OPS = ("affine_grid", "deform_conv", "grid_sample", "affine_warp")
-DTYPE_NAMES = ("float16", "bfloat16", "float32", "float64")
 
 
 def available_ops():
@@ -264,7 +264,7 @@ def warm(ops=None, dtypes=None, devices=None, *, jobs=1, progress=None, quiet=Fa
     """
     t0 = time.perf_counter()
     ops = _check_ops(ops)
-    dtypes = _names(dtypes, "dtypes", DTYPE_NAMES, DTYPE_NAMES)
+    dtypes = _names(dtypes, "dtypes", NAMES, NAMES)
     if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
         raise ValueError(f"jobs must be an integer >= 1; got {jobs!r}")
     if devices is None:

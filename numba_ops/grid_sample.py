@@ -3,7 +3,7 @@ reference/GridSample-onnx-schema.txt; the per-axis math is kernels/_sample.py.""
 import numpy as np
 
 from ._dispatch import as_array, launcher, on_device, resolve_device, result_for
-from ._dtypes import SUPPORTED, common_float_dtype, entry
+from ._dtypes import SUPPORTED, common_float_dtype, entry, np_dtype
 from ._validate import as_bool
 from .kernels._modes import MODES, PADDING_MODES
 
@@ -104,7 +104,6 @@ def warm_calls(dtype):
     every kernel variant for the float dtype named ``dtype`` (the grid's; x of that
     dtype and uint8): each r = 1, 2, 3, mode and padding mode (each compiles its
     own kernels), on the serial and the parallel path."""
-    from ._cases import np_dtype
     from .kernels.cpu._runtime import PARALLEL_MIN_WORK
     dt = np_dtype(dtype)
     calls = []

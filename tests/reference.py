@@ -6,7 +6,7 @@ import threading
 import ml_dtypes
 import numpy as np
 
-from numba_ops._cases import affine_grid_f64 as affine_grid_ref  # noqa: F401  (one definition, shared with `numba-ops check`)
+from numba_ops.benchmark.cases import affine_grid_f64 as affine_grid_ref  # noqa: F401  (one definition, shared with `numba-ops check`)
 
 
 #: API.md's accuracy per result dtype (relative, and times the output's scale absolute);

@@ -33,7 +33,7 @@ import time
 import numpy as np
 from numba import prange
 
-from .. import _cases
+from . import cases as _cases
 from . import machine
 
 PEERS = ("onnxruntime", "torch")

@@ -32,8 +32,8 @@ try:  # numba-cuda keeps its own config; numba's built-in target used numba's
 except ImportError:  # pragma: no cover - other numba-cuda layouts
     from numba.core import config as _cuda_config
 
-from ..._arrays import is_numba_device_array
-from ..._dtypes import BFLOAT16, DTYPES, SUPPORTED, storage
+from .._arrays import is_numba_device_array
+from .._dtypes import BFLOAT16, DTYPES, SUPPORTED, storage
 
 SIMULATOR = bool(_cuda_config.ENABLE_CUDASIM)
 
@@ -330,7 +330,7 @@ def compile_jobs():
     """(label, kernel, argument types) of ``_pack`` for every storage dtype (and
     uint8) and a few ranks: what ``compile_ptx`` type-checks (tests/test_cuda.py)."""
     from numba import types
-    from numba.np.numpy_support import from_dtype
+    from numba import from_dtype
     for dt in list(DTYPES) + [np.dtype(np.uint8)]:  # uint8: GridSample's x
         st = from_dtype(np.dtype(np.uint8) if dt == np.uint8 else storage(dt))
         for rank in (1, 3, 5):
