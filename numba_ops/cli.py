@@ -29,8 +29,9 @@ from .benchmark.machine import version
 
 def _cache_location():
     """Where numba keeps numba_ops' compiled kernels, as numba's cache locator decides."""
-    from .kernels.cpu import affine_grid as k
-    path = k._parallel._cache._cache_path
+    from .kernels._compat import cache_path, dispatcher_types
+    from .kernels.cpu import affine_grid as k  # its kernels are cached where all of them are
+    path = next(p for p in (cache_path(v) for v in vars(k).values() if isinstance(v, dispatcher_types())) if p)
     how = "NUMBA_CACHE_DIR" if os.environ.get("NUMBA_CACHE_DIR") else "beside the kernels; set NUMBA_CACHE_DIR to move it"
     return f"{path} ({how})"
 

@@ -20,7 +20,6 @@ reported so).
 With ``NUMBA_ENABLE_CUDASIM=1`` numba's compiler is replaced by the simulator in
 the process: the report then runs in a fresh process without it.
 """
-import contextlib
 import functools
 import glob
 import importlib
@@ -31,8 +30,9 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import types
 from typing import NamedTuple
+
+from ..kernels._compat import load_nvvm, pretend_device
 
 #: the package of the CUDA kernel modules
 KERNELS = "numba_ops.kernels.cuda"
@@ -196,22 +196,6 @@ def modules():
         if hasattr(mod, "compile_jobs"):
             found.append(mod)
     return found
-
-
-@contextlib.contextmanager
-def pretend_device(cc):
-    """Compile for ``cc`` with no GPU: numba-cuda asks the current device for the cc
-    of nested device functions (our shared helpers), and NVRTC for the closest
-    supported arch unless the cc is forced. Restored on exit."""
-    import numba.cuda.dispatcher
-    from numba.cuda import config
-    saved = numba.cuda.dispatcher.get_current_device, config.FORCE_CUDA_CC
-    numba.cuda.dispatcher.get_current_device = lambda: types.SimpleNamespace(compute_capability=cc)
-    config.FORCE_CUDA_CC = cc
-    try:
-        yield
-    finally:
-        numba.cuda.dispatcher.get_current_device, config.FORCE_CUDA_CC = saved
 
 
 def launch_bounds(kern):
@@ -411,8 +395,7 @@ def report(argv=()):
         env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0")
         return subprocess.run([sys.executable, "-m", f"{__package__}.resources", *argv], env=env).returncode
     try:
-        from numba.cuda.cudadrv import nvvm
-        nvvm.NVVM()
+        load_nvvm()
     except Exception as exc:
         print(f"CUDA resource report unavailable: numba-cuda's libNVVM cannot be loaded ({exc})")
         return 1
