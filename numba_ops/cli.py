@@ -30,8 +30,9 @@ from .benchmark.machine import version
 def _cache_location():
     """Where numba keeps numba_ops' compiled kernels, as numba's cache locator decides."""
     from .kernels._compat import cache_path, dispatcher_types
-    from .kernels.cpu import affine_grid as k  # its kernels are cached where all of them are
-    path = next(p for p in (cache_path(v) for v in vars(k).values() if isinstance(v, dispatcher_types())) if p)
+    from .kernels.cpu import affine_grid as k
+    path = next(cache_path(v) for v in vars(k).values()
+                if isinstance(v, dispatcher_types()) and v.py_func.__module__ == k.__name__)
     how = "NUMBA_CACHE_DIR" if os.environ.get("NUMBA_CACHE_DIR") else "beside the kernels; set NUMBA_CACHE_DIR to move it"
     return f"{path} ({how})"
 
