@@ -2,14 +2,7 @@
 (``kernels/_dtypes.py``: names, storage and compute types, lazy bfloat16)."""
 import numpy as np
 
-from .kernels._dtypes import NAMES, SUPPORTED, bfloat16, compute, entry, np_dtype, storage  # noqa: F401
-
-
-def __getattr__(name):
-    if name in ("BFLOAT16", "DTYPES"):
-        from .kernels import _dtypes
-        return getattr(_dtypes, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+from .kernels._dtypes import NAMES, SUPPORTED, compute, entry, np_dtype, storage  # noqa: F401
 
 
 def common_float_dtype(named):
