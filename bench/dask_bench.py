@@ -1,6 +1,6 @@
 """numba_ops.dask throughput against one call (issue 19).
 
-A 16-image batch of the shared case ``dc_r50_c64_56`` (numba_ops/_cases.py: 64 -> 64
+A 16-image batch of the shared case ``dc_r50_c64_56`` (numba_ops/benchmark/cases.py: 64 -> 64
 channels, 56 x 56, 3 x 3, mask) computed
 
 - as one call of ``numba_ops.deform_conv`` (numba's pool on every core),
@@ -66,7 +66,7 @@ def main(argv=None):
 
     import numba_ops
     import numba_ops.dask as nd
-    from numba_ops import _cases
+    from numba_ops.benchmark import cases as _cases
 
     (X, W, off, B, mask), attrs, flops = _cases.deform_inputs(a.case)
     rep = lambda t: np.ascontiguousarray(np.concatenate([t] * a.images))  # noqa: E731

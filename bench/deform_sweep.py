@@ -1,7 +1,7 @@
 """DeformConv size sweep on the CPU (issue 22): how the cost grows with the work, from
 the existing bench cases to deep channels at small spatial sizes, float32.
 
-Per shape of the shared case table (``numba_ops._cases.DEFORM``): numba_ops' median
+Per shape of the shared case table (``numba_ops.benchmark.cases.DEFORM``): numba_ops' median
 ms (with the 10th-90th percentile spread), the same kernel forced to split every
 parallel run along positions (the split used before the channel split existed, so
 old and new are compared in this one process: ``_deform_plan.SPLIT``), onnxruntime's
@@ -107,7 +107,7 @@ def main(argv=None):
     import numba
 
     import numba_ops
-    from numba_ops import _cases
+    from numba_ops.benchmark import cases as _cases
     from numba_ops.kernels.cpu import _deform_plan as dc_plan
 
     names = SWEEP + [n for n in _cases.DEFORM if n not in SWEEP]

@@ -7,7 +7,7 @@ peers) torch/torchvision with CUDA:
     python bench/gpu_bench.py --dtype float16 --dtype bfloat16
     python bench/gpu_bench.py --only dc_ --json gpu.json
 
-Cases are the shared case table's (``numba_ops._cases``), made GPU-sized: the
+Cases are the shared case table's (``numba_ops.benchmark.cases``), made GPU-sized: the
 AffineGrid cases plus the target case ``ag2d_256x512`` (a 256-batch 512 × 512
 grid), and every DeformConv case with its batch scaled × 16. For each it prints
 our time, torch's ``affine_grid`` / torchvision's ``deform_conv2d`` on the same
@@ -34,7 +34,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numba_ops  # noqa: E402
-from numba_ops import _cases  # noqa: E402
+from numba_ops import _dtypes  # noqa: E402
+from numba_ops.benchmark import cases as _cases  # noqa: E402
 
 BATCH_SCALE = 16
 TARGET_AFFINE = "ag2d_256x512"
@@ -98,7 +99,7 @@ def to_dev(a, torch):
     if a is None:
         return None
     if torch is not None:
-        if a.dtype == _cases.np_dtype("bfloat16"):
+        if a.dtype == _dtypes.np_dtype("bfloat16"):
             return torch.from_numpy(a.astype(np.float32)).to("cuda").to(torch.bfloat16)
         return torch.from_numpy(np.ascontiguousarray(a)).to("cuda")
     from numba import cuda
@@ -118,7 +119,7 @@ def affine_case(name, dtype, torch):
     align = AFFINE_GPU[name]["align"]
     nd = len(size) - 2
     theta = np.random.default_rng(0).standard_normal((size[0], nd, nd + 1)).astype(np.float32)
-    theta = theta.astype(_cases.np_dtype(dtype))
+    theta = theta.astype(_dtypes.np_dtype(dtype))
     nbytes = int(np.prod([size[0], *size[2:]])) * nd * theta.dtype.itemsize
     dth = to_dev(theta, torch)
     ours = lambda: numba_ops.affine_grid(dth, size, align)  # noqa: E731
@@ -228,7 +229,7 @@ def run(names, dtypes, as_json=None):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--dtype", action="append", choices=_cases.DTYPE_NAMES,
+    ap.add_argument("--dtype", action="append", choices=_dtypes.NAMES,
                     help="repeatable; default float32")
     ap.add_argument("--only", default="", help="run the cases whose name starts with this")
     ap.add_argument("--json", help="also write the rows to this file")

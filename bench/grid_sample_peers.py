@@ -16,7 +16,7 @@ import ml_dtypes
 import numpy as np
 
 import numba_ops
-from numba_ops._cases import affine_inputs
+from numba_ops.benchmark.cases import affine_inputs
 
 
 def _session(nodes, inputs, opset=20):

@@ -32,10 +32,7 @@ def case_order():
     try:
         from numba_ops.benchmark.cases import CASES
     except ImportError:
-        try:
-            from numba_ops._cases import CASES
-        except ImportError:
-            return None
+        return None
     return [name for _, name in CASES]
 
 

@@ -1,5 +1,5 @@
 """Run time of each op × device × dtype × case of the shared case table
-(``numba_ops._cases``; the same names as ``numba-ops bench`` and the peer benchmark).
+(``numba_ops.benchmark.cases``; the same names as ``numba-ops bench`` and the peer benchmark).
 
 Timed with ``pytest bench --benchmark-enable`` (``tox -e bench``); once, on
 shrunken inputs, as a smoke test otherwise. Compilation happens in a warm-up
@@ -10,7 +10,8 @@ simulator every case runs shrunken, timed or not.
 import numpy as np
 import pytest
 
-from numba_ops import _cases
+from numba_ops._dtypes import NAMES as DTYPE_NAMES
+from numba_ops.benchmark import cases as _cases
 
 NAMES = [name for _, name in _cases.CASES]
 
@@ -19,7 +20,7 @@ def _host(a):
     return a.copy_to_host() if hasattr(a, "copy_to_host") else np.asarray(a)
 
 
-@pytest.mark.parametrize("dtype", _cases.DTYPE_NAMES)
+@pytest.mark.parametrize("dtype", DTYPE_NAMES)
 @pytest.mark.parametrize("name", NAMES, ids=[f"{op}-{n}" for op, n in _cases.CASES])
 def test_op(benchmark, smoke, simulated, device, dtype, name):
     small = smoke or (device == "cuda" and simulated)

@@ -15,13 +15,14 @@ import tempfile
 
 import pytest
 
-from numba_ops import _cases
+from numba_ops._dtypes import NAMES as DTYPE_NAMES
+from numba_ops.benchmark import cases as _cases
 
 SCRIPT = r"""
 import json, sys, time
 t0 = time.perf_counter()
 import numba_ops
-from numba_ops import _cases
+from numba_ops.benchmark import cases as _cases
 t1 = time.perf_counter()
 out = {}
 for name, dtype in zip(sys.argv[1::2], sys.argv[2::2]):
@@ -55,11 +56,11 @@ _SMOKE = {}
 
 def _smoke_all():
     if not _SMOKE:
-        _SMOKE.update(_first_calls([(CASE[op], dt) for op in CASE for dt in _cases.DTYPE_NAMES], None))
+        _SMOKE.update(_first_calls([(CASE[op], dt) for op in CASE for dt in DTYPE_NAMES], None))
     return _SMOKE
 
 
-@pytest.mark.parametrize("dtype", _cases.DTYPE_NAMES)
+@pytest.mark.parametrize("dtype", DTYPE_NAMES)
 @pytest.mark.parametrize("op", sorted(CASE))
 def test_jit_compile(benchmark, smoke, op, dtype, tmp_path):
     rounds = []

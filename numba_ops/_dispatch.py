@@ -14,7 +14,7 @@ import sys
 
 import numpy as np
 
-from ._arrays import on_device  # noqa: F401  (the front ends import it from here)
+from .kernels._arrays import on_device  # noqa: F401  (the front ends import it from here)
 from ._dtypes import SUPPORTED
 
 DEVICES = ("cpu", "cuda")

@@ -32,13 +32,13 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from ._dispatch import DEVICES, LAUNCHERS, cuda_simulator, cuda_usable
+from ._dtypes import NAMES
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable
 
 #: every public op, in the package's order; ``warm`` takes those whose front end is installed
 ALL_OPS = ("affine_grid", "deform_conv", "grid_sample", "affine_warp")
-DTYPE_NAMES = ("float16", "bfloat16", "float32", "float64")
 
 
 def available_ops():
@@ -88,12 +88,8 @@ def _check_ops(ops):
 def _dispatchers():
     """Every numba dispatcher (CPU, and CUDA once numba-cuda is loaded) whose
     Python function lives in numba_ops, the factories' kernels included."""
-    from numba.core.dispatcher import Dispatcher
-    kinds = [Dispatcher]
-    cuda_mod = sys.modules.get("numba.cuda.dispatcher")
-    if cuda_mod is not None and hasattr(cuda_mod, "CUDADispatcher"):
-        kinds.append(cuda_mod.CUDADispatcher)
-    kinds = tuple(kinds)
+    from .kernels._compat import dispatcher_types
+    kinds = dispatcher_types()
     out = []
     for obj in gc.get_objects():
         # (type(), not isinstance(): gc also lists weak proxies, whose referent may be gone)
@@ -106,13 +102,15 @@ def _dispatchers():
 
 def _counts(dispatchers):
     """{id: (dispatcher, cache misses (compiles), cache hits (loads))}."""
-    return {id(d): (d, sum(d._cache_misses.values()), sum(d._cache_hits.values())) for d in dispatchers}
+    from .kernels._compat import cache_counts
+    return {id(d): (d, *cache_counts(d)) for d in dispatchers}
 
 
 def _cache_dirs(dispatchers):
+    from .kernels._compat import cache_path
     dirs = set()
     for d in dispatchers:
-        path = getattr(getattr(d, "_cache", None), "cache_path", None)
+        path = cache_path(d)
         if path:
             dirs.add(path)
     return sorted(dirs)
@@ -155,8 +153,10 @@ def _state(request, calls, dirs):
     (see the module's docstring): a JSON-able dict, equal between two runs only when
     nothing that numba's cache depends on has changed."""
     import hashlib
+
     import numba
-    from numba.core.registry import cpu_target
+
+    from .kernels._compat import cpu_magic_tuple
 
     def files(root, suffixes, recurse):
         out = []
@@ -180,7 +180,7 @@ def _state(request, calls, dirs):
     return {
         "request": request, "calls": hashlib.sha1("\n".join(calls).encode()).hexdigest(),
         "numba": numba.__version__, "python": sys.version,
-        "cpu": [str(v) for v in cpu_target.target_context.codegen().magic_tuple()], "cuda": cuda,
+        "cpu": list(cpu_magic_tuple()), "cuda": cuda,
         "sources": files(os.path.dirname(os.path.abspath(__file__)), (".py",), True),
         "cache": [f for d in dirs for f in files(d, (".nbi", ".nbc"), False)],
     }
@@ -289,7 +289,7 @@ def warm(ops: str | Iterable[str] | None = None, dtypes: str | Iterable[Any] | N
     """
     t0 = time.perf_counter()
     ops = _check_ops(ops)
-    dtypes = _names(dtypes, "dtypes", DTYPE_NAMES, DTYPE_NAMES)
+    dtypes = _names(dtypes, "dtypes", NAMES, NAMES)
     if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
         raise ValueError(f"jobs must be an integer >= 1; got {jobs!r}")
     if devices is None:
@@ -384,19 +384,15 @@ def _uncached(plan, groups):
     (fired after a cache miss, before any compiling) that aborts a numba_ops
     compile: what the cache holds loads, anything else fails at once. CUDA groups
     (their kernels are made per call by factories) always count as uncached."""
-    from numba.core import event
+    from .kernels._compat import on_compile
 
-    class Abort(event.Listener):
-        def on_start(self, ev):
-            if (getattr(ev.data["dispatcher"].py_func, "__module__", "") or "").startswith("numba_ops"):
-                raise _Uncached()
-
-        def on_end(self, ev):
-            pass
+    def abort(dispatcher):
+        if (getattr(dispatcher.py_func, "__module__", "") or "").startswith("numba_ops"):
+            raise _Uncached()
 
     cpu = {g for g in groups if g[2] == "cpu"}
     todo = {g for g in groups if g[2] != "cpu"}
-    with event.install_listener("numba:compile", Abort()):
+    with on_compile(abort):
         for op, dtype, device, public, args, kwargs in plan:
             g = (op, dtype, device)
             if g in cpu and g not in todo:

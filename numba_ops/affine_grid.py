@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import numpy as np
 
 from ._dispatch import as_array, launcher, on_device, resolve_device, result_for
-from ._dtypes import common_float_dtype
+from ._dtypes import common_float_dtype, np_dtype
 from ._validate import as_bool, int_tuple, remember
 
 if TYPE_CHECKING:
@@ -141,7 +141,6 @@ def warm_calls(dtype):
     affine_grid for float dtype name ``dtype`` (``numba_ops.warm`` makes them on
     each device): 2-D and 3-D, each small (serial) and large enough for the
     parallel path."""
-    from ._cases import np_dtype
     from .kernels.cpu._runtime import PARALLEL_MIN_WORK
     dt = np_dtype(dtype)
     calls = []

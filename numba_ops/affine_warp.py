@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import numpy as np
 
 from ._dispatch import as_array, launcher, on_device, resolve_device, result_for
+from ._dtypes import np_dtype
 from ._validate import int_tuple
 from .grid_sample import check_input_sizes, every_mode, parse_attrs, sample_dtypes
 
@@ -122,7 +123,6 @@ def warm_calls(dtype):
     every kernel variant for the float dtype named ``dtype`` (theta's; x of that
     dtype and uint8): 2-D and 3-D, each mode and padding mode (each compiles its
     own kernels), on the serial and the parallel path."""
-    from ._cases import np_dtype
     from .kernels.cpu._runtime import PARALLEL_MIN_WORK
     dt = np_dtype(dtype)
     calls = []

@@ -18,7 +18,8 @@ import time
 
 import numpy as np
 
-from . import _cases
+from . import _accuracy
+from ._dtypes import NAMES
 from .benchmark.machine import version
 
 
@@ -28,15 +29,17 @@ from .benchmark.machine import version
 
 def _cache_location():
     """Where numba keeps numba_ops' compiled kernels, as numba's cache locator decides."""
+    from .kernels._compat import cache_path, dispatcher_types
     from .kernels.cpu import affine_grid as k
-    path = k._parallel._cache._cache_path
+    path = next(cache_path(v) for v in vars(k).values()
+                if isinstance(v, dispatcher_types()) and v.py_func.__module__ == k.__name__)
     how = "NUMBA_CACHE_DIR" if os.environ.get("NUMBA_CACHE_DIR") else "beside the kernels; set NUMBA_CACHE_DIR to move it"
     return f"{path} ({how})"
 
 
 def cmd_info(args):
     if args.cuda:  # the CUDA kernels' resources: compiled here, no GPU needed
-        from .kernels.cuda.resources import report
+        from .benchmark.resources import report
         return report()
     import numba
 
@@ -153,13 +156,12 @@ def _check_one(case, device, through="evaluator"):
     if hasattr(got, "copy_to_host"):
         got = got.copy_to_host()
     dtype = case.inputs[0].dtype
-    why = _cases.compare(got, case.expected, dtype)
+    why = _accuracy.compare(got, case.expected, dtype)
     if why is None and case.spot:  # values quoted on the ONNX page
         flat = np.asarray(got, dtype=np.float64).ravel()
-        rtol, atol = _cases.tolerance(dtype)
-        scale = float(np.abs(case.expected).max())
+        scale = _accuracy.scale_of(np.asarray(case.expected, dtype=np.float64))
         for i, v in case.spot.items():
-            if not abs(flat[i] - v) <= rtol * abs(v) + atol * scale:
+            if _accuracy.compare(flat[i], v, dtype, scale=scale) is not None:
                 return f"value {i} is {flat[i]!r}; the ONNX page shows {v!r}"
     return why
 
@@ -168,10 +170,11 @@ def cmd_check(args):
     device = args.device or "cpu"
     if not _usable(device, "check"):
         return 2
-    cases = _cases.seed_cases()
+    from .benchmark.cases import onnx_backend_cases, seed_cases
+    cases = seed_cases()
     skipped = None
     try:
-        cases += _cases.onnx_backend_cases()
+        cases += onnx_backend_cases()
     except ImportError as exc:
         skipped = f"ONNX backend cases not run: onnx is not installed ({exc}); pip install 'numba_ops[onnx]'"
     # the backend cases once more as models in onnxruntime with numba_ops' nodes (CPU kernels)
@@ -246,7 +249,7 @@ def _parser():
     p = sub.add_parser("bench", help="the benchmark table against the installed peers, or the regression "
                                      "check against a git revision (--against REV)")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cpu")
-    p.add_argument("--dtype", choices=_cases.DTYPE_NAMES, default="float32",
+    p.add_argument("--dtype", choices=NAMES, default="float32",
                    help="numba_ops' input dtype (peers stay float32); default float32")
     p.add_argument("--quick", action="store_true", help="fewer repeats: about a minute")
     p.add_argument("--json", metavar="FILE",
@@ -277,7 +280,7 @@ def _parser():
     p = sub.add_parser("warm", help="compile every kernel variant into numba's on-disk cache; exit 1 on a failure")
     p.add_argument("--op", action="extend", nargs="+", metavar="OP",
                    help="affine_grid, deform_conv, grid_sample, affine_warp; default: all")
-    p.add_argument("--dtype", action="extend", nargs="+", metavar="T", choices=_cases.DTYPE_NAMES,
+    p.add_argument("--dtype", action="extend", nargs="+", metavar="T", choices=NAMES,
                    help="default: all four")
     p.add_argument("--device", action="extend", nargs="+", metavar="D", choices=("cpu", "cuda"),
                    help="default: the usable devices")

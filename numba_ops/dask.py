@@ -54,7 +54,7 @@ from dask.highlevelgraph import HighLevelGraph
 from ._dispatch import as_array, check_device, launcher, on_device, resolve_device, result_for
 from ._validate import IntegerError, int_tuple
 from .affine_grid import affine_grid as _affine_grid
-from .deform_conv import _params
+from .deform_conv import parse_params
 from .deform_conv import deform_conv as _deform_conv
 
 __all__ = ["affine_grid", "deform_conv", "grid_sample", "affine_warp"]
@@ -449,7 +449,7 @@ def deform_conv(x: Any, w: Any, offset: Any, b: Any = None, mask: Any = None, *,
     # the one-call op's errors, nothing computed ("where" it runs is the worker's matter)
     _dry_run(_deform_conv, arrays, ("X", "offset", "mask"), **dict(attrs, device="cpu"))
     x, w, offset, b, mask = arrays.values()
-    p = _params(_stand_in(x, 0), _stand_in(w), *(attrs.get(k, d) for k, d in
+    p = parse_params(_stand_in(x, 0), _stand_in(w), *(attrs.get(k, d) for k, d in
                                                  zip(_DC_ATTRS, (None, None, None, None, 1, 1))))
     nd = p.nd
     spatial = _spatial_chunks(output_chunks, p.out_spatial)

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import numpy as np
 
 from ._dispatch import as_array, launcher, on_device, resolve_device, result_for
-from ._dtypes import common_float_dtype
+from ._dtypes import common_float_dtype, np_dtype
 from ._shapes import DeformParams, out_size
 from ._validate import as_int, int_tuple, remember
 
@@ -22,7 +22,10 @@ def _axes(letter, nd):
     return f"{letter}1" if nd == 1 else f"{letter}1..{letter}{nd}"
 
 
-def _params(x, w, kernel_shape, strides, pads, dilations, group, offset_group):
+def parse_params(x, w, kernel_shape, strides, pads, dilations, group, offset_group):
+    """The checked, normalised attributes (``DeformParams``) of a call with inputs
+    ``x`` and ``w`` (anything with ``ndim`` and ``shape``); ValueError naming the
+    attribute or input otherwise. The Dask front end checks its calls with it too."""
     if x.ndim < 3:
         raise ValueError(f"X must have shape (N, C, D1, ..., Dn) with n >= 1 spatial dims; got {tuple(x.shape)}")
     nd = x.ndim - 2
@@ -233,7 +236,7 @@ def deform_conv(x: ArrayLike, w: ArrayLike, offset: ArrayLike, b: ArrayLike | No
         key = None  # converted (byte order, device copy): such calls never take the fast path
     x, w, offset, b, mask = arrays
     common_float_dtype({"X": x, "W": w, "offset": offset, "B": b, "mask": mask})
-    p = _params(x, w, kernel_shape, strides, pads, dilations, group, offset_group)
+    p = parse_params(x, w, kernel_shape, strides, pads, dilations, group, offset_group)
     N, oC = x.shape[0], w.shape[0]
     og, K, nd = p.offset_group, p.K, p.nd
     _check_shape(offset, "offset", (N, og * K * nd) + p.out_spatial,
@@ -256,7 +259,6 @@ def warm_calls(dtype):
     each device): n = 1, 2, 3 spatial dims, each on the direct (tiny), serial
     (small) and parallel path, without and with B and mask. Sizes follow the
     CPU launcher's thresholds: 2 channels in and out, a kernel of 2 per axis."""
-    from ._cases import np_dtype
     from .kernels.cpu._deform_plan import DIRECT_MAX
     from .kernels.cpu._runtime import PARALLEL_MIN_WORK
     dt = np_dtype(dtype)

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ._dispatch import as_array, launcher, on_device, resolve_device, result_for
-from ._dtypes import SUPPORTED, common_float_dtype, entry
+from ._dtypes import SUPPORTED, common_float_dtype, entry, np_dtype
 from ._validate import as_bool
 from .kernels._modes import MODES, PADDING_MODES
 
@@ -153,7 +153,6 @@ def warm_calls(dtype):
     every kernel variant for the float dtype named ``dtype`` (the grid's; x of that
     dtype and uint8): each r = 1, 2, 3, mode and padding mode (each compiles its
     own kernels), on the serial and the parallel path."""
-    from ._cases import np_dtype
     from .kernels.cpu._runtime import PARALLEL_MIN_WORK
     dt = np_dtype(dtype)
     calls = []

@@ -3,30 +3,19 @@ import itertools
 import math
 import threading
 
-import ml_dtypes
 import numpy as np
 
-from numba_ops._cases import affine_grid_f64 as affine_grid_ref  # noqa: F401  (one definition, shared with `numba-ops check`)
-
-
-#: API.md's accuracy per result dtype (relative, and times the output's scale absolute);
-#: 16-bit: about 2 ulp of the output's scale (two roundings of one float32 computation)
-TOL = {np.dtype(np.float32): 1e-5, np.dtype(np.float64): 1e-12,
-       np.dtype(np.float16): 2e-3, np.dtype(ml_dtypes.bfloat16): 1.6e-2}
+from numba_ops._accuracy import compare
+from numba_ops.benchmark.cases import affine_grid_f64 as affine_grid_ref  # noqa: F401  (one definition, shared with `numba-ops check`)
 
 
 def assert_api_close(got, want, dtype):
-    """API.md accuracy: rel tol plus tol x the largest finite |exact output|;
-    non-finite entries must match exactly (NaN where NaN, same-signed Inf)."""
-    tol = TOL[np.dtype(dtype)]
-    got = np.asarray(got, dtype=np.float64)
-    want = np.asarray(want, dtype=np.float64)
-    assert got.shape == want.shape
-    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
-    fin = np.isfinite(want)
-    np.testing.assert_array_equal(got[~fin & ~np.isnan(want)], want[~fin & ~np.isnan(want)])
-    scale = np.abs(want[fin]).max() if fin.any() else 0.0
-    np.testing.assert_allclose(got[fin], want[fin], rtol=tol, atol=tol * scale)
+    """The API's accuracy (``numba_ops._accuracy``) of a result of ``dtype`` against
+    the exact ``want``: float32/float64 within rel tol plus tol x the largest finite
+    |exact output|; float16/bfloat16 the float32 computation rounded once, within 1
+    ulp of the output dtype; non-finite entries exactly (NaN where NaN, same-signed Inf)."""
+    why = compare(got, want, dtype)
+    assert why is None, why
 
 
 def _sample(xc, pos):

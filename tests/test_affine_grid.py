@@ -30,7 +30,7 @@ def test_seed_examples(name, device):
 
 
 def test_onnx_backend_cases(device):
-    from numba_ops._cases import onnx_backend_cases
+    from numba_ops.benchmark.cases import onnx_backend_cases
     cases = [c for c in onnx_backend_cases() if c.op == "AffineGrid"]
     assert len(cases) >= 4
     for case in cases:

@@ -59,7 +59,8 @@ def compile_kernels(which, cc):
         nvvm.NVVM()
     except Exception as exc:  # loud: without NVVM nothing here type-checks
         raise AssertionError(f"libNVVM is missing, so the CUDA kernels cannot be compiled or type-checked: {exc}")
-    from numba_ops.kernels.cuda import _device, affine_grid, affine_warp, deform_conv, grid_sample, resources
+    from numba_ops.benchmark import resources
+    from numba_ops.kernels.cuda import _device, affine_grid, affine_warp, deform_conv, grid_sample
     module = {"affine_grid": affine_grid, "deform_conv": deform_conv, "pack": _device,
               "grid_sample": grid_sample, "affine_warp": affine_warp}[which]
     jobs = list(module.compile_jobs())
@@ -589,11 +590,11 @@ def test_size_on_the_device():
 
 
 def test_one_definition_of_a_device_array():
-    """_dispatch and kernels/cuda/_device both take it from numba_ops/_arrays.py, and
+    """_dispatch and kernels/cuda/_device both take it from numba_ops/kernels/_arrays.py, and
     _device imports nothing from _dispatch (no import circle)."""
     import ast
 
-    from numba_ops import _arrays
+    from numba_ops.kernels import _arrays
     from numba_ops.kernels.cuda import _device
     assert _dispatch.on_device is _arrays.on_device
     assert _device.is_numba_device_array is _arrays.is_numba_device_array

@@ -14,7 +14,7 @@ import pytest
 
 import numba_ops
 from numba_ops._dispatch import launcher
-from numba_ops.deform_conv import _params
+from numba_ops.deform_conv import parse_params
 from numba_ops.kernels.cpu import _deform_plan as dc_plan
 from reference import assert_api_close, deform_conv_ref, in_threads
 
@@ -95,7 +95,7 @@ def make(rng, N=5, C=4, D=(6, 7), oC=4, k=(2, 3), pads=None, strides=None, dil=N
     x = rng.standard_normal((N, C) + tuple(D))
     w = rng.standard_normal((oC, C // group) + tuple(k))
     att = dict(kernel_shape=list(k), pads=pads, strides=strides, dilations=dil, group=group, offset_group=og)
-    p = _params(x, w, k, strides, pads, dil, group, og)
+    p = parse_params(x, w, k, strides, pads, dil, group, og)
     K = p.K
     ins = dict(x=x, w=w, offset=1.5 * rng.standard_normal((N, og * K * n) + p.out_spatial),
                b=rng.standard_normal(oC) if bias else None,
@@ -288,7 +288,7 @@ def _deps(task):
 # --- threads on distributed workers --------------------------------------------------------------
 
 def _cases_inputs():
-    from numba_ops import _cases
+    from numba_ops.benchmark import cases as _cases
     return _cases.deform_inputs("dc_r50_c64_56", small=True)
 
 
@@ -434,7 +434,7 @@ def test_launch_origin(case, blk, device, path, monkeypatch):
     rng = np.random.default_rng(10)
     x = rng.standard_normal((N, C) + D)
     w = rng.standard_normal((oC, C // group) + k)
-    p = _params(x, w, None, strides, pads, dil, group, og)
+    p = parse_params(x, w, None, strides, pads, dil, group, og)
     off = 2 * rng.standard_normal((N, og * p.K * p.nd) + p.out_spatial)
     off.flat[::7] = 40.0  # far outside
     m = rng.random((N, og * p.K) + p.out_spatial)
@@ -551,14 +551,14 @@ def test_launch_origin_32bit_limit():
     x = rng.standard_normal((1, 2, 4, 8))
     w = rng.standard_normal((2, 2, 2, 2))
     s = 1 << 28
-    p = _params(x, w, None, [1, s], [0, 0, 0, s], None, 1, 1)
+    p = parse_params(x, w, None, [1, s], [0, 0, 0, s], None, 1, 1)
     assert p.out_spatial == (3, 2) and p.strides == (1, s)
     off = 0.7 * rng.standard_normal((1, 8, 3, 2))
     whole = numba_ops.deform_conv(x, w, off, strides=[1, s], pads=[0, 0, 0, s])
     fast = lambda st: st.tilings[1].plan.fast  # noqa: E731  (the 32-bit plans' rank, or 0)
     pb = p._replace(out_spatial=(1, 1))
     assert fast(dc_plan.State(x, w, pb, (0, 1))) == 0  # ends at output 2: 2 * 2**28
-    q = _params(x, w, None, [1, 2], [0, 0, 0, 2], None, 1, 1)
+    q = parse_params(x, w, None, [1, 2], [0, 0, 0, 2], None, 1, 1)
     assert fast(dc_plan.State(x, w, q._replace(out_spatial=(1, 1)), (0, 1))) == 2
     run = launcher("deform_conv", "cpu", x.dtype)
     for h in range(3):

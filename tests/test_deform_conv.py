@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import numba_ops
-from numba_ops import _cases
+from numba_ops.benchmark import cases as _cases
 from numba_ops.kernels.cpu import _deform_plan as dc_plan
 from reference import assert_api_close, deform_conv_ref
 

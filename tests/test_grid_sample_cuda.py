@@ -66,7 +66,7 @@ def test_affine_warp_cuda_equals_cpu(r, mode, padding, dtype):
 
 
 def _is_device(a):
-    from numba_ops._arrays import is_numba_device_array
+    from numba_ops.kernels._arrays import is_numba_device_array
     return is_numba_device_array(a)
 
 

@@ -222,7 +222,7 @@ def test_import_numba_ops_does_not_import_onnx():
 def test_16_bit_models(rng, dtype):
     """float16 and bfloat16 models: the evaluator hands our ops the 16-bit arrays and
     returns exactly what the Python API gives."""
-    from numba_ops._cases import np_dtype
+    from numba_ops._dtypes import np_dtype
     dt = np_dtype(dtype)
     et = TP.FLOAT16 if dtype == "float16" else TP.BFLOAT16
     feeds, attrs = _deform_inputs(rng, np.float32)
@@ -328,7 +328,7 @@ def test_evaluator_takes_more_ops(rng):
 # --- GridSample, AffineWarp and fuse ------------------------------------------------------
 
 def _gs_backend_cases():
-    from numba_ops._cases import onnx_backend_cases
+    from numba_ops.benchmark.cases import onnx_backend_cases
     return [c for c in onnx_backend_cases() if c.op == "GridSample"]
 
 

@@ -1,4 +1,4 @@
-"""The CUDA resource report (kernels/cuda/resources.py, ``numba-ops info --cuda``):
+"""The CUDA resource report (benchmark/resources.py, ``numba-ops info --cuda``):
 every kernel compiled for sm_80 and sm_90 at its launch bounds and assembled by
 ptxas spills nothing. Needs libNVVM and a PTX assembler (the CUDA toolkit's or
 the nvidia-cuda-nvcc wheel's ptxas, or nvJitLink), not a GPU."""
@@ -18,7 +18,7 @@ ROOT = os.path.dirname(HERE)
 
 def _assemblers():
     try:
-        from numba_ops.kernels.cuda import resources
+        from numba_ops.benchmark import resources
     except ImportError as exc:  # numba-cuda is not installed
         return None, f"numba-cuda is not installed ({exc})"
     found = resources.assemblers()
@@ -30,7 +30,7 @@ ASSEMBLERS, WHY = _assemblers()
 
 def test_occupancy_arithmetic():
     pytest.importorskip("numba.cuda")
-    from numba_ops.kernels.cuda.resources import occupancy
+    from numba_ops.benchmark.resources import occupancy
     # 256 threads, 128 registers: 8 warps x 4096 registers each = 32768 per block: 2 blocks
     assert occupancy((9, 0), 256, 128, 15000) == (2, 16, "registers")
     # 32 registers: 8 blocks of 256 threads fill the 2048 threads (and the registers exactly)
@@ -49,7 +49,7 @@ def test_no_kernel_spills():
     assembler found (nvJitLink's ptxas is the one numba-cuda links kernels with)."""
     code = textwrap.dedent("""
         import json
-        from numba_ops.kernels.cuda import resources
+        from numba_ops.benchmark import resources
         print(json.dumps([r._asdict() for r in resources.measure()]))
     """)
     if _dispatch.cuda_simulator():  # the simulator replaces numba-cuda's compiler in this process
@@ -59,7 +59,7 @@ def test_no_kernel_spills():
         assert proc.returncode == 0, proc.stderr[-4000:]
         rows = json.loads(proc.stdout.strip().splitlines()[-1])
     else:
-        from numba_ops.kernels.cuda import resources
+        from numba_ops.benchmark import resources
         rows = [r._asdict() for r in resources.measure()]
     labels = {r["label"] for r in rows}
     assert any(lb.startswith("deform_conv/") for lb in labels) and any(lb.startswith("affine_grid.") for lb in labels)
@@ -74,7 +74,7 @@ def test_no_kernel_spills():
 def test_info_cuda_calls_the_report(monkeypatch):
     pytest.importorskip("numba.cuda")
     from numba_ops import cli
-    from numba_ops.kernels.cuda import resources
+    from numba_ops.benchmark import resources
     calls = []
     monkeypatch.setattr(resources, "report", lambda argv=(): calls.append(argv) or 0)
     assert cli.main(["info", "--cuda"]) == 0 and calls == [()]
@@ -87,7 +87,7 @@ def test_report_table():
     # NUMBA_ENABLE_CUDASIM as this run has it: in the simulator pass the report
     # re-runs itself without the simulator
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "-m", "numba_ops.kernels.cuda.resources", "affine_grid.grid/2d/float32"],
+    proc = subprocess.run([sys.executable, "-m", "numba_ops.benchmark.resources", "affine_grid.grid/2d/float32"],
                           capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
@@ -105,8 +105,8 @@ def test_roofline_of_the_bench_cases():
     """The roofline on paper (README, "GPU") covers every bench case with the case
     table's own work figures."""
     pytest.importorskip("numba.cuda")
-    from numba_ops import _cases
-    from numba_ops.kernels.cuda.resources import roofline
+    from numba_ops.benchmark import cases as _cases
+    from numba_ops.benchmark.resources import roofline
     rows = {r["case"]: r for r in roofline()}
     assert set(rows) == set(_cases.AFFINE) | set(_cases.DEFORM) | set(_cases.SAMPLE)
     for name in _cases.AFFINE:

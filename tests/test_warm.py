@@ -33,7 +33,7 @@ CALLS = r"""
 import json, sys
 import numpy as np
 from numba.core import event
-from numba_ops._cases import np_dtype
+from numba_ops._dtypes import np_dtype
 
 compiles = event.RecordingListener()
 event.register("numba:compile", compiles)
@@ -255,10 +255,10 @@ def test_warm_calls_in_a_fresh_process(op):
     where nothing has imported ml_dtypes yet), for every dtype name, bfloat16 first."""
     code = textwrap.dedent("""
         import importlib, sys
-        from numba_ops._warm import DTYPE_NAMES
+        from numba_ops._dtypes import NAMES
         front = importlib.import_module("numba_ops." + sys.argv[1])
         assert "ml_dtypes" not in sys.modules
-        for name in sorted(DTYPE_NAMES):
+        for name in sorted(NAMES):
             calls = front.warm_calls(name)
             assert calls and all(a.dtype.name in (name, "uint8") for args, _ in calls for a in args
                                  if hasattr(a, "dtype")), name

@@ -11,7 +11,8 @@
 - ``stats``: the ratio of two versions with its confidence interval, and the verdict;
 - ``machine``: the machine's metadata saved with each run, the BLAS and the
   ``OPENBLAS_CORETYPE`` warning;
-- ``plot``: ``--plot FILE.png`` (matplotlib).
-
-Every part is driven by the case table, ``numba_ops._cases``.
+- ``plot``: ``--plot FILE.png`` (matplotlib);
+- ``cases``: the case table (bench cases, conformance cases) that drives every part;
+- ``resources``: the CUDA kernels' registers, spills and occupancy, and the roofline
+  of the bench cases (``numba-ops info --cuda``).
 """

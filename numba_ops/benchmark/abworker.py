@@ -4,8 +4,9 @@
 
 It is self-contained (standard library only) and always comes from the *current*
 source tree, for both sides of the comparison; from ``TREE`` (the current tree or
-REV's worktree) it imports only the case module (``numba_ops._cases`` unless the
-config names another), whose ``CASES`` lists (op, name) pairs and whose
+REV's worktree) it imports only the case module (``numba_ops.benchmark.cases``, or
+``numba_ops._cases`` in a REV from before it moved, unless the config names
+another), whose ``CASES`` lists (op, name) pairs and whose
 ``call(name, dtype, device=...)`` returns a zero-argument function that runs a
 case. So an old REV, whose harness differed or did not exist, is timed by the
 same code as the current tree.
@@ -31,6 +32,9 @@ def _load_protocol():
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+#: the case table's module before it moved, for a REV that old
+OLD_NAMES = {"numba_ops.benchmark.cases": "numba_ops._cases"}
 
 
 _emit = _load_protocol().emit
@@ -100,7 +104,13 @@ def main(argv):
     here = os.path.dirname(os.path.abspath(__file__))
     sys.path[:] = [tree] + [p for p in sys.path if p and os.path.abspath(p) not in (here, tree)]
     try:
-        mod = importlib.import_module(cfg["cases_module"])
+        name = cfg["cases_module"]
+        try:
+            mod = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if name not in OLD_NAMES or not name.startswith(exc.name or "?"):
+                raise
+            mod = importlib.import_module(OLD_NAMES[name])
         where = os.path.abspath(mod.__file__)
         if not where.startswith(tree + os.sep):
             raise ImportError(f"{cfg['cases_module']} came from {where}, not from {tree}")

@@ -39,7 +39,7 @@ FULL = {"rounds": 16, "warmup_s": 0.05, "turn_s": 0.3, "min_calls": 10, "max_cal
 #: idle before each turn: numba_ops' libgomp spins ~0.1 s after a call (kernels/cpu/_runtime.py)
 SETTLE_S = 0.15
 THRESHOLD = 0.10
-CASES_MODULE = "numba_ops._cases"
+CASES_MODULE = "numba_ops.benchmark.cases"
 _WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "abworker.py")
 
 

@@ -1,7 +1,7 @@
 """The benchmark table of ``numba-ops bench``, saved runs (``--json``) and
 ``--compare`` with one.
 
-``bench`` times every case of ``numba_ops._cases`` (the case names of the shared
+``bench`` times every case of ``numba_ops.benchmark.cases`` (the case names of the shared
 peer benchmark) with numba_ops and with each installed peer (onnxruntime,
 PyTorch/torchvision), each implementation in a process of its own so that the
 runtimes' thread pools do not fight over the cores. A case is timed warm (median
@@ -36,7 +36,7 @@ import time
 import numpy as np
 from numba import prange
 
-from .. import _cases
+from . import cases as _cases
 from . import machine, protocol, stats
 
 PEERS = ("onnxruntime", "torch")

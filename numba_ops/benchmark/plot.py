@@ -19,7 +19,7 @@ def _pyplot():
 
 def _order(names):
     """The case table's order (saved runs sort their keys), unknown names last."""
-    from .. import _cases
+    from . import cases as _cases
     known = [n for _, n in _cases.CASES if n in names]
     return known + [n for n in names if n not in known]
 

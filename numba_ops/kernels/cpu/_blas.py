@@ -14,8 +14,9 @@ import os
 import threading
 
 from numba import types
-from numba.core import cgutils
 from numba.extending import intrinsic
+
+from .._compat import blas, cgutils
 
 
 def _xxgemm(context, builder, dt):
@@ -23,7 +24,7 @@ def _xxgemm(context, builder, dt):
     being built, and the BLAS kind letter of float type ``dt`` as a byte: numba's
     internals, kept in this one function."""
     from llvmlite import ir
-    from numba.np.linalg import ensure_blas, get_blas_kind
+    ensure_blas, get_blas_kind = blas()
     ensure_blas()
     char, vp = ir.IntType(8), ir.IntType(8).as_pointer()
     ip = context.get_value_type(types.intp)

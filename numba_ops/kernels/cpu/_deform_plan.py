@@ -20,7 +20,7 @@ from typing import NamedTuple
 import numpy as np
 from numba import njit
 
-from ..._dtypes import compute, storage
+from .._dtypes import compute, storage
 from . import _runtime
 
 #: the scratch budget of one call: padded images plus every thread's tile buffers.

@@ -21,8 +21,9 @@ measured at the cost of scalar loads (an earlier probe, not this kernel).
 """
 from llvmlite import ir
 from numba import types
-from numba.core import cgutils
 from numba.extending import intrinsic, overload
+
+from .._compat import cgutils, insert
 
 
 def lanes(pw):
@@ -157,7 +158,7 @@ def gathered(typingctx, x, xf, res, xb, base, pidx, pw, pok, j, mtok, s1, s2, in
                 ok2 = builder.and_(ok, inside(k, t)) if mask_taps else ok
                 if k == r - 1:
                     ptrs = _VectorGEP(builder.block, first, o2)
-                    builder._insert(ptrs)
+                    insert(builder, ptrs)
                     if size < 4:
                         ptrs = builder.bitcast(ptrs, vptr)
                     v = builder.call(gather, [ptrs, ir.Constant(ir.IntType(32), size),  # (the element's alignment)

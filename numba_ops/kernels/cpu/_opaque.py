@@ -32,8 +32,9 @@ import importlib
 
 from llvmlite import binding as ll
 from numba import types
-from numba.core import cgutils
 from numba.extending import intrinsic
+
+from .._compat import add_reload_init, cgutils
 
 INTERNAL = dict(cache=True, no_cpython_wrapper=True, no_cfunc_wrapper=True)
 
@@ -67,7 +68,7 @@ def opaque(dispatcher):
         reload = functools.partial(_reload, dispatcher.py_func.__module__, dispatcher.py_func.__qualname__, args)
 
         def codegen(context, builder, sig, llargs):
-            context.active_code_library._reload_init.add(reload)
+            add_reload_init(context, reload)
             vals = cgutils.unpack_tuple(builder, llargs[0], len(args))
             fnty = context.call_conv.get_function_type(fndesc.restype, fndesc.argtypes)
             fn = cgutils.get_or_insert_function(builder.module, fnty, name)

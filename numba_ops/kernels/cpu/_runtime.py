@@ -28,7 +28,8 @@ import threading
 import warnings
 
 import numba
-from numba.np.ufunc import parallel as _parallel
+
+from .._compat import pool_started, pool_thread_count
 
 if "NUMBA_THREADING_LAYER" not in os.environ and "NUMBA_THREADING_LAYER_PRIORITY" not in os.environ:
     # in the environment too: numba re-reads its config from it when it changes
@@ -49,7 +50,7 @@ _warned = False
 
 def _after_fork_in_child():
     global _forked_after_omp
-    if _parallel._is_initialized and numba.threading_layer() == "omp":
+    if pool_started() and numba.threading_layer() == "omp":
         _forked_after_omp = True
 
 
@@ -76,8 +77,7 @@ def num_threads():
     is read from numba's thread-local slot; ``get_num_threads()`` takes a
     multiprocessing lock on every call, which beside a spinning pool costs 5-15 us
     (2-4 % of a large AffineGrid here)."""
-    get = getattr(_parallel, "_get_num_threads", None)  # numba's ctypes binding, set as the pool starts
-    n = get() if get is not None and _parallel._is_initialized else 0
+    n = pool_thread_count()
     return n if n > 0 else numba.get_num_threads()
 
 

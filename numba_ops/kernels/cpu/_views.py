@@ -8,8 +8,9 @@ that the array is C-contiguous (numba's type says so, or they refuse it) and, fo
 ``shaped``, that the new shape holds exactly its elements.
 """
 from numba import types
-from numba.core import cgutils
 from numba.extending import intrinsic
+
+from .._compat import cgutils, struct_value
 
 
 def _view(context, builder, aty, arr, rt, shape):
@@ -22,7 +23,7 @@ def _view(context, builder, aty, arr, rt, shape):
     context.populate_array(out, data=src.data, shape=cgutils.pack_array(builder, shape),
                            strides=cgutils.pack_array(builder, strides), itemsize=src.itemsize,
                            meminfo=src.meminfo, parent=src.parent)
-    res = out._getvalue()
+    res = struct_value(out)
     context.nrt.incref(builder, rt, res)
     return res
 

@@ -29,17 +29,18 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
-from ..._dtypes import compute, storage
+from .._dtypes import NAMES, compute, storage
 from .._scalar import base_coord, f32_to_bf16_bits_rne, store
 from . import _runtime
 from ._opaque import INTERNAL, opaque
 from ._views import flat
 
-DTYPES = ("float16", "bfloat16", "float32", "float64")
+DTYPES = NAMES  # the dtypes these kernels take (the dispatcher checks them)
 
 
 @njit(**INTERNAL)
-def _coords(length, align, one):
+def base_coords(length, align, one):
+    """The ``length`` base coordinates of one axis in the type of ``one`` (affine_warp's kernels share them)."""
     c = np.empty(length, dtype=type(one))
     for i in range(length):
         c[i] = base_coord(i, length, align, one)
@@ -73,10 +74,10 @@ def _rows(theta, grid, D, H, W, align, one, r0, r1):
     out = flat(grid)  # 3-D comes flat; 2-D is (N, H, W, 2)
     nd = theta.shape[1]
     L = W * nd
-    xs = _coords(W, align, one)
-    ys = _coords(H, align, one)
+    xs = base_coords(W, align, one)
+    ys = base_coords(H, align, one)
     if grid.ndim == 1:
-        zs = _coords(D, align, one)
+        zs = base_coords(D, align, one)
         P = np.empty(L, dtype=type(one))  # the 3-D tables (above)
         Q = np.empty_like(P)
     n_q = -1

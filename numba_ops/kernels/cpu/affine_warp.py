@@ -14,15 +14,15 @@ bits).
 import numpy as np
 from numba import njit, prange
 
-from ..._dtypes import compute
+from .._dtypes import NAMES, compute
 from .._sample import TAPS, as_compute, unnormalize
 from . import _runtime
 from ._opaque import INTERNAL, opaque
-from .affine_grid import _coords
+from .affine_grid import base_coords
 from .grid_sample import SEG, TOKEN, ZERO, accumulate, kernel_view, output_for, plan, public, scratch
 
 #: theta dtypes; ``x`` has the same dtype, or uint8
-DTYPES = ("float16", "bfloat16", "float32", "float64")
+DTYPES = NAMES  # the dtypes these kernels take (the dispatcher checks them)
 
 
 @njit(**INTERNAL)
@@ -36,9 +36,9 @@ def _units(x, xf, theta, out, D, H, W, mtok, ptok, align, zero, u0, u1):
     S = xf.size // (N * C)
     nseg = (W + SEG - 1) // SEG
     one = as_compute(zero, 1)
-    xs = _coords(W, align, one)
-    ys = _coords(H, align, one)
-    zs = _coords(D, align, one)
+    xs = base_coords(W, align, one)
+    ys = base_coords(H, align, one)
+    zs = base_coords(D, align, one)
     pos, base, pidx, pw, pok, kind, res = scratch(zero)
     for u in range(u0, u1):
         row = u // nseg

@@ -77,9 +77,10 @@ thread's tile buffers: columns, GEMM tile, plan indices, weights and masks), ``a
 """
 import numpy as np
 from numba import njit, prange, types
-from numba.core.imputils import impl_ret_borrowed
 from numba.extending import intrinsic, overload
 
+from .._compat import impl_ret_borrowed
+from .._dtypes import NAMES
 from .._sample import as_compute
 from .._scalar import border_corner, load, store
 from . import _runtime
@@ -89,7 +90,7 @@ from ._deform_plan import (padded_extent, state, tile_parts, unpack_geometry, un
 from ._opaque import INTERNAL, opaque
 from ._views import flat, flat3, shaped
 
-DTYPES = ("float16", "bfloat16", "float32", "float64")
+DTYPES = NAMES  # the dtypes these kernels take (the dispatcher checks them)
 
 
 # --- compute-type and typing helpers --------------------------------------------------------

@@ -48,7 +48,7 @@ data is widened on load and rounded once on store (float32 accumulation); uint8
 import numpy as np
 from numba import njit, prange
 
-from ..._dtypes import compute, storage
+from .._dtypes import NAMES, compute, storage
 from .._sample import (BORDER, CUBIC, LINEAR, NEAREST, REFLECTION, TAPS, ZEROS, as_compute, cubic_at, cubic_weights,
                        linear_at, load_sample, nearest_at, period, reflect_near, split_coord, split_near,
                        store_sample, unnormalize)
@@ -58,7 +58,7 @@ from ._gather import gather_safe, gathered, lanes
 from ._opaque import INTERNAL, opaque
 
 #: grid dtypes; ``x`` has the same dtype, or uint8
-DTYPES = ("float16", "bfloat16", "float32", "float64")
+DTYPES = NAMES  # the dtypes these kernels take (the dispatcher checks them)
 
 #: output positions per segment (the plan's length: 3 axes x 4 taps x SEG entries stay in L1)
 SEG = 256

@@ -27,42 +27,15 @@ import numpy as np
 from numba import cuda
 from numba.extending import overload
 
-try:  # numba-cuda keeps its own config; numba's built-in target used numba's
-    from numba.cuda.core import config as _cuda_config
-except ImportError:  # pragma: no cover - other numba-cuda layouts
-    from numba.core import config as _cuda_config
+from .. import _compat
+from .._arrays import is_numba_device_array
+from .._dtypes import BFLOAT16, DTYPES, SUPPORTED, storage
 
-from ..._arrays import is_numba_device_array
-from ..._dtypes import BFLOAT16, DTYPES, SUPPORTED, storage
-
-SIMULATOR = bool(_cuda_config.ENABLE_CUDASIM)
+SIMULATOR = _compat.cuda_simulator_enabled()
 
 
-def _register_np_floor():
-    """numba-cuda (0.30) types ``np.floor`` on scalars but has no lowering for it
-    in its ufunc table, though ``math.floor``'s libdevice one (``__nv_floor[f]``,
-    one ``cvt.rmi`` instruction) is there. The shared ``border_corner`` uses
-    ``np.floor`` (a float result, so the CPU loop vectorises); register that
-    lowering so the same helper compiles for the GPU. No-op if numba-cuda already
-    has it; the simulator runs helpers on the CPU and needs nothing."""
-    import math
-
-    try:
-        from numba.cuda import ufuncs
-        from numba.cuda.mathimpl import get_unary_impl_for_fn_and_ty
-    except ImportError:  # pragma: no cover - a layout without this table; compile_ptx tests tell
-        return
-
-    def floor_impl(context, builder, sig, args):
-        return get_unary_impl_for_fn_and_ty(math.floor, sig.args[0])(context, builder, sig, args)
-
-    db = ufuncs.ufunc_db()
-    if np.floor not in db:
-        db[np.floor] = {"f->f": floor_impl, "d->d": floor_impl}
-
-
-if not SIMULATOR:
-    _register_np_floor()
+if not SIMULATOR:  # shared helpers use np.floor (a float result, so the CPU loop vectorises)
+    _compat.register_np_floor()
 
 #: threads per block for the element-wise kernels; the simulator runs every
 #: thread as a Python thread, so it gets few (and few blocks, which also makes
@@ -74,41 +47,8 @@ MAX_BLOCKS = 3 if SIMULATOR else 1 << 16
 _SIM_LOCK = threading.RLock()
 
 
-def _lock_simulated_shared_arrays():
-    """numba-cuda's simulated ``cuda.shared.array`` looks up the block's array for the
-    calling line and creates it when missing, without a lock: two threads of a block
-    can each create their own, and then never see each other's writes (garbage reads:
-    2 launches in 300 of a 16-thread kernel here; CI saw it). Replace it with the same
-    lookup under a lock. (Static arrays only; the dynamic case keeps the original.)"""
-    try:
-        from numba.cuda.simulator import kernelapi
-        shared = kernelapi.FakeCUDAShared
-    except (ImportError, AttributeError):  # another numba-cuda layout: leave it alone
-        return
-    if getattr(shared.array, "_numba_ops_locked", False):
-        return
-    original = shared.array
-    lock = threading.Lock()
-
-    def array(self, shape, dtype, alignment=None):
-        if alignment is not None or shape == 0 or not hasattr(self, "_allocations"):
-            return original(self, shape, dtype, alignment)
-        if isinstance(dtype, kernelapi.types.Type):
-            dtype = kernelapi.numpy_support.as_dtype(dtype)
-        frame = sys._getframe(1)
-        caller = (frame.f_code.co_filename, frame.f_lineno)  # the original's key
-        with lock:
-            res = self._allocations.get(caller)
-            if res is None:
-                res = self._allocations[caller] = np.empty(shape, dtype)
-        return res
-
-    array._numba_ops_locked = True
-    shared.array = array
-
-
-if SIMULATOR:
-    _lock_simulated_shared_arrays()
+if SIMULATOR:  # its shared arrays are made without a lock: garbage reads (CI saw them)
+    _compat.lock_simulated_shared_arrays()
 
 
 @contextlib.contextmanager
@@ -135,11 +75,7 @@ def launch_guard():
 # --- streams (every op's ``stream=``) ---------------------------------------------
 
 def _stream_type():
-    if SIMULATOR:
-        from numba.cuda.simulator.api import stream as cls  # the simulator's (synchronous) stream
-    else:
-        from numba.cuda.cudadrv.driver import Stream as cls
-    return cls
+    return _compat.stream_type(SIMULATOR)
 
 
 def _handle(stream):
@@ -243,8 +179,7 @@ class _HostView:
 
 def _from_interface(desc, owner):
     if SIMULATOR:
-        from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
-        return FakeCUDAArray(np.asarray(_HostView(desc, owner)))
+        return _compat.simulated_device_array(np.asarray(_HostView(desc, owner)))
     # not synchronised here: the launcher knows the call's stream (await_producers)
     return cuda.from_cuda_array_interface(desc, owner=owner, sync=False)
 
@@ -330,7 +265,7 @@ def compile_jobs():
     """(label, kernel, argument types) of ``_pack`` for every storage dtype (and
     uint8) and a few ranks: what ``compile_ptx`` type-checks (tests/test_cuda.py)."""
     from numba import types
-    from numba.np.numpy_support import from_dtype
+    from numba import from_dtype
     for dt in list(DTYPES) + [np.dtype(np.uint8)]:  # uint8: GridSample's x
         st = from_dtype(np.dtype(np.uint8) if dt == np.uint8 else storage(dt))
         for rank in (1, 3, 5):

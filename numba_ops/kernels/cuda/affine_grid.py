@@ -26,17 +26,21 @@ import functools
 import numpy as np
 from numba import cuda
 
-from ..._dtypes import compute, storage
+from .._dtypes import NAMES, compute, storage
 from .._scalar import base_coord, load, store
 from . import _device
 
-DTYPES = ("float16", "bfloat16", "float32", "float64")
+DTYPES = NAMES  # the dtypes these kernels take (the dispatcher checks them)
+
+
+#: threads per block per spatial axis on a GPU
+GPU_THREADS_PER_AXIS = 64
 
 
 def threads(nd):
     """Threads per block: a multiple of nd (the component a thread writes is fixed)
     and of the warp size; 8 elements per thread on a 512-wide row."""
-    return 2 * nd if _device.SIMULATOR else 64 * nd
+    return 2 * nd if _device.SIMULATOR else GPU_THREADS_PER_AXIS * nd
 
 
 @functools.lru_cache(maxsize=None)
@@ -90,7 +94,7 @@ def kernels(ct, nd):
 
 
 def block_size(label):
-    """Threads per block the launcher uses for a ``compile_jobs`` label (resources.py)."""
+    """Threads per block the launcher uses for a ``compile_jobs`` label (benchmark/resources.py)."""
     if label.startswith("affine_grid.grid/"):
         return threads(int(label.split("/")[1][0]))
     return _device.THREADS
@@ -100,8 +104,8 @@ def compile_jobs():
     """(label, kernel, argument types) for every kernel, dtype and nd: what
     ``compile_ptx`` type-checks (tests/test_cuda.py)."""
     from numba import types
-    from numba.np.numpy_support import from_dtype
-    from ..._dtypes import DTYPES as ALL
+    from numba import from_dtype
+    from .._dtypes import DTYPES as ALL
     i64 = types.int64
     for dt in ALL:
         ct = compute(dt).type

@@ -16,14 +16,14 @@ import functools
 import numpy as np
 from numba import cuda
 
-from ..._dtypes import compute
+from .._dtypes import NAMES, compute
 from .._sample import load_sample, unnormalize
 from .._scalar import base_coord
 from . import _device
-from .grid_sample import MAX_R, MODE_NAMES, block_size, bounds, run, sampler, signatures  # noqa: F401 (block_size: resources.py)
+from .grid_sample import MAX_R, MODE_NAMES, block_size, bounds, run, sampler, signatures  # noqa: F401 (block_size: benchmark/resources.py)
 
 #: theta dtypes; ``x`` has the same dtype, or uint8
-DTYPES = ("float16", "bfloat16", "float32", "float64")
+DTYPES = NAMES  # the dtypes these kernels take (the dispatcher checks them)
 
 
 @functools.lru_cache(maxsize=None)

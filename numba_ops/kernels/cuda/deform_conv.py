@@ -88,11 +88,11 @@ from typing import NamedTuple
 import numpy as np
 from numba import cuda
 
-from ..._dtypes import compute, storage
+from .._dtypes import NAMES, compute, storage
 from .._scalar import border_corner, load, store
 from . import _device
 
-DTYPES = ("float16", "bfloat16", "float32", "float64")
+DTYPES = NAMES  # the dtypes these kernels take (the dispatcher checks them)
 
 
 class Tiles(NamedTuple):
@@ -371,8 +371,8 @@ def compile_jobs():
     """(label, kernel, argument types) for every GPU variant and dtype: what
     ``compile_ptx`` type-checks (tests/test_cuda.py)."""
     from numba import types
-    from numba.np.numpy_support import from_dtype
-    from ..._dtypes import DTYPES as ALL
+    from numba import from_dtype
+    from .._dtypes import DTYPES as ALL
     i64 = types.int64
     for dt in ALL:
         arr = types.Array(from_dtype(storage(dt)), 1, "C")

@@ -35,13 +35,13 @@ import functools
 import numpy as np
 from numba import cuda
 
-from ..._dtypes import compute, storage
+from .._dtypes import NAMES, compute, storage
 from .._sample import (CUBIC, LINEAR, NEAREST, TAPS, ZEROS, cubic_taps, linear_taps, load_sample, nearest_tap,
                        store_sample, unnormalize)
 from . import _device
 
 #: grid dtypes; ``x`` has the same dtype, or uint8
-DTYPES = ("float16", "bfloat16", "float32", "float64")
+DTYPES = NAMES  # the dtypes these kernels take (the dispatcher checks them)
 MODE_NAMES = {NEAREST: "nearest", LINEAR: "linear", CUBIC: "cubic"}
 #: inline the shared sampler into each kernel at the NVVM level (the simulator takes no option)
 INLINE = {} if _device.SIMULATOR else {"forceinline": True}
@@ -73,7 +73,7 @@ def bounds(ct, r, mode):
 
 
 def block_size(label):
-    """Threads per block the launcher uses for a ``compile_jobs`` label (resources.py)."""
+    """Threads per block the launcher uses for a ``compile_jobs`` label (benchmark/resources.py)."""
     parts = label.split("/")  # op/<r>d/<mode>/x_<dtype>/<float dtype>
     return threads(compute(parts[-1]), int(parts[1][0]), {v: k for k, v in MODE_NAMES.items()}[parts[2]])
 
@@ -203,7 +203,7 @@ def signatures(r, gdt):
     """The argument types of ``kernel(compute(gdt), r, mode)`` for x of ``gdt`` and of
     uint8, a grid (or theta) of the float dtype ``gdt``: [(x dtype name, argtypes)]."""
     from numba import types
-    from numba.np.numpy_support import from_dtype
+    from numba import from_dtype
     i64 = types.int64
     arr = lambda dt: types.Array(from_dtype(x_storage(dt)), 1, "C")  # noqa: E731
     out = []

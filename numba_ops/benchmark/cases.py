@@ -25,9 +25,8 @@ onnx is installed (imported lazily; ``import numba_ops`` never imports onnx).
 """
 import numpy as np
 
-from ._shapes import out_size
-
-DTYPE_NAMES = ("float16", "bfloat16", "float32", "float64")
+from .._dtypes import np_dtype
+from .._shapes import out_size
 
 #: name -> size (N, C, [D,] H, W) and align_corners
 AFFINE = {
@@ -90,14 +89,6 @@ def out_dtype(name, dtype="float32"):
     """The result dtype of case ``name`` run with float ``dtype`` (uint8 for uint8 x)."""
     xdt = SAMPLE.get(name, {}).get("x_dtype")
     return np.dtype(xdt) if xdt else np_dtype(dtype)
-
-
-def np_dtype(dtype):
-    """The NumPy dtype for one of DTYPE_NAMES (bfloat16 from ml_dtypes)."""
-    if dtype == "bfloat16":
-        import ml_dtypes
-        return np.dtype(ml_dtypes.bfloat16)
-    return np.dtype(dtype)
 
 
 def _cast(a, dtype):
@@ -338,35 +329,3 @@ def onnx_backend_cases():
         finally:
             mod.expect = saved
     return found
-
-
-def tolerance(dtype):
-    """(rtol, atol-per-unit-scale) of the accuracy contract for a result of ``dtype``; 16-bit types get
-    the float32 figure widened to one ulp of the output type."""
-    dt = np.dtype(dtype)
-    if dt == np.float64:
-        return 1e-12, 1e-12
-    if dt == np.float32:
-        return 1e-5, 1e-5
-    return (2.0 ** -10, 2.0 ** -10) if dt == np.float16 else (2.0 ** -7, 2.0 ** -7)
-
-
-def compare(got, expected, dtype):
-    """None when ``got`` matches ``expected`` within the accuracy contract's tolerance for ``dtype``,
-    else a one-line description of the worst mismatch."""
-    got = np.asarray(got)
-    expected = np.asarray(expected, dtype=np.float64)
-    if got.shape != expected.shape:
-        return f"shape {got.shape}, expected {expected.shape}"
-    g = got.astype(np.float64)
-    rtol, atol = tolerance(dtype)
-    finite = expected[np.isfinite(expected)]
-    scale = float(np.abs(finite).max()) if finite.size else 0.0
-    err = np.abs(g - expected)
-    bound = rtol * np.abs(expected) + atol * scale
-    bad = ~(err <= bound) & ~(np.isnan(g) & np.isnan(expected))
-    if bad.any():
-        i = np.unravel_index(int(np.argmax(np.where(bad, err, -1))), err.shape)
-        return (f"{int(bad.sum())} of {bad.size} values off; worst at {tuple(int(v) for v in i)}: "
-                f"got {g[i]!r}, expected {expected[i]!r}")
-    return None

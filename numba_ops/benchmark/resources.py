@@ -20,7 +20,6 @@ reported so).
 With ``NUMBA_ENABLE_CUDASIM=1`` numba's compiler is replaced by the simulator in
 the process: the report then runs in a fresh process without it.
 """
-import contextlib
 import functools
 import glob
 import importlib
@@ -31,9 +30,12 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import types
 from typing import NamedTuple
 
+from ..kernels._compat import load_nvvm, pretend_device
+
+#: the package of the CUDA kernel modules
+KERNELS = "numba_ops.kernels.cuda"
 CCS = ((8, 0), (9, 0))
 
 #: per-SM limits (CUDA C Programming Guide, compute capabilities 8.0 and 9.0)
@@ -187,31 +189,13 @@ def parse(text, ptx):
 
 def modules():
     """The CUDA kernel modules of this package that list their kernels (``compile_jobs``)."""
-    pkg = importlib.import_module(__package__)
+    pkg = importlib.import_module(KERNELS)
     found = []
     for info in pkgutil.iter_modules(pkg.__path__):
-        if info.name == "resources":
-            continue
-        mod = importlib.import_module(f"{__package__}.{info.name}")
+        mod = importlib.import_module(f"{KERNELS}.{info.name}")
         if hasattr(mod, "compile_jobs"):
             found.append(mod)
     return found
-
-
-@contextlib.contextmanager
-def pretend_device(cc):
-    """Compile for ``cc`` with no GPU: numba-cuda asks the current device for the cc
-    of nested device functions (our shared helpers), and NVRTC for the closest
-    supported arch unless the cc is forced. Restored on exit."""
-    import numba.cuda.dispatcher
-    from numba.cuda import config
-    saved = numba.cuda.dispatcher.get_current_device, config.FORCE_CUDA_CC
-    numba.cuda.dispatcher.get_current_device = lambda: types.SimpleNamespace(compute_capability=cc)
-    config.FORCE_CUDA_CC = cc
-    try:
-        yield
-    finally:
-        numba.cuda.dispatcher.get_current_device, config.FORCE_CUDA_CC = saved
 
 
 def launch_bounds(kern):
@@ -227,7 +211,7 @@ def threads_per_block(mod, label, kern):
     lb = launch_bounds(kern)
     if lb:
         return lb[0] if isinstance(lb, tuple) else int(lb)
-    from ._device import THREADS
+    from ..kernels.cuda._device import THREADS
     return THREADS
 
 
@@ -298,13 +282,13 @@ def _gemm_fraction(tiles):
 
 
 def roofline(gpu=H200):
-    """Per benchmark case (numba_ops._cases, float32): the work, the bytes, the
+    """Per benchmark case (``cases``, float32): the work, the bytes, the
     bounds and the time the kernel design implies on ``gpu``; dicts."""
     import numpy as np
 
-    from ... import _cases
-    from ..._shapes import out_size
-    from . import affine_grid as ag, deform_conv as dc
+    from .._shapes import out_size
+    from ..kernels.cuda import affine_grid as ag, deform_conv as dc
+    from . import cases as _cases
     out = []
     for name, case in _cases.AFFINE.items():
         size = case["size"]
@@ -315,7 +299,7 @@ def roofline(gpu=H200):
         t_hbm = nbytes / gpu["hbm"]
         out.append(dict(case=name, op="affine_grid", flops=elems * (2 if nd == 2 else 3), bytes=nbytes,
                         t_flop=elems * (2 if nd == 2 else 3) / gpu["fp32"], t_hbm=t_hbm, blocks=min(rows, 1 << 16),
-                        threads=ag.threads(nd) if not ag._device.SIMULATOR else 64 * nd, implied=t_hbm,
+                        threads=ag.GPU_THREADS_PER_AXIS * nd, implied=t_hbm,
                         bound="HBM writes" if t_hbm > 1e-6 else "launch latency (a few us)"))
     tiles = dc.GPU_TILES
     TO, TP = tiles.TY * tiles.TM, tiles.TX * tiles.TN
@@ -359,9 +343,9 @@ def _sample_roofline(gpu):
     and the result once each: an image fits in L2, so the taps' reuse stays on chip)."""
     import numpy as np
 
-    from ... import _cases
-    from .._sample import MODES, TAPS
-    from . import grid_sample as gsk
+    from ..kernels._sample import MODES, TAPS
+    from ..kernels.cuda import grid_sample as gsk
+    from . import cases as _cases
     out = []
     for name, case in _cases.SAMPLE.items():
         shape = case["x"]
@@ -383,7 +367,7 @@ def _sample_roofline(gpu):
 
 def roofline_table(gpu=H200):
     """``roofline``'s rows as the text ``numba-ops info --cuda`` prints."""
-    from .deform_conv import GPU_TILES
+    from ..kernels.cuda.deform_conv import GPU_TILES
     rows = roofline(gpu)
     out = [f"Roofline on paper, float32, H200 ({gpu['sms']} SMs, FP32 FFMA {gpu['fp32'] / 1e12:.0f} TFLOP/s, "
            f"HBM {gpu['hbm'] / 1e12:.1f} TB/s; DeformConv's 4x4 register blocks reach "
@@ -401,7 +385,7 @@ def roofline_table(gpu=H200):
 
 
 def simulator_on():
-    from ..._dispatch import cuda_simulator
+    from .._dispatch import cuda_simulator
     return cuda_simulator()
 
 
@@ -411,8 +395,7 @@ def report(argv=()):
         env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0")
         return subprocess.run([sys.executable, "-m", f"{__package__}.resources", *argv], env=env).returncode
     try:
-        from numba.cuda.cudadrv import nvvm
-        nvvm.NVVM()
+        load_nvvm()
     except Exception as exc:
         print(f"CUDA resource report unavailable: numba-cuda's libNVVM cannot be loaded ({exc})")
         return 1
