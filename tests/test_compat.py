@@ -124,6 +124,23 @@ def test_pool_state():
     assert seen == [1], changed("parallel._get_num_threads (per thread)")
 
 
+
+def test_set_pool_thread_count():
+    """``parallel._set_num_threads``: the pool's per-thread setter (the ONNX session's
+    numba_ops nodes run on their own thread count)."""
+    from numba.np.ufunc import parallel
+    numba.get_num_threads()  # starts the pool
+    assert callable(getattr(parallel, "_set_num_threads", None)), changed("parallel._set_num_threads")
+    seen = []
+
+    def body():
+        _compat.set_pool_thread_count(1)
+        seen.append((numba.get_num_threads(), _compat.pool_thread_count()))
+    t = threading.Thread(target=body)
+    t.start()
+    t.join()
+    assert seen == [(1, 1)], changed("parallel._set_num_threads (per thread)")
+
 # --- dispatchers and the JIT cache -------------------------------------------------
 
 def test_dispatcher_cache_counters():

@@ -63,6 +63,16 @@ def pool_thread_count():
     return get() if get is not None and _parallel._is_initialized else 0
 
 
+
+def set_pool_thread_count(n):
+    """Set the calling thread's numba thread count to ``n`` (at most the pool's size):
+    through the pool's own binding (``parallel._set_num_threads``) once the pool has
+    started, since ``numba.set_num_threads`` re-checks the pool and the value on every
+    call, which costs more than a tiny kernel; ``numba.set_num_threads`` before."""
+    import numba
+    fast = getattr(_parallel, "_set_num_threads", None) if _parallel._is_initialized else None
+    (fast or numba.set_num_threads)(n)
+
 # --- dispatchers and the JIT cache ------------------------------------------------------
 
 def dispatcher_types():

@@ -40,11 +40,11 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import onnxruntime_extensions
-from numba.np.ufunc import parallel as _parallel
 from onnx import TensorProto, helper, shape_inference
 from onnxruntime_extensions import PyCustomOpDef, get_library_path
 
 from .. import _dtypes
+from ..kernels._compat import set_pool_thread_count
 from ..kernels.cpu._runtime import num_threads
 from . import CALLS, DOMAIN as FUSED_DOMAIN, fuse as fuse_model
 
@@ -159,8 +159,7 @@ def _set_threads(n):
     before = num_threads() or numba.get_num_threads()
     n = min(n, numba.config.NUMBA_NUM_THREADS)
     if n != before:
-        fast = getattr(_parallel, "_set_num_threads", None) if _parallel._is_initialized else None
-        (fast or numba.set_num_threads)(n)
+        set_pool_thread_count(n)
     return before
 
 
