@@ -8,7 +8,6 @@ import pickle
 import subprocess
 import sys
 
-import ml_dtypes
 import numpy as np
 import pytest
 
@@ -16,14 +15,14 @@ import numba_ops
 from numba_ops._dispatch import launcher
 from numba_ops.deform_conv import _params
 from numba_ops.kernels.cpu import deform_conv as cpu_dc
+from helpers import BF16, FLOATS
 from reference import assert_api_close, deform_conv_ref, in_threads
 
 da = pytest.importorskip("dask.array")
 import numba_ops.dask as nd  # noqa: E402
 from dask.array.core import normalize_chunks  # noqa: E402
 
-BF16 = np.dtype(ml_dtypes.bfloat16)
-DTYPES = [np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.float16), BF16]
+DTYPES = FLOATS
 
 
 @pytest.fixture(scope="module")

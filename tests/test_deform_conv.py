@@ -3,16 +3,15 @@ ONNX DeformConv page: worked examples, ONNX backend cases, onnxruntime and
 torchvision as 2-D oracles, tests/reference.py (float64, any rank) for the rest."""
 import threading
 
-import ml_dtypes
 import numpy as np
 import pytest
 
 import numba_ops
 from numba_ops import _cases
 from numba_ops.kernels.cpu import deform_conv as cpu_dc
+from helpers import BF16
 from reference import assert_api_close, deform_conv_ref
 
-BF16 = np.dtype(ml_dtypes.bfloat16)
 
 
 def out_sizes(D, k, pads, strides, dil):

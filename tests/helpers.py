@@ -1,0 +1,74 @@
+"""What several test files share: dtypes, GridSample's modes and paddings, a device
+result on the host, and the split of the sampler matrix into the default run and
+the full run (``--full``, tests/conftest.py).
+
+GridSample and affine_warp compile a CPU kernel per rank x mode x padding x dtype
+of ``x`` x dtype of the grid (seconds each), so the whole matrix costs most of a
+run's time. The default run takes a covering subset of it (``in_default``); the
+rest of each product is marked ``full``.
+"""
+import itertools
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+FLOAT32, FLOAT64, FLOAT16 = np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.float16)
+#: the four public float dtypes
+FLOATS = [FLOAT32, FLOAT64, FLOAT16, BF16]
+MODES = ["linear", "nearest", "cubic"]
+PADS = ["zeros", "border", "reflection"]
+
+#: runs only with ``--full`` (tests/conftest.py)
+FULL = pytest.mark.full
+
+
+def host(a):
+    """``a`` as a NumPy array (a CUDA device array copied to the host)."""
+    return a.copy_to_host() if hasattr(a, "copy_to_host") else np.asarray(a)
+
+
+def in_default(r=2, mode="linear", padding="zeros", dtype=FLOAT32, grid=None):
+    """Whether the default run samples ``r``-D with ``mode`` and ``padding``, ``x`` of
+    ``dtype`` and a grid (or theta) of ``grid`` (``x``'s dtype, float32 for uint8 ``x``,
+    when None).
+
+    float32: a Latin square over rank x mode x padding (9 of 27: each mode meets each
+    padding, and each rank each mode and each padding, once); 2-D has linear/zeros,
+    nearest/border and cubic/reflection. Every other pair of dtypes: the square's
+    linear 2-D, nearest 1-D and cubic 3-D (linear/zeros, nearest/reflection,
+    cubic/border): every mode and padding once per dtype, and 2-D as the defaults
+    that the ONNX, Dask and threads tests call.
+    """
+    m, p = MODES.index(mode), PADS.index(padding)
+    if (m - p - (r - 2)) % 3:
+        return False
+    if np.dtype(dtype) == FLOAT32 and grid in (None, np.float32):
+        return True
+    return m == (2 * r + 2) % 3
+
+
+def matrix(fixed=None, **axes):
+    """``@pytest.mark.parametrize(*matrix(r=[1, 2, 3], mode=MODES, ...))``: the product of
+    ``axes``, each combination marked ``full`` unless ``in_default`` takes it. ``fixed``
+    gives ``in_default``'s arguments that are no axis here (e.g. ``dict(r=2)``); an axis
+    named ``gdtype`` or ``tdtype`` is its ``grid``; other axes (``align``, ...) run whole
+    with each default combination."""
+    names = list(axes)
+    keys = {"gdtype": "grid", "tdtype": "grid"}
+    sampler = {"r", "mode", "padding", "dtype", "grid"}
+    params = []
+    for row in itertools.product(*axes.values()):
+        v = dict(fixed or {})
+        v.update((keys.get(n, n), x) for n, x in zip(names, row))
+        keep = in_default(**{k: x for k, x in v.items() if k in sampler})
+        params.append(pytest.param(*row, marks=() if keep else FULL, id="-".join(map(_id, row))))
+    return ",".join(names), params
+
+
+def _id(value):
+    """A dtype by its name (float32, bfloat16), anything else as pytest would show it."""
+    if isinstance(value, (type, np.dtype)):
+        return np.dtype(value).name
+    return str(value)
