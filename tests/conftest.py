@@ -44,7 +44,7 @@ def pytest_collection_modifyitems(config, items):
     test_cuda.py, so the simulator run (``NUMBA_ENABLE_CUDASIM=1 pytest -m cuda``)
     executes every device test on the CUDA kernels. Not ``test_compile_ptx``: it
     compiles PTX in a process of its own without the simulator, the same in both
-    runs, so the plain run's pass is the check (minutes of CI time saved).
+    runs, so the plain ``--full`` run's pass is the check (minutes of CI time saved).
 
     Without ``--full``, deselect the tests marked ``full``."""
     for item in items:

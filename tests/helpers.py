@@ -35,18 +35,19 @@ def in_default(r=2, mode="linear", padding="zeros", dtype=FLOAT32, grid=None):
     when None).
 
     float32: a Latin square over rank x mode x padding (9 of 27: each mode meets each
-    padding, and each rank each mode and each padding, once); 2-D has linear/zeros,
-    nearest/border and cubic/reflection. Every other pair of dtypes: the square's
-    linear 2-D, nearest 1-D and cubic 3-D (linear/zeros, nearest/reflection,
-    cubic/border): every mode and padding once per dtype, and 2-D as the defaults
-    that the ONNX, Dask and threads tests call.
+    padding, and each rank each mode and each padding, once): 1-D nearest/zeros,
+    cubic/border, linear/reflection; 2-D linear/zeros, nearest/border,
+    cubic/reflection; 3-D cubic/zeros, linear/border, nearest/reflection. Every other
+    pair of dtypes: three of the square, cubic/border 1-D, linear/zeros 2-D (the
+    defaults, which the ONNX, Dask and threads tests call) and nearest/reflection 3-D:
+    each mode and each padding once per dtype.
     """
     m, p = MODES.index(mode), PADS.index(padding)
-    if (m - p - (r - 2)) % 3:
+    if (m - p + r - 2) % 3:
         return False
-    if np.dtype(dtype) == FLOAT32 and grid in (None, np.float32):
+    if np.dtype(dtype) == FLOAT32 and (grid is None or np.dtype(grid) == FLOAT32):
         return True
-    return m == (2 * r + 2) % 3
+    return m == (r + 1) % 3
 
 
 def matrix(fixed=None, **axes):

@@ -468,10 +468,10 @@ def _assert_same(got, want):
 
 
 @pytest.mark.parametrize("dtype", DTYPES + [np.dtype(np.uint8)], ids=str)
-@pytest.mark.parametrize("spatial,outs,gchunks,kw", [
-    ((7,), (5,), (2,), dict(mode="cubic", padding_mode="reflection")),
+@pytest.mark.parametrize("spatial,outs,gchunks,kw", [  # the modes/paddings of helpers.in_default for every dtype
+    ((7,), (5,), (2,), dict(mode="cubic", padding_mode="border")),
     ((5, 6), (4, 7), (3, 4), dict(mode="linear", padding_mode="zeros", align_corners=True)),
-    ((3, 4, 5), (2, 3, 4), (1, 3, 2), dict(mode="nearest", padding_mode="border")),
+    ((3, 4, 5), (2, 3, 4), (1, 3, 2), dict(mode="nearest", padding_mode="reflection")),
 ], ids=["1d", "2d", "3d"])
 def test_grid_sample(spatial, outs, gchunks, kw, dtype, run):
     rng = np.random.default_rng(11)
@@ -494,7 +494,9 @@ def test_affine_warp(shape, size, dtype, run):
     x = _x(rng, shape, dtype)
     theta = (np.eye(r, r + 1) + 0.3 * rng.standard_normal((5, r, r + 1))).astype(
         np.float32 if dtype == np.uint8 else dtype)
-    kw = dict(mode="linear", padding_mode="border", align_corners=False)
+    # the mode/padding of helpers.in_default for every dtype
+    kw = dict(mode="linear", padding_mode="zeros") if r == 2 else dict(mode="nearest", padding_mode="reflection")
+    kw["align_corners"] = False
     want = numba_ops.affine_warp(x, theta, size, **kw)
     y = nd.affine_warp(dask_of(x, (2, 1) + shape[2:]), dask_of(theta, (3, 1, r + 1)), size, **kw)
     assert y.shape == want.shape and y.dtype == want.dtype
