@@ -32,9 +32,9 @@ DTYPE = "float32"
 OPS = ("affine_grid", "deform_conv")
 
 # Calls of every op x rank x path (direct / serial / parallel, with and without B and
-# mask) of the ops named after the dtype, shaped independently of the ops' warm_calls;
-# numba's "numba:compile" event fires for every function it compiles (loads from the
-# cache fire none).
+# mask) of the ops named on the command line after the dtype, shaped independently of
+# the ops' warm_calls; numba's "numba:compile" event fires for every function it
+# compiles (loads from the cache fire none).
 CALLS = r"""
 import json, sys
 import numpy as np
