@@ -29,25 +29,26 @@ def host(a):
     return a.copy_to_host() if hasattr(a, "copy_to_host") else np.asarray(a)
 
 
+#: (rank, mode, padding) the default run samples with float32 x and grid: the ONNX backend
+#: cases' (2-D: every mode with zeros, linear with every padding; 3-D: linear and nearest
+#: with zeros), which the conformance tests run anyway, and cubic/reflection 1-D and 2-D
+#: and nearest/border 2-D
+DEFAULT_F32 = {(2, "linear", "zeros"), (2, "nearest", "zeros"), (2, "cubic", "zeros"), (2, "linear", "border"),
+               (2, "linear", "reflection"), (2, "nearest", "border"), (2, "cubic", "reflection"),
+               (3, "linear", "zeros"), (3, "nearest", "zeros"), (1, "cubic", "reflection")}
+
+
 def in_default(r=2, mode="linear", padding="zeros", dtype=FLOAT32, grid=None):
     """Whether the default run samples ``r``-D with ``mode`` and ``padding``, ``x`` of
     ``dtype`` and a grid (or theta) of ``grid`` (``x``'s dtype, float32 for uint8 ``x``,
-    when None).
-
-    float32: a Latin square over rank x mode x padding (9 of 27: each mode meets each
-    padding, and each rank each mode and each padding, once): 1-D nearest/zeros,
-    cubic/border, linear/reflection; 2-D linear/zeros, nearest/border,
-    cubic/reflection; 3-D cubic/zeros, linear/border, nearest/reflection. Every other
-    pair of dtypes: three of the square, cubic/border 1-D, linear/zeros 2-D (the
-    defaults, which the ONNX, Dask and threads tests call) and nearest/reflection 3-D:
-    each mode and each padding once per dtype.
-    """
-    m, p = MODES.index(mode), PADS.index(padding)
-    if (m - p + r - 2) % 3:
-        return False
-    if np.dtype(dtype) == FLOAT32 and (grid is None or np.dtype(grid) == FLOAT32):
-        return True
-    return m == (r + 1) % 3
+    when None): float32, ``DEFAULT_F32`` (each rank, mode and padding); float64,
+    float16, bfloat16 and uint8 x (with a float32 grid), linear/zeros 2-D (the
+    defaults)."""
+    x = np.dtype(dtype)
+    g = np.dtype(grid if grid is not None else (FLOAT32 if x == np.uint8 else x))
+    if x == FLOAT32:
+        return (r, mode, padding) in DEFAULT_F32
+    return (r, mode, padding) == (2, "linear", "zeros") and (x != np.uint8 or g == FLOAT32)
 
 
 def matrix(fixed=None, **axes):
