@@ -15,7 +15,7 @@ import numba_ops
 from numba_ops._dispatch import launcher
 from numba_ops.deform_conv import _params
 from numba_ops.kernels.cpu import deform_conv as cpu_dc
-from helpers import BF16, FLOATS, FULL, in_default
+from helpers import FLOATS, FULL, in_default
 from reference import assert_api_close, deform_conv_ref, in_threads
 
 da = pytest.importorskip("dask.array")
