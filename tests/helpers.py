@@ -5,7 +5,8 @@ the full run (``--full``, tests/conftest.py).
 GridSample and affine_warp compile a CPU kernel per rank x mode x padding x dtype
 of ``x`` x dtype of the grid (seconds each), so the whole matrix costs most of a
 run's time. The default run takes a covering subset of it (``in_default``); the
-rest of each product is marked ``full``.
+rest of each product is marked ``full``. DeformConv's kernels: per rank x dtype x
+path (``deform_default``).
 """
 import itertools
 
@@ -65,7 +66,7 @@ def matrix(fixed=None, **axes):
         v = dict(fixed or {})
         v.update((keys.get(n, n), x) for n, x in zip(names, row))
         keep = in_default(**{k: x for k, x in v.items() if k in sampler})
-        params.append(pytest.param(*row, marks=() if keep else FULL, id="-".join(map(_id, row))))
+        params.append(param(keep, *row, id="-".join(map(_id, row))))
     return ",".join(names), params
 
 

@@ -22,7 +22,7 @@ CASES = [((2, 3, 5, 6), None), ((2, 3, 5, 6), (2, 3, 7, 4)), ((1, 2, 1, 5), (1, 
 
 
 @pytest.mark.parametrize("xs,size,mode,padding,align,dtype", [
-    pytest.param(xs, size, *p.values, marks=p.marks) for xs, size in CASES
+    pytest.param(xs, size, *p.values, marks=p.marks, id=f"{i}-{p.id}") for i, (xs, size) in enumerate(CASES)
     for p in matrix(dict(r=len(xs) - 2), mode=MODES, padding=PADS, align=[0, 1], dtype=[np.float32, np.float64])[1]])
 def test_equals_grid_sample_of_affine_grid(xs, size, mode, padding, align, dtype, device, rng):
     r = len(xs) - 2

@@ -15,7 +15,7 @@ import numba_ops
 from numba_ops._dispatch import launcher
 from numba_ops.deform_conv import _params
 from numba_ops.kernels.cpu import deform_conv as cpu_dc
-from helpers import FLOATS, FULL, in_default
+from helpers import FLOATS, FULL, in_default, param
 from reference import assert_api_close, deform_conv_ref, in_threads
 
 da = pytest.importorskip("dask.array")
@@ -497,8 +497,8 @@ GRID_SAMPLE_CASES = [
 
 
 @pytest.mark.parametrize("spatial,outs,gchunks,kw,dtype", [
-    pytest.param(*case, dtype, id=f"{len(case[0])}d-{dtype}",
-                 marks=() if in_default(len(case[0]), case[3]["mode"], case[3]["padding_mode"], dtype) else FULL)
+    param(in_default(len(case[0]), case[3]["mode"], case[3]["padding_mode"], dtype), *case, dtype,
+          id=f"{len(case[0])}d-{dtype}")
     for case in GRID_SAMPLE_CASES for dtype in DTYPES + [np.dtype(np.uint8)]])
 def test_grid_sample(spatial, outs, gchunks, kw, dtype, run):
     rng = np.random.default_rng(11)
@@ -513,7 +513,7 @@ def test_grid_sample(spatial, outs, gchunks, kw, dtype, run):
 
 
 @pytest.mark.parametrize("shape,size,dtype", [
-    pytest.param(shape, size, dtype, id=f"{name}-{dtype}", marks=() if in_default(len(shape) - 2, dtype=dtype) else FULL)
+    param(in_default(len(shape) - 2, dtype=dtype), shape, size, dtype, id=f"{name}-{dtype}")
     for shape, size, name in [((5, 2, 6, 7), None, "2d-same"), ((5, 2, 6, 7), (5, 2, 4, 9), "2d"),
                               ((5, 2, 3, 4, 5), (5, 2, 4, 3, 2), "3d")]
     for dtype in DTYPES + [np.dtype(np.uint8)]])
