@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import numba_ops
-from helpers import BF16, MODES, PADS, host, matrix
+from helpers import BF16, FULL, MODES, PADS, host, in_default, matrix
 from reference import affine_grid_ref, assert_api_close, grid_sample_ref, ulp_diff
 
 
@@ -77,13 +77,14 @@ def test_uint8(tdtype, mode, device, rng):
         np.testing.assert_array_equal(got, want)
 
 
-def test_long_rows_and_parallel(rng):
+@pytest.mark.parametrize(*matrix(dict(padding="reflection"), mode=MODES))
+def test_long_rows_and_parallel(mode, rng):
     """Rows longer than a segment, partial segments, and the parallel path (CPU)."""
     x = rng.standard_normal((3, 2, 9, 40)).astype(np.float32)
     theta = _theta(rng, 3, 2)
     size = (3, 2, 30, 700)
-    got = numba_ops.affine_warp(x, theta, size, padding_mode="reflection", mode="cubic")
-    want = numba_ops.grid_sample(x, numba_ops.affine_grid(theta, size), padding_mode="reflection", mode="cubic")
+    got = numba_ops.affine_warp(x, theta, size, padding_mode="reflection", mode=mode)
+    want = numba_ops.grid_sample(x, numba_ops.affine_grid(theta, size), padding_mode="reflection", mode=mode)
     np.testing.assert_array_equal(got, want)
 
 
@@ -141,10 +142,12 @@ def test_bad_input(rng):
     assert aw(np.zeros((2, 3, 0, 5), np.float32), theta).shape == (2, 3, 0, 5)  # nothing to sample
 
 
-def test_warm_calls():
+@pytest.mark.parametrize("every_rank", [False, pytest.param(True, marks=FULL)])
+def test_warm_calls(every_rank):
     """The warm-up hook: for each dtype, 2-D and 3-D calls on both x dtypes, every
-    mode and padding mode, both paths; the bfloat16 linear/zeros ones run (each
-    variant compiles, so one dtype and one mode here)."""
+    mode and padding mode, both paths; some bfloat16 ones run (each variant
+    compiles, so one dtype here): the linear/zeros ones of both ranks and x dtypes,
+    or (the default run) those of bfloat16 x that the default run samples anyway."""
     from numba_ops.affine_warp import warm_calls
     from numba_ops.kernels.cpu._runtime import PARALLEL_MIN_WORK
     for dtype in ("float16", "bfloat16", "float32", "float64"):
@@ -154,7 +157,12 @@ def test_warm_calls():
             assert theta.dtype.name == dtype and set(kwargs) == {"mode", "padding_mode"}
             seen.add((x.ndim, x.dtype.name, np.prod(size) >= PARALLEL_MIN_WORK,
                       kwargs["mode"], kwargs["padding_mode"]))
-            if dtype == "bfloat16" and kwargs == {"mode": "linear", "padding_mode": "zeros"}:
+            if every_rank:
+                run = dtype == "bfloat16" and kwargs == {"mode": "linear", "padding_mode": "zeros"}
+            else:
+                run = x.dtype == theta.dtype == BF16 and in_default(x.ndim - 2, kwargs["mode"],
+                                                                   kwargs["padding_mode"], x.dtype)
+            if run:
                 y = numba_ops.affine_warp(*args, **kwargs)
                 assert y.dtype == x.dtype and y.shape == tuple(size)
         assert seen == {(nd, xd, big, mode, pad) for nd in (4, 5) for xd in (dtype, "uint8")
