@@ -5,8 +5,9 @@ without numba compiling anything, and a second warm-up compiles nothing.
 The end-to-end check uses one dtype on the CPU (each dtype compiles its own
 kernels; one keeps CI short) in fresh processes with their own empty
 NUMBA_CACHE_DIR: AffineGrid alone in the default run, DeformConv too with
-``--full``. Only the tests about what an empty cache gets use one, on the
-smallest requests that show it; the others warm into the session's cache.
+``--full`` (and the stamp's every trigger). Only the tests about what an empty
+cache gets use one, on the smallest requests that show it; the others warm into
+the session's cache.
 """
 import json
 import os
@@ -123,6 +124,7 @@ def test_warm_leaves_nothing_to_compile(ops, tmp_path):
     assert compiled == 0 and loaded > 0 and "up to date" not in out, out
 
 
+@pytest.mark.full  # nine warm-ups in fresh processes; the default run's stamp check: test_warm_leaves_nothing_to_compile
 def test_warm_stamp(tmp_path):
     """A warm-up that finds its stamp matching returns at once; any change to what
     numba's cache depends on (a cache file, a source's stamp, the request) and it
