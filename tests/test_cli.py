@@ -159,6 +159,7 @@ def test_gate_on_a_slowed_report(tmp_path, slower, fails):
         assert not regressed
 
 
+@pytest.mark.full  # two live benchmark runs; the default run times one in test_bench_quick
 def test_gate_fails_on_an_injected_slowdown(tmp_path):
     """A live run with every kernel launch 20 ms slower falls far below a run saved
     just before on this machine (so the comparison is gated)."""

@@ -119,6 +119,7 @@ def test_affine_grid_length_one_axis_align_corners():
     np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.full  # float32 1-D and 3-D DeformConv kernels (the default run: every rank in float64)
 def test_deform_conv_1d_and_3d(rng):
     """N-D: onnxruntime and onnx's reference take only 2-D DeformConv, so 1-D and 3-D
     models go against the float64 oracle."""
