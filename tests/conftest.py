@@ -1,8 +1,19 @@
 """Shared fixtures: every test that takes ``device`` runs on each usable device.
 
-CI runs the suite twice: once plainly (CPU; CUDA tests then exercise the
-no-GPU error path) and once with NUMBA_ENABLE_CUDASIM=1, where "cuda" runs the
-CUDA kernels in numba's simulator on tiny shapes.
+Shared constants and helpers (dtypes, modes, ``host``, the sampler matrix's split):
+tests/helpers.py.
+
+Two runs (.ci/run makes both, tox too: envs ``py`` and ``full``):
+
+* the default (``python -m pytest``): a few minutes from an empty JIT cache. Each
+  op x device path x dtype at least once, the sampler matrix on a covering subset
+  (``helpers.in_default``), warm-up tests on the smallest requests;
+* ``--full``: everything, the tests marked ``full`` too: the whole sampler matrix,
+  warm-ups of every op, PTX and ptxas builds for sm_80/sm_90 (``-m full --full``
+  runs the part the default run leaves out).
+
+CUDA tests run in numba's simulator with NUMBA_ENABLE_CUDASIM=1 on tiny shapes
+(``-m cuda``); without a GPU or the simulator they exercise the no-GPU error path.
 """
 import numpy as np
 import pytest
@@ -10,6 +21,11 @@ import pytest
 import numba_ops
 
 DEVICES = numba_ops.devices()
+
+
+def pytest_addoption(parser):
+    parser.addoption("--full", action="store_true", default=False,
+                     help="also run the tests marked full (the exhaustive matrix; minutes more)")
 
 
 @pytest.fixture(params=DEVICES)
@@ -28,9 +44,16 @@ def pytest_collection_modifyitems(config, items):
     test_cuda.py, so the simulator run (``NUMBA_ENABLE_CUDASIM=1 pytest -m cuda``)
     executes every device test on the CUDA kernels. Not ``test_compile_ptx``: it
     compiles PTX in a process of its own without the simulator, the same in both
-    runs, so the plain run's pass is the check (minutes of CI time saved)."""
+    runs, so the plain ``--full`` run's pass is the check (minutes of CI time saved).
+
+    Without ``--full``, deselect the tests marked ``full``."""
     for item in items:
         callspec = getattr(item, "callspec", None)
         on_cuda = callspec is not None and callspec.params.get("device") == "cuda"
         if on_cuda or (item.path.name == "test_cuda.py" and item.originalname != "test_compile_ptx"):
             item.add_marker(pytest.mark.cuda)
+    if not config.getoption("--full"):
+        full = [item for item in items if item.get_closest_marker("full")]
+        if full:
+            config.hook.pytest_deselected(items=full)
+            items[:] = [item for item in items if not item.get_closest_marker("full")]

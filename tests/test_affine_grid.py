@@ -1,15 +1,14 @@
 """AffineGrid: conformance, oracles, dtypes, edges, errors, threads — on every device."""
 import threading
 
-import ml_dtypes
 import numpy as np
 import pytest
 
 import numba_ops
+from helpers import BF16, host
 from reference import affine_grid_ref, assert_api_close, ulp_diff
 from seed_examples import AFFINE_GRID_EXAMPLES
 
-BF16 = ml_dtypes.bfloat16
 SHAPES = [(1, 1, 1, 1), (2, 3, 1, 5), (2, 1, 4, 1), (3, 2, 5, 7), (1, 1, 2, 3, 4), (2, 1, 1, 3, 1), (2, 2, 3, 4, 5)]
 
 
@@ -17,16 +16,12 @@ def _theta(rng, n, nd, dtype=np.float64):
     return rng.standard_normal((n, nd, nd + 1)).astype(dtype)
 
 
-def _host(a):
-    return a.copy_to_host() if hasattr(a, "copy_to_host") else np.asarray(a)
-
-
 @pytest.mark.parametrize("name", sorted(AFFINE_GRID_EXAMPLES))
 def test_seed_examples(name, device):
     theta, size, align, expected = AFFINE_GRID_EXAMPLES[name]
     got = numba_ops.affine_grid(theta, size, align, device=device)
     assert got.dtype == np.float32 and got.shape == expected.shape
-    assert_api_close(_host(got), expected, np.float32)
+    assert_api_close(host(got), expected, np.float32)
 
 
 def test_onnx_backend_cases(device):
@@ -36,7 +31,7 @@ def test_onnx_backend_cases(device):
     for case in cases:
         got = numba_ops.affine_grid(*case.inputs, device=device, **case.attrs)
         want = case.expected
-        assert_api_close(_host(got), want, want.dtype)
+        assert_api_close(host(got), want, want.dtype)
 
 
 @pytest.mark.parametrize("size", SHAPES)
@@ -86,7 +81,7 @@ def test_16bit_is_float32_rounded_once(dtype, size, align, device, rng):
     want32 = numba_ops.affine_grid(theta.astype(np.float32), size, align, device="cpu")
     got = numba_ops.affine_grid(theta, size, align, device=device)
     assert got.dtype == np.dtype(dtype) and got.shape == want32.shape
-    assert ulp_diff(_host(got), want32, dtype).max() <= 1
+    assert ulp_diff(host(got), want32, dtype).max() <= 1
 
 
 @pytest.mark.parametrize("dtype", [np.float16, BF16])
@@ -163,7 +158,7 @@ def test_non_contiguous_and_not_modified(device, rng):
     before = theta.copy()
     got = numba_ops.affine_grid(theta, [2, 1, 3, 4], device=device)
     np.testing.assert_array_equal(theta, before)
-    assert_api_close(_host(got), affine_grid_ref(before, [2, 1, 3, 4], 0), np.float64)
+    assert_api_close(host(got), affine_grid_ref(before, [2, 1, 3, 4], 0), np.float64)
 
 
 
@@ -172,10 +167,10 @@ def test_non_native_byte_order(dtype, device, rng):
     """A big-endian theta is its dtype: the same grid (in native order), twice (the
     second call is a validated shape); theta untouched."""
     theta = rng.standard_normal((2, 2, 3)).astype(dtype)
-    want = _host(numba_ops.affine_grid(theta, [2, 1, 3, 4], device=device))
+    want = host(numba_ops.affine_grid(theta, [2, 1, 3, 4], device=device))
     swapped = theta.astype(theta.dtype.newbyteorder(">"))
     for _ in range(2):
-        got = _host(numba_ops.affine_grid(swapped, [2, 1, 3, 4], device=device))
+        got = host(numba_ops.affine_grid(swapped, [2, 1, 3, 4], device=device))
         assert got.dtype == np.dtype(dtype) and got.dtype.isnative
         np.testing.assert_array_equal(got, want)
     np.testing.assert_array_equal(swapped, theta)
@@ -262,7 +257,7 @@ def test_bad_device():
 
 def test_nan_inf_theta(device):
     theta = np.array([[[np.nan, 0, 0], [np.inf, 1, 0]]], np.float32)
-    got = _host(numba_ops.affine_grid(theta, [1, 1, 2, 2], device=device))
+    got = host(numba_ops.affine_grid(theta, [1, 1, 2, 2], device=device))
     assert np.isnan(got[..., 0]).all() and np.isinf(got[..., 1]).all()
 
 

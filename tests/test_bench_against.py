@@ -79,6 +79,7 @@ def test_2ms_against_1ms_is_flagged(repo, tmp_path):
     assert _no_worktree_left(repo)
 
 
+@pytest.mark.full  # a live A/B run each; the default run makes one in test_2ms_against_1ms_is_flagged
 def test_1ms_against_1ms_passes_and_a_new_case_is_reported(repo, tmp_path):
     (repo / "fakecases.py").write_text(CASES.format(delay=0.001, extra='\nCASES.append(("spin", "spin_old"))'))
     _git(repo, "commit", "-q", "-am", "a case the working tree will drop")
@@ -94,6 +95,7 @@ def test_1ms_against_1ms_passes_and_a_new_case_is_reported(repo, tmp_path):
     assert _no_worktree_left(repo)
 
 
+@pytest.mark.full  # a live A/B run; the default run makes one in test_2ms_against_1ms_is_flagged
 def test_threshold_and_only(repo, tmp_path):
     (repo / "fakecases.py").write_text(CASES.format(delay=0.002, extra='\nCASES.append(("spin", "spin_b"))'))
     # 2x slower is within a 900 % threshold (wide: on a loaded machine preemption stretches a 2 ms wait more)

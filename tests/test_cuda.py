@@ -16,18 +16,17 @@ import textwrap
 import threading
 import types
 
-import ml_dtypes
 import numpy as np
 import pytest
 
 import numba_ops
 from numba_ops import _dispatch
+from helpers import BF16
 from reference import assert_api_close, deform_conv_ref
 
 SIMULATOR = _dispatch.cuda_simulator()
 CUDA = "cuda" in numba_ops.devices()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a GPU or NUMBA_ENABLE_CUDASIM=1 (CI's second pass)")
-BF16 = ml_dtypes.bfloat16
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 CCS = [(8, 0), (9, 0)]
@@ -85,6 +84,7 @@ def _pretend_device(setattr_, cc):
     setattr_(config, "FORCE_CUDA_CC", cc)
 
 
+@pytest.mark.full  # minutes of NVVM: with --full
 @pytest.mark.parametrize("cc", CCS, ids=lambda cc: f"sm_{cc[0]}{cc[1]}")
 @pytest.mark.parametrize("which", ["affine_grid", "deform_conv", "pack", "grid_sample", "affine_warp"])
 def test_compile_ptx(which, cc, monkeypatch):

@@ -8,7 +8,6 @@ import pickle
 import subprocess
 import sys
 
-import ml_dtypes
 import numpy as np
 import pytest
 
@@ -16,14 +15,14 @@ import numba_ops
 from numba_ops._dispatch import launcher
 from numba_ops.deform_conv import parse_params
 from numba_ops.kernels.cpu import _deform_plan as dc_plan
+from helpers import FLOATS, FULL, in_default, param
 from reference import assert_api_close, deform_conv_ref, in_threads
 
 da = pytest.importorskip("dask.array")
 import numba_ops.dask as nd  # noqa: E402
 from dask.array.core import normalize_chunks  # noqa: E402
 
-BF16 = np.dtype(ml_dtypes.bfloat16)
-DTYPES = [np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.float16), BF16]
+DTYPES = FLOATS
 
 
 @pytest.fixture(scope="module")
@@ -44,10 +43,11 @@ def client():
             del os.environ["PYTHONPATH"]
 
 
-@pytest.fixture(params=["threads", "cluster"])
+@pytest.fixture(params=["threads", pytest.param("cluster", marks=FULL)])
 def run(request):
     """``run(array)``: computed on the threaded scheduler (4 threads, so blocks run
-    concurrently) or on the LocalCluster."""
+    concurrently) or on the LocalCluster (with ``--full``; the default run computes
+    each op there once, ``test_each_op_on_the_cluster``)."""
     if request.param == "threads":
         return lambda a: a.compute(scheduler="threads", num_workers=4)
     c = request.getfixturevalue("client")
@@ -309,6 +309,27 @@ def test_cluster_threads_share_the_cores(client):
     assert got == [want, want]
 
 
+def test_each_op_on_the_cluster(client):
+    """Each op's float32 graph computed by the LocalCluster's worker processes is the
+    one-call result (with ``--full`` every case of this file runs there too)."""
+    rng = np.random.default_rng(15)
+    compute = lambda a: client.compute(a).result()  # noqa: E731
+    theta = rng.standard_normal((5, 2, 3)).astype(np.float32)
+    want = numba_ops.affine_grid(theta, (5, 2, 4, 6))
+    assert_api_close(compute(nd.affine_grid(dask_of(theta, (2, 2, 3)), (5, 2, 4, 6))), want, np.float32)
+    ins, att, _ = make(rng)
+    ins = cast(ins, np.float32)
+    assert_api_close(compute(lazy(ins, att, output_chunks=(2, 4))), one_call(ins, att), np.float32)
+    x = _x(rng, (5, 3, 5, 6), np.float32)
+    g = _grid(rng, 5, (4, 7), np.float32)
+    want = numba_ops.grid_sample(x, g, mode="cubic", padding_mode="reflection")
+    got = compute(nd.grid_sample(dask_of(x, (2, 2, 5, 6)), dask_of(g, (2, 3, 4, 2)), mode="cubic",
+                                 padding_mode="reflection"))
+    _assert_same(got, want)
+    want = numba_ops.affine_warp(x, theta, (5, 3, 4, 9))
+    _assert_same(compute(nd.affine_warp(dask_of(x, (2, 1, 5, 6)), dask_of(theta, (3, 2, 3)), (5, 3, 4, 9))), want)
+
+
 def test_in_process_workers_share_one_pool():
     """Workers in one process (processes=False) share numba's one pool: together they
     get the machine's cores."""
@@ -468,12 +489,17 @@ def _assert_same(got, want):
         assert_api_close(got, want, want.dtype)
 
 
-@pytest.mark.parametrize("dtype", DTYPES + [np.dtype(np.uint8)], ids=str)
-@pytest.mark.parametrize("spatial,outs,gchunks,kw", [
+GRID_SAMPLE_CASES = [
     ((7,), (5,), (2,), dict(mode="cubic", padding_mode="reflection")),
     ((5, 6), (4, 7), (3, 4), dict(mode="linear", padding_mode="zeros", align_corners=True)),
-    ((3, 4, 5), (2, 3, 4), (1, 3, 2), dict(mode="nearest", padding_mode="border")),
-], ids=["1d", "2d", "3d"])
+    ((3, 4, 5), (2, 3, 4), (1, 3, 2), dict(mode="nearest", padding_mode="zeros")),
+]
+
+
+@pytest.mark.parametrize("spatial,outs,gchunks,kw,dtype", [
+    param(in_default(len(case[0]), case[3]["mode"], case[3]["padding_mode"], dtype), *case, dtype,
+          id=f"{len(case[0])}d-{dtype}")
+    for case in GRID_SAMPLE_CASES for dtype in DTYPES + [np.dtype(np.uint8)]])
 def test_grid_sample(spatial, outs, gchunks, kw, dtype, run):
     rng = np.random.default_rng(11)
     x = _x(rng, (5, 3) + spatial, dtype)
@@ -486,16 +512,18 @@ def test_grid_sample(spatial, outs, gchunks, kw, dtype, run):
     _assert_same(run(y), want)
 
 
-@pytest.mark.parametrize("dtype", DTYPES + [np.dtype(np.uint8)], ids=str)
-@pytest.mark.parametrize("shape,size", [((5, 2, 6, 7), None), ((5, 2, 6, 7), (5, 2, 4, 9)),
-                                        ((5, 2, 3, 4, 5), (5, 2, 4, 3, 2))], ids=["2d-same", "2d", "3d"])
+@pytest.mark.parametrize("shape,size,dtype", [
+    param(in_default(len(shape) - 2, dtype=dtype), shape, size, dtype, id=f"{name}-{dtype}")
+    for shape, size, name in [((5, 2, 6, 7), None, "2d-same"), ((5, 2, 6, 7), (5, 2, 4, 9), "2d"),
+                              ((5, 2, 3, 4, 5), (5, 2, 4, 3, 2), "3d")]
+    for dtype in DTYPES + [np.dtype(np.uint8)]])
 def test_affine_warp(shape, size, dtype, run):
     rng = np.random.default_rng(12)
     r = len(shape) - 2
     x = _x(rng, shape, dtype)
     theta = (np.eye(r, r + 1) + 0.3 * rng.standard_normal((5, r, r + 1))).astype(
         np.float32 if dtype == np.uint8 else dtype)
-    kw = dict(mode="linear", padding_mode="border", align_corners=False)
+    kw = dict(mode="linear", padding_mode="zeros", align_corners=False)
     want = numba_ops.affine_warp(x, theta, size, **kw)
     y = nd.affine_warp(dask_of(x, (2, 1) + shape[2:]), dask_of(theta, (3, 1, r + 1)), size, **kw)
     assert y.shape == want.shape and y.dtype == want.dtype

@@ -3,16 +3,15 @@ ONNX DeformConv page: worked examples, ONNX backend cases, onnxruntime and
 torchvision as 2-D oracles, tests/reference.py (float64, any rank) for the rest."""
 import threading
 
-import ml_dtypes
 import numpy as np
 import pytest
 
 import numba_ops
 from numba_ops.benchmark import cases as _cases
 from numba_ops.kernels.cpu import _deform_plan as dc_plan
+from helpers import BF16, deform_default, param
 from reference import assert_api_close, deform_conv_ref
 
-BF16 = np.dtype(ml_dtypes.bfloat16)
 
 
 def out_sizes(D, k, pads, strides, dil):
@@ -150,8 +149,8 @@ CASES_ND = [
 ] + CASES_2D[1:4]
 
 
-@pytest.mark.parametrize("dtype", [np.float64, np.float32])
-@pytest.mark.parametrize("i", range(len(CASES_ND)))
+@pytest.mark.parametrize("i,dtype", [param(deform_default(len(CASES_ND[i]["D"]), dt), i, dt)
+                                     for i in range(len(CASES_ND)) for dt in (np.float64, np.float32)])
 def test_vs_float64_reference(i, dtype, device):
     ins, att = make_case(np.random.default_rng(200 + i), **CASES_ND[i])
     want = ref(ins, att)
@@ -160,9 +159,9 @@ def test_vs_float64_reference(i, dtype, device):
     assert_api_close(y, want, dtype)
 
 
-@pytest.mark.parametrize("dtype", [np.float64, np.float32, np.float16])
-@pytest.mark.parametrize("path", ["direct", "tiled"])
-@pytest.mark.parametrize("i", range(len(CASES_ND)))
+@pytest.mark.parametrize("i,path,dtype", [param(deform_default(len(CASES_ND[i]["D"]), dt), i, path, dt)
+                                          for i in range(len(CASES_ND)) for path in ("direct", "tiled")
+                                          for dt in (np.float64, np.float32, np.float16)])
 def test_cpu_paths_vs_reference(i, path, dtype, monkeypatch):
     """The CPU's tiny-call path (straight loops) and its tiled path both, whatever
     size would pick."""
@@ -222,8 +221,8 @@ SPLIT_CASES = [
 ]
 
 
-@pytest.mark.parametrize("dtype", [np.float64, np.float32, np.float16, BF16])
-@pytest.mark.parametrize("i", range(len(SPLIT_CASES)))
+@pytest.mark.parametrize("i,dtype", [param(deform_default(len(SPLIT_CASES[i]["D"]), dt), i, dt)
+                                     for i in range(len(SPLIT_CASES)) for dt in (np.float64, np.float32, np.float16, BF16)])
 def test_channel_split_vs_reference(i, dtype, monkeypatch):
     """The parallel run's channel split (threads share a tile's positions for the fill,
     then each takes a share of the output channels), forced: one tile per image, then
@@ -546,7 +545,7 @@ def test_non_finite_offset_is_nan_even_if_far_on_other_axis():
 # --- positions far along an axis: never rounded -------------------------------------------
 
 @pytest.mark.parametrize("path", ["direct", "tiled"])
-@pytest.mark.parametrize("D", [(700,), (2, 700), (2, 1, 700)])
+@pytest.mark.parametrize("D", [param(deform_default(len(D), np.float32), D) for D in [(700,), (2, 700), (2, 1, 700)]])
 def test_far_positions_keep_the_offset_fraction(D, path, device, monkeypatch):
     """A position o*stride - pad + k*dil + offset in the hundreds: in a float32 sum
     its fraction (the interpolation weight) would lose bits beyond API.md's 1e-5.
@@ -569,6 +568,7 @@ def test_far_positions_keep_the_offset_fraction(D, path, device, monkeypatch):
     np.testing.assert_allclose(y[0, 0], [0.0, float(np.float32(0.1))], rtol=1e-7)
 
 
+@pytest.mark.full  # float32 1-D (helpers.deform_default)
 @pytest.mark.parametrize("path", ["direct", "tiled"])
 def test_axis_longer_than_2_24(path, monkeypatch):
     """Sizes and positions past 2**24 (where float32 stops counting integers) index

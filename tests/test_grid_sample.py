@@ -1,25 +1,17 @@
 """GridSample: the ONNX reference, onnxruntime, a float64 oracle, dtypes, edges,
 errors, threads — written once for every device."""
 
-import ml_dtypes
 import numpy as np
 import pytest
 
 import numba_ops
+from helpers import BF16, FULL, MODES, PADS, host, in_default, matrix
 from reference import assert_api_close, grid_sample_ref, in_threads, to_uint8_ref, ulp_diff
 
-BF16 = ml_dtypes.bfloat16
-MODES = ["linear", "nearest", "cubic"]
-PADS = ["zeros", "border", "reflection"]
 #: (x shape, output spatial shape) per number of spatial axes, with axes of size 1
 SHAPES = {1: [((2, 3, 7), (5,)), ((1, 2, 1), (4,))],
           2: [((2, 3, 5, 6), (4, 3)), ((1, 2, 1, 4), (2, 5)), ((1, 1, 3, 1), (1, 1))],
           3: [((1, 2, 3, 4, 5), (2, 3, 2)), ((2, 1, 1, 3, 2), (3, 1, 2))]}
-
-
-
-def _host(a):
-    return a.copy_to_host() if hasattr(a, "copy_to_host") else np.asarray(a)
 
 
 def _grid(rng, n, outs, r, dtype=np.float32, spread=1.3):
@@ -35,7 +27,7 @@ def _ct(dtype):
 
 
 def gs(x, grid, device, **kw):
-    return _host(numba_ops.grid_sample(x, grid, device=device, **kw))
+    return host(numba_ops.grid_sample(x, grid, device=device, **kw))
 
 
 # --- peers -----------------------------------------------------------------------------
@@ -52,10 +44,7 @@ def _onnx_reference(x, grid, **attrs):
     return ReferenceEvaluator(model).run(None, {"X": x, "grid": grid})[0]
 
 
-@pytest.mark.parametrize("r", [1, 2, 3])
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("padding", PADS)
-@pytest.mark.parametrize("align", [0, 1])
+@pytest.mark.parametrize(*matrix(r=[1, 2, 3], mode=MODES, padding=PADS, align=[0, 1]))
 def test_onnx_reference(r, mode, padding, align, device, rng):
     """onnx's ReferenceEvaluator. It clamps/reflects the position itself before
     cubic's taps, where the contract (onnxruntime's) pads each tap: for cubic with
@@ -74,11 +63,8 @@ def test_onnx_reference(r, mode, padding, align, device, rng):
     assert_api_close(got, want, np.float32)
 
 
-@pytest.mark.parametrize("r", [2, 3])
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("padding", PADS)
-@pytest.mark.parametrize("align", [0, 1])
-def test_onnxruntime(r, mode, padding, align, device, rng):
+@pytest.mark.parametrize(*matrix(r=[2, 3], mode=MODES, padding=PADS, align=[0, 1], dtype=[np.float32, np.float64]))
+def test_onnxruntime(r, mode, padding, align, dtype, device, rng):
     """onnxruntime (float32 and float64): 2-D every mode, 3-D linear and nearest
     (it has no 3-D cubic); grids reaching well outside."""
     ort = pytest.importorskip("onnxruntime")
@@ -86,29 +72,26 @@ def test_onnxruntime(r, mode, padding, align, device, rng):
         pytest.skip("onnxruntime has no 3-D cubic GridSample")
     from onnx import TensorProto, helper
     xs, outs = ((2, 3, 5, 6), (4, 5)) if r == 2 else ((2, 2, 3, 4, 5), (3, 2, 4))
-    for dtype, tp in ((np.float32, TensorProto.FLOAT), (np.float64, TensorProto.DOUBLE)):
-        x = rng.standard_normal(xs).astype(dtype)
-        grid = _grid(rng, xs[0], outs, r, dtype, spread=2.0)
-        node = helper.make_node("GridSample", ["X", "grid"], ["Y"], mode=mode, padding_mode=padding,
-                                align_corners=align)
-        graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("X", tp, x.shape),
-                                               helper.make_tensor_value_info("grid", tp, grid.shape)],
-                                  [helper.make_tensor_value_info("Y", tp, None)])
-        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)])
-        sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-        want = sess.run(None, {"X": x, "grid": grid})[0]
-        got = gs(x, grid, device, mode=mode, padding_mode=padding, align_corners=align)
-        assert got.dtype == dtype
-        assert_api_close(got, want, dtype)
+    tp = TensorProto.FLOAT if dtype == np.float32 else TensorProto.DOUBLE
+    x = rng.standard_normal(xs).astype(dtype)
+    grid = _grid(rng, xs[0], outs, r, dtype, spread=2.0)
+    node = helper.make_node("GridSample", ["X", "grid"], ["Y"], mode=mode, padding_mode=padding,
+                            align_corners=align)
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("X", tp, x.shape),
+                                           helper.make_tensor_value_info("grid", tp, grid.shape)],
+                              [helper.make_tensor_value_info("Y", tp, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)])
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    want = sess.run(None, {"X": x, "grid": grid})[0]
+    got = gs(x, grid, device, mode=mode, padding_mode=padding, align_corners=align)
+    assert got.dtype == dtype
+    assert_api_close(got, want, dtype)
 
 
 # --- the float64 oracle --------------------------------------------------------------------
 
-@pytest.mark.parametrize("r", [1, 2, 3])
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("padding", PADS)
-@pytest.mark.parametrize("align", [0, 1])
-@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize(*matrix(r=[1, 2, 3], mode=MODES, padding=PADS, align=[0, 1],
+                                dtype=[np.float32, np.float64]))
 def test_float64_oracle(r, mode, padding, align, dtype, device, rng):
     """Every mode x padding x align_corners in 1-D, 2-D and 3-D (3-D cubic and 1-D
     have no peer), with axes of size 1 in x and in the output."""
@@ -122,9 +105,7 @@ def test_float64_oracle(r, mode, padding, align, dtype, device, rng):
         assert_api_close(got, want, dtype)
 
 
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("padding", PADS)
-@pytest.mark.parametrize("align", [0, 1])
+@pytest.mark.parametrize(*matrix(dict(dtype=np.float64), mode=MODES, padding=PADS, align=[0, 1]))
 def test_coordinates_not_rounded_to_float32(mode, padding, align, device, rng):
     """float64 positions are unnormalised in float64: against the oracle's float64
     positions on a long axis (where float32 would move them)."""
@@ -135,8 +116,7 @@ def test_coordinates_not_rounded_to_float32(mode, padding, align, device, rng):
     assert_api_close(gs(x, grid, device, **attrs), want, np.float64)
 
 
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("padding", PADS)
+@pytest.mark.parametrize(*matrix(dict(dtype=np.float64), mode=MODES, padding=PADS))
 def test_nonfinite_x(mode, padding, device, rng):
     """Inf/NaN in x reach only the samples whose taps read them: a zeros-padded tap
     outside counts an exact 0 even where its clamped index holds an Inf, and a
@@ -161,10 +141,7 @@ SPECIALS = [np.nan, np.inf, -np.inf, 1e30, -1e30, 3e38, -3e38, 2.0 ** 63, -(2.0 
             1e-30, -1.0000001, 1.0000001, 7.5, -7.5]
 
 
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("padding", PADS)
-@pytest.mark.parametrize("align", [0, 1])
-@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize(*matrix(mode=MODES, padding=PADS, align=[0, 1], dtype=[np.float32, np.float64]))
 def test_special_positions(mode, padding, align, dtype, device, rng):
     """NaN/Inf positions sample NaN, huge finite ones never read out of bounds (and
     under reflection are reduced exactly), borders and far values, in each axis."""
@@ -183,9 +160,7 @@ def test_special_positions(mode, padding, align, dtype, device, rng):
     assert np.isnan(got[:, :, nonfinite[0]]).all()
 
 
-@pytest.mark.parametrize("padding", PADS)
-@pytest.mark.parametrize("align", [0, 1])
-@pytest.mark.parametrize("r", [1, 2, 3])
+@pytest.mark.parametrize(*matrix(dict(mode="nearest"), padding=PADS, align=[0, 1], r=[1, 2, 3]))
 def test_nearest_ties_round_to_even(padding, align, r, device):
     """Positions exactly half-way between two elements go to the even one (before
     padding): position p = k + 0.5 reads element 2 * round(p / 2)."""
@@ -206,24 +181,20 @@ def test_nearest_ties_round_to_even(padding, align, r, device):
 
 # --- dtypes -----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("dtype", [np.float16, BF16])
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("r", [1, 2, 3])
-def test_16bit_is_float32_rounded_once(dtype, mode, r, device, rng):
+@pytest.mark.parametrize(*matrix(dtype=[np.float16, BF16], mode=MODES, r=[1, 2, 3], padding=PADS))
+def test_16bit_is_float32_rounded_once(dtype, mode, r, padding, device, rng):
     xs, outs = SHAPES[r][0]
     x = rng.standard_normal(xs).astype(dtype)
     grid = _grid(rng, xs[0], outs, r, dtype)
-    for padding in PADS:
-        want32 = numba_ops.grid_sample(x.astype(np.float32), grid.astype(np.float32), mode=mode,
-                                       padding_mode=padding, device="cpu")
-        got = gs(x, grid, device, mode=mode, padding_mode=padding)
-        assert got.dtype == np.dtype(dtype) and got.shape == want32.shape
-        assert ulp_diff(got, want32, dtype).max() <= 1
+    want32 = numba_ops.grid_sample(x.astype(np.float32), grid.astype(np.float32), mode=mode,
+                                   padding_mode=padding, device="cpu")
+    got = gs(x, grid, device, mode=mode, padding_mode=padding)
+    assert got.dtype == np.dtype(dtype) and got.shape == want32.shape
+    assert ulp_diff(got, want32, dtype).max() <= 1
 
 
-@pytest.mark.parametrize("gdtype", [np.float16, BF16, np.float32, np.float64])
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("padding", PADS)
+@pytest.mark.parametrize(*matrix(dict(dtype=np.uint8), gdtype=[np.float16, BF16, np.float32, np.float64], mode=MODES,
+                                padding=PADS))
 def test_uint8(gdtype, mode, padding, device, rng):
     """uint8 x: computed in float, truncated toward zero, clamped to 0..255 (cubic
     overshoots both ends here); a non-finite position gives 0."""
@@ -274,7 +245,7 @@ def test_noncontiguous_and_unchanged(device, rng):
     np.testing.assert_array_equal(big_endian, gs(x, grid, device))
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(*matrix(dict(padding="reflection"), mode=MODES))
 def test_parallel_equals_serial(mode, rng):
     """A call above the pool's threshold (parallel segments, some partial) equals
     the same images sampled one call each (serial), CPU."""
@@ -289,10 +260,8 @@ def test_parallel_equals_serial(mode, rng):
     assert_api_close(whole[:1, :, :2], want, np.float32)
 
 
-@pytest.mark.parametrize("r", [1, 2, 3])
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("align", [0, 1])
-@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize(*matrix(dict(padding="reflection"), r=[1, 2, 3], mode=MODES, align=[0, 1],
+                                dtype=[np.float32, np.float64]))
 def test_reflection_sorted_segments(r, mode, align, dtype, rng):
     """Reflection padding sorts a segment into interior and padded positions where its
     first, middle and last positions are interior (CPU): such segments, holding also
@@ -322,10 +291,8 @@ def test_reflection_sorted_segments(r, mode, align, dtype, rng):
     assert_api_close(a.reshape(want.shape), want, dtype)
 
 
-@pytest.mark.parametrize("r", [1, 2, 3])
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("padding", PADS)
-@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16, BF16, np.uint8])
+@pytest.mark.parametrize(*matrix(r=[1, 2, 3], mode=MODES, padding=PADS,
+                                dtype=[np.float32, np.float64, np.float16, BF16, np.uint8]))
 def test_blocks_equal_single_positions(r, mode, padding, dtype, rng):
     """Positions in runs of one kind (interior, outside, padded) are sampled a block
     at a time with gathers (CPU): the same grid with its positions shuffled (no runs:
@@ -417,10 +384,12 @@ def test_cuda_without_gpu_is_a_clear_error():
         numba_ops.grid_sample(x, g, device="cuda")
 
 
-def test_warm_calls():
+@pytest.mark.parametrize("every_rank", [False, pytest.param(True, marks=FULL)])
+def test_warm_calls(every_rank):
     """The warm-up hook: for each dtype, calls on both x dtypes, every rank, mode and
-    padding mode, both paths; the float16 linear/zeros ones run (each variant
-    compiles, so one dtype and one mode here)."""
+    padding mode, both paths; some float16 ones run (each variant compiles, so one
+    dtype here): the linear/zeros ones of every rank and x dtype, or (the default
+    run) those of float16 x that the default run samples anyway."""
     from numba_ops.grid_sample import warm_calls
     from numba_ops.kernels.cpu._runtime import PARALLEL_MIN_WORK
     for dtype in ("float16", "bfloat16", "float32", "float64"):
@@ -431,7 +400,12 @@ def test_warm_calls():
             n_out = grid.size // grid.shape[-1] * x.shape[1]
             seen.add((x.ndim - 2, x.dtype.name, n_out >= PARALLEL_MIN_WORK, kwargs["mode"],
                       kwargs["padding_mode"]))
-            if dtype == "float16" and kwargs == {"mode": "linear", "padding_mode": "zeros"}:
+            if every_rank:
+                run = dtype == "float16" and kwargs == {"mode": "linear", "padding_mode": "zeros"}
+            else:
+                run = x.dtype == grid.dtype == np.float16 and in_default(x.ndim - 2, kwargs["mode"],
+                                                                       kwargs["padding_mode"], x.dtype)
+            if run:
                 y = numba_ops.grid_sample(*args, **kwargs)
                 assert y.dtype == x.dtype and y.shape == x.shape[:2] + grid.shape[1:-1]
         assert seen == {(r, xd, big, mode, pad) for r in (1, 2, 3) for xd in (dtype, "uint8")

@@ -2,18 +2,16 @@
 the CPU kernels, bit for bit, for every rank, mode, padding, align_corners and dtype
 (uint8 x too); device inputs give device results. Streams: tests/test_streams.py;
 compile_ptx and register spills: tests/test_cuda.py."""
-import ml_dtypes
 import numpy as np
 import pytest
 
 import numba_ops
+from helpers import BF16, MODES, PADS, matrix
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif("cuda" not in numba_ops.devices(), reason="no GPU and no CUDA simulator here")]
 
-MODES = ["linear", "nearest", "cubic"]
-PADS = ["zeros", "border", "reflection"]
-DTYPES = [np.float16, ml_dtypes.bfloat16, np.float32, np.float64, np.uint8]
+DTYPES = [np.float16, BF16, np.float32, np.float64, np.uint8]
 
 
 def _x(rng, shape, dtype):
@@ -32,10 +30,7 @@ def _equal(got, want):
     np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))  # bits: NaN and -0 too
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
-@pytest.mark.parametrize("padding", PADS)
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("r", [1, 2, 3])
+@pytest.mark.parametrize(*matrix(r=[1, 2, 3], mode=MODES, padding=PADS, dtype=DTYPES))
 def test_grid_sample_cuda_equals_cpu(r, mode, padding, dtype):
     rng = np.random.default_rng([r, MODES.index(mode), PADS.index(padding)])
     x = _x(rng, (2, 2) + (4, 3, 5)[3 - r:], dtype)
@@ -49,10 +44,7 @@ def test_grid_sample_cuda_equals_cpu(r, mode, padding, dtype):
         _equal(numba_ops.grid_sample(x, grid, device="cuda", **kw), numba_ops.grid_sample(x, grid, **kw))
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
-@pytest.mark.parametrize("padding", PADS)
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("r", [2, 3])
+@pytest.mark.parametrize(*matrix(r=[2, 3], mode=MODES, padding=PADS, dtype=DTYPES))
 def test_affine_warp_cuda_equals_cpu(r, mode, padding, dtype):
     rng = np.random.default_rng([10 + r, MODES.index(mode), PADS.index(padding)])
     x = _x(rng, (2, 2) + (4, 3, 5)[3 - r:], dtype)

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import numba_ops
+from helpers import FULL, in_default, param
 
 onnx = pytest.importorskip("onnx")  # test dependency ([test] extra); absent only in a bare install
 ort = pytest.importorskip("onnxruntime")
@@ -118,6 +119,7 @@ def test_affine_grid_length_one_axis_align_corners():
     np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.full  # float32 1-D and 3-D DeformConv kernels (the default run: every rank in float64)
 def test_deform_conv_1d_and_3d(rng):
     """N-D: onnxruntime and onnx's reference take only 2-D DeformConv, so 1-D and 3-D
     models go against the float64 oracle."""
@@ -350,8 +352,10 @@ def test_grid_sample_backend_cases_match_onnx_reference():
                                    err_msg=case.name)
 
 
+@pytest.mark.parametrize("pads", [("reflection", "zeros", "zeros"), pytest.param(("reflection",) * 3, marks=FULL)],
+                         ids=["default", "reflection"])  # per mode (the default run's: helpers.in_default)
 @pytest.mark.parametrize("opset", [16, 20, 22])
-def test_grid_sample_attributes_and_defaults(rng, opset):
+def test_grid_sample_attributes_and_defaults(rng, opset, pads):
     """ONNX's defaults (linear, zeros, align_corners 0) where the node gives none;
     opset 16's mode names bilinear/bicubic are opset 20's linear/cubic."""
     x = rng.standard_normal((2, 3, 5, 6)).astype(np.float32)
@@ -362,12 +366,12 @@ def test_grid_sample_attributes_and_defaults(rng, opset):
     got, = _ours_gs(m, feeds)
     np.testing.assert_array_equal(got, numba_ops.grid_sample(x, grid))
     names = {16: ("bilinear", "nearest", "bicubic"), 20: ("linear", "nearest", "cubic")}
-    for name, mode in zip(names.get(opset, names[20]), ("linear", "nearest", "cubic")):
-        node = helper.make_node("GridSample", ["X", "grid"], ["Y"], mode=name, padding_mode="reflection",
+    for name, mode, padding in zip(names.get(opset, names[20]), ("linear", "nearest", "cubic"), pads):
+        node = helper.make_node("GridSample", ["X", "grid"], ["Y"], mode=name, padding_mode=padding,
                                 align_corners=1)
         m = _model([node], [("X", TP.FLOAT), ("grid", TP.FLOAT)], [("Y", TP.FLOAT)], opset=opset)
         got, = _ours_gs(m, feeds)
-        want = numba_ops.grid_sample(x, grid, mode=mode, padding_mode="reflection", align_corners=1)
+        want = numba_ops.grid_sample(x, grid, mode=mode, padding_mode=padding, align_corners=1)
         np.testing.assert_array_equal(got, want)
         if opset >= 20:  # onnx's own knows the opset-20 names
             np.testing.assert_allclose(got, ReferenceEvaluator(m).run(None, feeds)[0], rtol=1e-5, atol=1e-5)
@@ -396,9 +400,10 @@ def _op_types(model):
     return [(n.domain, n.op_type) for n in model.graph.node]
 
 
-@pytest.mark.parametrize("r", [2, 3])
-@pytest.mark.parametrize("align", [0, 1])
-@pytest.mark.parametrize("mode,padding", [("linear", "zeros"), ("nearest", "border"), ("cubic", "reflection")])
+@pytest.mark.parametrize("r,align,mode,padding", [  # 3-D cubic samples with zeros padding (below)
+    param(in_default(r, mode, "zeros" if (r, mode) == (3, "cubic") else padding), r, align, mode, padding)
+    for r in (2, 3) for align in (0, 1) for mode, padding in (("linear", "zeros"), ("nearest", "border"),
+                                                              ("cubic", "reflection"))])
 def test_fuse_affine_grid_then_grid_sample(rng, r, align, mode, padding):
     if r == 3 and mode == "cubic" and padding == "reflection":
         padding = "zeros"
@@ -429,20 +434,21 @@ def test_fuse_affine_grid_then_grid_sample(rng, r, align, mode, padding):
         np.testing.assert_allclose(got, _ort(m, feeds)[0], rtol=1e-4, atol=1e-4 * np.abs(want).max())
 
 
-def test_fuse_one_grid_many_samplers_and_defaults(rng):
+@pytest.mark.parametrize("padding", ["zeros", pytest.param("border", marks=FULL)])  # helpers.in_default
+def test_fuse_one_grid_many_samplers_and_defaults(rng, padding):
     """One AffineGrid feeding two GridSamples (different X, modes; attributes left
     to their defaults, opset 16's mode name): two AffineWarp nodes; size's C is
     AffineGrid's, which ignores it."""
     nodes = [helper.make_node("AffineGrid", ["theta", "size"], ["grid"]),
              helper.make_node("GridSample", ["X", "grid"], ["Y"]),
-             helper.make_node("GridSample", ["X2", "grid"], ["Z"], mode="bicubic", padding_mode="border")]
+             helper.make_node("GridSample", ["X2", "grid"], ["Z"], mode="bicubic", padding_mode=padding)]
     m = _warp_model(nodes, extra_outputs=("Z",), opset=16, x_names=("X", "X2"))
     feeds = _warp_feeds(rng, c_size=1)
     feeds["X2"] = rng.standard_normal((2, 5, 3, 4)).astype(np.float32)
     fused = fuse(m)
     assert _op_types(fused) == [("numba_ops", "AffineWarp")] * 2
     attrs = {a.name: helper.get_attribute_value(a) for a in fused.graph.node[1].attribute}
-    assert attrs == {"mode": b"cubic", "padding_mode": b"border", "align_corners": 0}
+    assert attrs == {"mode": b"cubic", "padding_mode": padding.encode(), "align_corners": 0}
     want = _ours_gs(m, feeds)
     got = _ours_gs(fused, feeds)
     assert got[1].shape == (2, 5, 5, 6)

@@ -43,6 +43,7 @@ def test_occupancy_arithmetic():
     assert occupancy((9, 0), 32, 16, 0) == (32, 32, "blocks")
 
 
+@pytest.mark.full  # NVVM and ptxas: with --full
 @pytest.mark.skipif(ASSEMBLERS is None or not ASSEMBLERS, reason=str(WHY))
 def test_no_kernel_spills():
     """Zero spill bytes for every kernel specialisation, on sm_80 and sm_90, with every
@@ -80,6 +81,7 @@ def test_info_cuda_calls_the_report(monkeypatch):
     assert cli.main(["info", "--cuda"]) == 0 and calls == [()]
 
 
+@pytest.mark.full  # NVVM and ptxas: with --full
 @pytest.mark.skipif(ASSEMBLERS is None or not ASSEMBLERS, reason=str(WHY))
 def test_report_table():
     """The printed report (one kernel, to stay quick): a block per architecture and

@@ -2,8 +2,12 @@
 warm-up into an empty cache, a fresh process calls every op x dtype x rank
 without numba compiling anything, and a second warm-up compiles nothing.
 
-The full check uses one dtype on the CPU (each dtype compiles its own kernels;
-one keeps CI short) in fresh processes with their own empty NUMBA_CACHE_DIR.
+The end-to-end check uses one dtype on the CPU (each dtype compiles its own
+kernels; one keeps CI short) in fresh processes with their own empty
+NUMBA_CACHE_DIR: AffineGrid alone in the default run, DeformConv too with
+``--full`` (and the stamp's every trigger). Only the tests about what an empty
+cache gets use one, on the smallest requests that show it; the others warm into
+the session's cache.
 """
 import json
 import os
@@ -17,18 +21,21 @@ import numpy as np
 import pytest
 
 import numba_ops
+from helpers import FULL
 from numba_ops import _warm
 
 ROOT = Path(__file__).resolve().parents[1]
 DTYPE = "float32"
-#: the ops of the full check (GridSample and affine_warp compile a kernel per rank x x dtype
-#: x mode x padding x path, minutes for one dtype: their warm-up calls are checked in
-#: test_grid_sample.py / test_affine_warp.py, and a sample of them end to end below)
+#: the ops of the full check, the default run's first (GridSample and affine_warp compile a
+#: kernel per rank x x dtype x mode x padding x path, minutes for one dtype: their warm-up
+#: calls are checked in test_grid_sample.py / test_affine_warp.py, and a sample of them end
+#: to end below)
 OPS = ("affine_grid", "deform_conv")
 
 # Calls of every op x rank x path (direct / serial / parallel, with and without B and
-# mask), shaped independently of the ops' warm_calls; numba's "numba:compile" event
-# fires for every function it compiles (loads from the cache fire none).
+# mask) of the ops named on the command line after the dtype, shaped independently of
+# the ops' warm_calls; numba's "numba:compile" event fires for every function it
+# compiles (loads from the cache fire none).
 CALLS = r"""
 import json, sys
 import numpy as np
@@ -39,17 +46,18 @@ compiles = event.RecordingListener()
 event.register("numba:compile", compiles)
 import numba_ops
 dt = np_dtype(sys.argv[1])
+ops = sys.argv[2:]
 rng = np.random.default_rng(0)
 
 def r(*shape):
     return rng.standard_normal(shape).astype(dt)
 
 done = []
-for size in [(2, 3, 5, 7), (1, 1, 300, 300), (1, 2, 3, 4, 5), (2, 1, 20, 40, 50)]:
+for size in [(2, 3, 5, 7), (1, 1, 300, 300), (1, 2, 3, 4, 5), (2, 1, 20, 40, 50)] * ("affine_grid" in ops):
     nd = len(size) - 2
     numba_ops.affine_grid(r(size[0], nd, nd + 1), size, align_corners=len(done) % 2)
     done.append(("affine_grid", size))
-for nd, sides in [(1, (3, 20, 2500)), (2, (3, 8, 45)), (3, (3, 5, 14))]:
+for nd, sides in [(1, (3, 20, 2500)), (2, (3, 8, 45)), (3, (3, 5, 14))] * ("deform_conv" in ops):
     for s in sides:
         big = s > 3
         N, C, oC, g, og = (2, 4, 6, 2, 2) if big else (1, 1, 1, 1, 1)
@@ -85,36 +93,38 @@ def _compiled(out):
     return int(m.group(1)), int(m.group(2))
 
 
-def test_warm_leaves_nothing_to_compile(tmp_path):
+@pytest.mark.parametrize("ops", [OPS[:1], pytest.param(OPS, marks=FULL)], ids="+".join)
+def test_warm_leaves_nothing_to_compile(ops, tmp_path):
     cache = tmp_path / "jit"
     env = _env(cache)
-    rc, out, err = _cli("--op", *OPS, "--dtype", DTYPE, "--device", "cpu", env=env)
+    rc, out, err = _cli("--op", *ops, "--dtype", DTYPE, "--device", "cpu", env=env)
     assert rc == 0, out + err
     compiled, _ = _compiled(out)
     assert compiled > 0
     assert f"cache: {cache}" in out
-    assert re.search(r"\[\d+/\d+\] +[\d.]+ s +\d+ left +deform_conv float32 cpu", out)  # progress lines
+    assert re.search(rf"\[\d+/\d+\] +[\d.]+ s +\d+ left +{ops[-1]} float32 cpu", out)  # progress lines
     # a fresh process: every op x rank x path, and numba compiles nothing
-    p = subprocess.run([sys.executable, "-c", CALLS, DTYPE], capture_output=True, text=True, cwd=ROOT,
+    p = subprocess.run([sys.executable, "-c", CALLS, DTYPE, *ops], capture_output=True, text=True, cwd=ROOT,
                        env=env, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     got = json.loads(p.stdout.strip().splitlines()[-1])
-    assert got["calls"] == 4 + 3 * 3 * 2
+    assert got["calls"] == 4 * ("affine_grid" in ops) + 3 * 3 * 2 * ("deform_conv" in ops)
     assert got["compiled"] == [], f"compiled after warm: {got['compiled']}"
     # warm again: the cache is as the first left it (its stamp matches): nothing to do
-    rc, out, err = _cli("--op", *OPS, "--dtype", DTYPE, "--device", "cpu", env=env)
+    rc, out, err = _cli("--op", *ops, "--dtype", DTYPE, "--device", "cpu", env=env)
     assert rc == 0, out + err
     assert "up to date:" in out and ": 0 calls, 0 functions compiled" in out, out
     # without the stamp: every call again, everything loads from the cache
     stamps = list(cache.rglob(_warm.STAMP))
     assert len(stamps) == 1
     stamps[0].unlink()
-    rc, out, err = _cli("--op", *OPS, "--dtype", DTYPE, "--device", "cpu", env=env)
+    rc, out, err = _cli("--op", *ops, "--dtype", DTYPE, "--device", "cpu", env=env)
     assert rc == 0, out + err
     compiled, loaded = _compiled(out)
     assert compiled == 0 and loaded > 0 and "up to date" not in out, out
 
 
+@pytest.mark.full  # nine warm-ups in fresh processes; the default run's stamp check: test_warm_leaves_nothing_to_compile
 def test_warm_stamp(tmp_path):
     """A warm-up that finds its stamp matching returns at once; any change to what
     numba's cache depends on (a cache file, a source's stamp, the request) and it
@@ -161,9 +171,10 @@ from numba.core import event
 import numba_ops
 front = importlib.import_module("numba_ops.grid_sample")  # the module (numba_ops.grid_sample is the function)
 
-if sys.argv[1] == "warm":  # the warm-up calls of one mode and padding, 1-D
+xdts = sys.argv[2].split(",")
+if sys.argv[1] == "warm":  # the warm-up calls of one mode and padding, 1-D, of the x dtypes asked
     calls = front.warm_calls("float32")
-    front.warm_calls = lambda dtype: [(a, k) for a, k in calls if a[0].ndim == 3
+    front.warm_calls = lambda dtype: [(a, k) for a, k in calls if a[0].ndim == 3 and a[0].dtype.name in xdts
                                       and k == {"mode": "nearest", "padding_mode": "reflection"}]
     r = numba_ops.warm("grid_sample", "float32", "cpu", quiet=True)
     print(json.dumps({"calls": r["calls"], "failures": r["failures"]}))
@@ -173,6 +184,8 @@ else:  # a user's calls of that mode and padding: shapes, layouts, align, both p
     rng = np.random.default_rng(0)
     for xdt, n, align in [(np.float32, 5, False), (np.uint8, 7, True), (np.float32, 40000, True),
                           (np.uint8, 40000, False)]:
+        if np.dtype(xdt).name not in xdts:
+            continue
         x = (rng.random((2, 6, 9)) * 200).astype(xdt)[:, ::2]
         g = rng.uniform(-1.5, 1.5, (2, n, 1)).astype(np.float32)
         numba_ops.grid_sample(x, g, mode="nearest", padding_mode="reflection", align_corners=align)
@@ -181,18 +194,20 @@ else:  # a user's calls of that mode and padding: shapes, layouts, align, both p
 """
 
 
-def test_warm_grid_sample_sample(tmp_path):
-    """GridSample's warm-up calls (a sample: one mode and padding, 1-D) leave a later
-    process's calls of that kind nothing to compile."""
+@pytest.mark.parametrize("xdts", ["float32", pytest.param("float32,uint8", marks=FULL)])
+def test_warm_grid_sample_sample(xdts, tmp_path):
+    """GridSample's warm-up calls (a sample: one mode and padding, 1-D, float32 x, and
+    uint8 x with ``--full``) leave a later process's calls of that kind nothing to
+    compile."""
     env = _env(tmp_path / "jit")
 
     def run(what):
-        p = subprocess.run([sys.executable, "-c", SAMPLE, what], capture_output=True, text=True, cwd=ROOT,
+        p = subprocess.run([sys.executable, "-c", SAMPLE, what, xdts], capture_output=True, text=True, cwd=ROOT,
                            env=env, timeout=600)
         assert p.returncode == 0, p.stderr[-3000:]
         return json.loads(p.stdout.strip().splitlines()[-1])
 
-    assert run("warm") == {"calls": 4, "failures": []}
+    assert run("warm") == {"calls": 2 * len(xdts.split(",")), "failures": []}
     assert run("call") == {"compiled": []}
 
 
