@@ -351,7 +351,7 @@ def _constants(graph):
 
 def _np_dtype(elem):
     if elem == TensorProto.BFLOAT16:
-        return _dtypes.bfloat16()
+        return _dtypes.np_dtype("bfloat16")
     return np.dtype(helper.tensor_dtype_to_np_dtype(elem))
 
 
