@@ -138,7 +138,7 @@ def gathered(typingctx, x, xf, res, xb, base, pidx, pw, pok, j, mtok, s1, s2, in
         i32 = ir.IntType(32)
         vo = ir.VectorType(i32, V)
         first = builder.gep(arrays[1].data, [xb_])
-        start = builder.trunc(vector(4, ty=vi), vo) if inner else ir.Constant(vo, [0] * V)
+        start = vector(4, ty=vo) if inner else ir.Constant(vo, [0] * V)  # (base: int32)
         strides = (s2_, s1_, const(1))[3 - r:]
 
         def offset(k, t):  # tap t of axis k: its element offset, per lane

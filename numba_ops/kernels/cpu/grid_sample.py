@@ -76,26 +76,34 @@ GENERIC, AXIS_OUT = 1, 2
 
 @njit(cache=True, forceinline=True)
 def _split(p, zero, size):
-    """``(i, t, scale, finite)``: ``floor(p)`` as an int64 and the fraction, of ``p``
+    """``(i, t, scale, finite)``: ``floor(p)`` as an int32 and the fraction, of ``p``
     clamped to [-4, size + 2] (far and non-finite positions stay clear of integer
     overflow; no tap of an interior position changes), and the weights' scale (1,
-    or NaN for a non-finite position)."""
+    or NaN for a non-finite position). 32-bit, so that the loops vectorise where
+    the CPU has no vector conversion to int64 (AVX2): the caller makes sure that
+    ``size + 2 < 2**31`` (``_small``)."""
     finite = (p - p) == zero
     pmin = as_compute(zero, -4)
     pmax = as_compute(zero, size + 2)
     pc = p if p > pmin else pmin
     pc = pc if pc < pmax else pmax
     f = np.floor(pc)
-    return np.int64(f), pc - f, as_compute(zero, 1) if finite else as_compute(zero, np.nan), finite
+    return np.int32(f), pc - f, as_compute(zero, 1) if finite else as_compute(zero, np.nan), finite
 
 
 @njit(cache=True, forceinline=True)
-def _mark(j, i, lo, hi, size, finite, off, base, kind, first):
-    """``base[j]``'s share ``off`` and the axis' ``kind`` bits for taps ``i - lo ..
-    i + hi`` (zeros padding)."""
-    base[j] = off if first else base[j] + off
-    bits = (0 if (i - lo >= 0) & (i + hi <= size - 1) else GENERIC) | \
-        (AXIS_OUT if ((i + hi < 0) | (i - lo > size - 1)) & finite else 0)
+def _mark(j, i, lo, hi, size, finite, stride, base, kind, first):
+    """``base[j]``'s share (the first tap's index ``i - lo`` times ``stride``) and the
+    axis' ``kind`` bits for taps ``i - lo .. i + hi`` (zeros padding). In 32 bits
+    (each result cut to int32: LLVM then keeps the vector lanes 32-bit): the channel
+    image has fewer than 2**31 elements (``_small``)."""
+    first_tap = np.int32(i - lo)
+    last_tap = np.int32(i + hi)
+    off = np.int32(first_tap * np.int32(stride))
+    base[j] = off if first else np.int32(base[j] + off)
+    top = np.int32(size - 1)
+    bits = (0 if (first_tap >= 0) & (last_tap <= top) else GENERIC) | \
+        (AXIS_OUT if ((last_tap < 0) | (first_tap > top)) & finite else 0)
     kind[j] = bits if first else kind[j] | bits
 
 
@@ -111,15 +119,16 @@ def _fast_axis(pos, m, k, size, stride, mtok, zero, base, pw, kind, first):
         half = as_compute(zero, 0.5)
         for j in range(np.uint64(m)):
             i, t, sc, finite = _split(pos[k, j], zero, size)
-            i += np.int64(1) if (t > half) | ((t == half) & ((i & 1) == 1)) else np.int64(0)  # half to even
+            up = (t > half) | ((t == half) & ((i & np.int32(1)) == np.int32(1)))  # half to even
+            i = np.int32(i + np.int32(1)) if up else i
             pw[k, 0, j] = sc
-            _mark(j, i, 0, 0, size, finite, i * stride, base, kind, first)
+            _mark(j, i, 0, 0, size, finite, stride, base, kind, first)
     elif len(mtok) == LINEAR:
         for j in range(np.uint64(m)):
             i, t, sc, finite = _split(pos[k, j], zero, size)
             pw[k, 0, j] = (one - t) * sc
             pw[k, 1, j] = t * sc
-            _mark(j, i, 0, 1, size, finite, i * stride, base, kind, first)
+            _mark(j, i, 0, 1, size, finite, stride, base, kind, first)
     else:
         for j in range(np.uint64(m)):
             i, t, sc, finite = _split(pos[k, j], zero, size)
@@ -128,7 +137,7 @@ def _fast_axis(pos, m, k, size, stride, mtok, zero, base, pw, kind, first):
             pw[k, 1, j] = c1 * sc
             pw[k, 2, j] = c2 * sc
             pw[k, 3, j] = c3 * sc
-            _mark(j, i, 1, 2, size, finite, (i - 1) * stride, base, kind, first)
+            _mark(j, i, 1, 2, size, finite, stride, base, kind, first)
 
 
 @njit(cache=True, forceinline=True)
@@ -217,6 +226,13 @@ def _probe_interior(pos, m, r, sh, mtok, zero):
     return True
 
 
+@njit(cache=True, forceinline=True)
+def _small(x):
+    """Whether a channel image of ``x`` has fewer than 2**31 elements: interior
+    positions are planned in 32 bits (``_split``, ``_mark``), others take the padded taps."""
+    return x.size // max(x.shape[0] * x.shape[1], 1) < 2 ** 31 - 8
+
+
 @njit(**INTERNAL)
 def plan(x, pos, m, mtok, ptok, align, zero, base, pidx, pw, pok, kind):
     """The plan of a segment of ``m`` positions (``pos[k, :m]`` on spatial axis ``k``
@@ -235,7 +251,8 @@ def plan(x, pos, m, mtok, ptok, align, zero, base, pidx, pw, pok, kind):
     r = x.ndim - 2
     sh = x.shape
     nd = x.ndim
-    if len(ptok) == BORDER or (len(ptok) == REFLECTION and not _probe_interior(pos, m, r, sh, mtok, zero)):
+    if not _small(x) or len(ptok) == BORDER or (len(ptok) == REFLECTION and
+                                                 not _probe_interior(pos, m, r, sh, mtok, zero)):
         for j in range(np.uint64(m)):
             kind[j] = GENERIC
         _generic(r, sh, pos, m, mtok, ptok, align, zero, pidx, pw, pok)
@@ -461,7 +478,7 @@ def accumulate(x, xf, out, xb, xs, ob, os, C, m, mtok, ptok, count, base, pidx, 
 def scratch(zero):
     """``(pos, base, pidx, pw, pok, kind, res)``: one thread's segment buffers (``res``:
     a block's samples)."""
-    return (np.empty((3, SEG), type(zero)), np.empty(SEG, np.int64), np.empty((3, 4, SEG), np.int64),
+    return (np.empty((3, SEG), type(zero)), np.empty(SEG, np.int32), np.empty((3, 4, SEG), np.int64),
             np.empty((3, 4, SEG), type(zero)), np.empty((3, 4, SEG), np.bool_), np.empty(SEG, np.uint8),
             np.empty(16, type(zero)))
 
