@@ -373,7 +373,8 @@ def _store_block(out, o, res, V):
 
 
 @njit(**INTERNAL)
-def accumulate(x, xf, out, xb, xs, ob, os, C, m, mtok, ptok, count, base, pidx, pw, pok, kind, res, zero):
+def accumulate(x, xf, out, xb, xs, ob, os, C, m, mtok, ptok, count, base, pidx, pw, pok, kind, res, bkind,
+               zero):
     """``out[ob + c * os + j] = sample j`` of the segment's plan in channel ``c`` (the
     channel image starting at ``xf[xb + c * xs]``), for ``j < m`` and ``c < C``.
     Interior positions read their taps from ``base`` on, GENERIC ones through their
@@ -401,86 +402,59 @@ def accumulate(x, xf, out, xb, xs, ob, os, C, m, mtok, ptok, count, base, pidx, 
     blocks = gather_safe(xf, xb + C * xs, xs)
     mu = np.uint64(m)
     osu = np.uint64(os)
-    if len(ptok) != ZEROS:  # border, reflection: every tap is read, no position is 0
-        b = xb
-        o = np.uint64(ob)
-        for c in range(C):
-            j = np.uint64(0)
-            while j < mu:
-                bk = _block(kind, j, mu, V, blocks)
-                if bk != MIXED:
-                    if bk == 0:
-                        gathered(x, xf, res, b, base, pidx, pw, pok, j, mtok, s1, s2, True, False)
-                    else:
-                        gathered(x, xf, res, b, base, pidx, pw, pok, j, mtok, s1, s2, False, False)
-                    _store_block(out, o + j, res, V)
-                    j += np.uint64(V)
-                else:
-                    if kind[j] == 0:
-                        v = _sample(x, xf, b + base[j], j, T, False, True, s1, s2, pidx, pw, pok, zero)
-                    else:
-                        v = _sample(x, xf, b, j, T, False, False, s1, s2, pidx, pw, pok, zero)
-                    store_sample(out, o + j, v)
-                    j += np.uint64(1)
-            b += xs
-            o += osu
-        return
-    if count:  # (zeros: how many positions are all-outside)
-        # first every position as if every tap of an axis were outside (0, or NaN at a
-        # non-finite position; branch-free, so it vectorises), then the others over it
-        o = np.uint64(ob)
-        for c in range(C):
+    nblk = (mu + np.uint64(V) - np.uint64(1)) // np.uint64(V)
+    for q in range(nblk):  # each block's kind, once for all channels
+        bkind[q] = _block(kind, q * np.uint64(V), mu, V, blocks)
+    masked = len(ptok) == ZEROS
+    b = xb
+    o = np.uint64(ob)
+    for c in range(C):
+        if masked and count:  # (zeros: how many positions are all-outside)
+            # first every position as if every tap of an axis were outside (0, or NaN at a
+            # non-finite position; branch-free, so it vectorises), then the others over it
+            # (the channel's stores stay in L1)
             for j in range(mu):
                 acc = pw[0, 0, j] * zero
                 for k in range(1, r):
                     acc *= pw[k, 0, j]
                 store_sample(out, o + j, zero if acc == acc else acc)
-            o += osu
-        if count == m:
-            return
-    j = np.uint64(0)
-    while j < mu:
-        bk = _block(kind, j, mu, V, blocks)
-        if bk == 0 or bk == GENERIC:
-            b = xb
-            o = np.uint64(ob)
-            for c in range(C):
-                if bk == 0:
-                    gathered(x, xf, res, b, base, pidx, pw, pok, j, mtok, s1, s2, True, False)
-                else:  # taps outside read as exact zeros
-                    gathered(x, xf, res, b, base, pidx, pw, pok, j, mtok, s1, s2, False, True)
+            if count == m:
+                b += xs
+                o += osu
+                continue
+        for q in range(nblk):
+            j = q * np.uint64(V)
+            bk = bkind[q]
+            if bk == 0:
+                gathered(x, xf, res, b, base, pidx, pw, pok, j, mtok, s1, s2, True, False)
                 _store_block(out, o + j, res, V)
-                b += xs
-                o += osu
-            j += np.uint64(V)
-            continue
-        if bk != MIXED:  # all outside: their 0s are stored
-            j += np.uint64(V)
-            continue
-        kd = kind[j]
-        o = np.uint64(ob) + j
-        if kd == 0:
-            b = xb + base[j]
-            for c in range(C):
-                store_sample(out, o, _sample(x, xf, b, j, T, False, True, s1, s2, pidx, pw, pok, zero))
-                b += xs
-                o += osu
-        elif kd == GENERIC:  # taps outside read as exact zeros
-            b = xb
-            for c in range(C):
-                store_sample(out, o, _sample(x, xf, b, j, T, True, False, s1, s2, pidx, pw, pok, zero))
-                b += xs
-                o += osu
-        j += np.uint64(1)
+            elif bk == GENERIC:
+                if masked:  # taps outside read as exact zeros
+                    gathered(x, xf, res, b, base, pidx, pw, pok, j, mtok, s1, s2, False, True)
+                else:
+                    gathered(x, xf, res, b, base, pidx, pw, pok, j, mtok, s1, s2, False, False)
+                _store_block(out, o + j, res, V)
+            elif bk == MIXED:
+                for jj in range(j, min(j + np.uint64(V), mu)):
+                    kd = kind[jj]
+                    if kd == 0:
+                        v = _sample(x, xf, b + base[jj], jj, T, False, True, s1, s2, pidx, pw, pok, zero)
+                        store_sample(out, o + jj, v)
+                    elif kd == GENERIC:
+                        v = _sample(x, xf, b, jj, T, masked, False, s1, s2, pidx, pw, pok, zero)
+                        store_sample(out, o + jj, v)
+            # (else all outside: their 0s are stored)
+        b += xs
+        o += osu
 
 
 @njit(**INTERNAL)
 def scratch(zero):
-    """``(pos, base, pidx, pw, pok, kind, res)``: one thread's segment buffers (``res``:
-    a block's samples)."""
+    """``(pos, base, pidx, pw, pok, kind, res, bkind)``: one thread's segment buffers
+    (``res``: a block's samples; ``bkind``: each block's kind, ``_block``)."""
     return (np.empty((3, SEG), type(zero)), np.empty(SEG, np.int32), np.empty((3, 4, SEG), np.int64),
             np.empty((3, 4, SEG), type(zero)), np.empty((3, 4, SEG), np.bool_), np.empty(SEG, np.uint8),
-            np.empty(16, type(zero)))
+            np.empty(16, type(zero)), np.empty(SEG // 8 + 1, np.uint8))
 
 
 # --- GridSample ------------------------------------------------------------------------
@@ -495,7 +469,7 @@ def _units(x, xf, gf, out, mtok, ptok, align, zero, u0, u1):
     S = xf.size // (N * C)
     nseg = (P + SEG - 1) // SEG
     one = as_compute(zero, 1)
-    pos, base, pidx, pw, pok, kind, res = scratch(zero)
+    pos, base, pidx, pw, pok, kind, res, bkind = scratch(zero)
     for u in range(u0, u1):
         n = u // nseg
         j0 = (u - n * nseg) * SEG
@@ -508,7 +482,7 @@ def _units(x, xf, gf, out, mtok, ptok, align, zero, u0, u1):
                 pos[k, j] = unnormalize(load(gf, a + j * np.uint64(r)), size, align, one)
         count = plan(x, pos, m, mtok, ptok, align, zero, base, pidx, pw, pok, kind)
         accumulate(x, xf, out, n * C * S, S, n * C * P + j0, P, C, m, mtok, ptok, count, base, pidx, pw, pok, kind,
-                   res, zero)
+                   res, bkind, zero)
 
 
 #: called through its own compiled code (``_opaque``): the serial and parallel entries do
