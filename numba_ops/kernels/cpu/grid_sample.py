@@ -208,19 +208,59 @@ def _generic(r, sh, pos, m, mtok, ptok, align, zero, pidx, pw, pok):
 
 
 @njit(cache=True, forceinline=True)
+def _generic_at(r, sh, pos, j, mtok, ptok, align, zero, pidx, pw, pok):
+    """Padded taps (``_taps_one``) of position ``j`` on every axis."""
+    nd = r + 2
+    sizes = (sh[nd - 1], sh[nd - 2] if r >= 2 else 1, sh[nd - 3] if r >= 3 else 1)
+    stride = 1
+    for q in range(r):
+        size = sizes[q]
+        per = period(size, len(ptok), align)
+        _taps_one(pos, j, r - 1 - q, size, per, stride, mtok, ptok, align, zero, False, pidx, pw, pok)
+        stride *= size
+
+
+#: a segment with fewer than 1 in SPARSE positions GENERIC plans their padded taps one
+#: by one, else for every position in vectorised loops (``_generic``); its interior
+#: positions keep ``_fast_axis``'s weights, which are the padded taps' bit for bit
+SPARSE = 8
+
+
+@njit(cache=True, forceinline=True)
+def _inside(pos, j, r, sh, lo, hi, zero):
+    """Whether position ``j``'s taps ``i - lo .. i + hi`` are inside the input on every axis."""
+    nd = r + 2
+    inside = True
+    for k in range(r):
+        size = sh[nd - r + k]
+        i, _, _, finite = _split(pos[k, j], zero, size)
+        inside &= finite & (i - lo >= 0) & (i + hi <= size - 1)
+    return inside
+
+
+@njit(cache=True, forceinline=True)
+def _few_padded(pos, m, r, sh, mtok, zero):
+    """Whether fewer than 1 in ``SPARSE`` of every 8th of the segment's ``m`` positions
+    are not interior: a guess at whether sorting pays under border padding (as where a
+    flow's rows reach the input's edges; where many positions are not interior the
+    padded taps of every position, clamps, cost less than the sorting: counting them
+    all cost 15% of a 3-D call). Either answer gives the same samples."""
+    lo, hi = (1, 2) if len(mtok) == CUBIC else (0, 1)
+    n = 0
+    for j in range(0, m, 8):
+        n += not _inside(pos, j, r, sh, lo, hi, zero)
+    return n * SPARSE < (m + 7) // 8
+
+
+@njit(cache=True, forceinline=True)
 def _probe_interior(pos, m, r, sh, mtok, zero):
     """Whether the first, middle and last of the segment's ``m`` positions are all
     interior (every tap of every axis inside the input): a guess at whether sorting
     the segment's positions pays under reflection padding (an affine map's segment
     is a line, the interior convex). Either answer gives the same samples."""
     lo, hi = (1, 2) if len(mtok) == CUBIC else (0, 1)
-    nd = r + 2
     for j in (0, m // 2, m - 1):
-        inside = True
-        for k in range(r):
-            size = sh[nd - r + k]
-            i, _, _, finite = _split(pos[k, j], zero, size)
-            inside &= finite & (i - lo >= 0) & (i + hi <= size - 1)
+        inside = _inside(pos, j, r, sh, lo, hi, zero)
         if not inside:
             return False
     return True
@@ -239,24 +279,28 @@ def plan(x, pos, m, mtok, ptok, align, zero, base, pidx, pw, pok, kind):
     of ``x``, shape (N, C, D1..Dr)). Zeros padding: every position's ``kind``, the
     ``base`` and weights of interior ones (``_fast_axis``) and, when some are
     GENERIC, every position's padded taps (``_generic``: vectorised, cheaper for all
-    than a scalar loop for a few); returns how many are all-outside. Reflection, where
-    ``_probe_interior`` guesses that the segment is inside: the same, but a position
-    is interior or GENERIC (no tap is masked); returns how many are interior. Border,
-    and reflection otherwise: every position GENERIC, with its padded taps; returns 0.
-    (Border's padded taps are clamps, about as cheap as telling the interior positions
-    apart: sorting them measured 0.87-1.13x; reflection's reduce each tap by a
-    period: on interior positions sorting measured 0.24-0.50x, session 21.) The axes are unrolled
+    than a scalar loop for a few; ``SPARSE``); returns how many are all-outside.
+    Border where few positions are not interior (``_few_padded``), and reflection
+    where ``_probe_interior`` guesses that the segment is inside: the same, but a
+    position is interior or GENERIC (no tap is masked); returns how many are
+    interior. Otherwise, and for channel images of 2**31 elements or more
+    (``_small``), every position GENERIC, with its padded taps; returns 0 (border's
+    padded taps are clamps, cheaper than sorting where many positions are not
+    interior; reflection's reduce each tap by a period: on interior positions sorting
+    measured 2-4x faster, session 21). Returned with the count: whether every position
+    has its padded taps (then a block of mixed kinds is sampled through them,
+    ``accumulate``). The axes are unrolled
     (``x.ndim`` is a constant), innermost first; the mode and the padding are tokens
     (see ``TOKEN``), so only their code compiles."""
     r = x.ndim - 2
     sh = x.shape
     nd = x.ndim
-    if not _small(x) or len(ptok) == BORDER or (len(ptok) == REFLECTION and
-                                                 not _probe_interior(pos, m, r, sh, mtok, zero)):
+    if not _small(x) or (len(ptok) == REFLECTION and not _probe_interior(pos, m, r, sh, mtok, zero)) or \
+            (len(ptok) == BORDER and not _few_padded(pos, m, r, sh, mtok, zero)):
         for j in range(np.uint64(m)):
             kind[j] = GENERIC
         _generic(r, sh, pos, m, mtok, ptok, align, zero, pidx, pw, pok)
-        return 0
+        return 0, True
     _fast_axis(pos, m, r - 1, sh[nd - 1], 1, mtok, zero, base, pw, kind, True)
     if r >= 2:
         _fast_axis(pos, m, r - 2, sh[nd - 2], sh[nd - 1], mtok, zero, base, pw, kind, False)
@@ -264,7 +308,7 @@ def plan(x, pos, m, mtok, ptok, align, zero, base, pidx, pw, pok, kind):
         _fast_axis(pos, m, r - 3, sh[nd - 3], sh[nd - 2] * sh[nd - 1], mtok, zero, base, pw, kind, False)
     ngeneric = 0
     nout = 0
-    if len(ptok) == REFLECTION:  # every tap is read: a position is interior or GENERIC
+    if len(ptok) != ZEROS:  # every tap is read: a position is interior or GENERIC
         for j in range(np.uint64(m)):
             kind[j] = GENERIC if kind[j] != 0 else 0
             ngeneric += kind[j]
@@ -272,9 +316,14 @@ def plan(x, pos, m, mtok, ptok, align, zero, base, pidx, pw, pok, kind):
         for j in range(np.uint64(m)):
             ngeneric += kind[j] == GENERIC
             nout += kind[j] >= AXIS_OUT
-    if ngeneric:
+    full = ngeneric * SPARSE >= m
+    if full:
         _generic(r, sh, pos, m, mtok, ptok, align, zero, pidx, pw, pok)
-    return m - ngeneric if len(ptok) == REFLECTION else nout
+    else:  # a few (a segment across the input's edge): one by one
+        for j in range(np.uint64(m)):
+            if kind[j] == GENERIC:
+                _generic_at(r, sh, pos, j, mtok, ptok, align, zero, pidx, pw, pok)
+    return (m - ngeneric if len(ptok) != ZEROS else nout), full
 
 
 # --- accumulate: one channel's samples of a segment --------------------------------------
@@ -373,8 +422,8 @@ def _store_block(out, o, res, V):
 
 
 @njit(**INTERNAL)
-def accumulate(x, xf, out, xb, xs, ob, os, C, m, mtok, ptok, count, base, pidx, pw, pok, kind, res, bkind,
-               zero):
+def accumulate(x, xf, out, xb, xs, ob, os, C, m, mtok, ptok, count, full, base, pidx, pw, pok, kind, res,
+               bkind, zero):
     """``out[ob + c * os + j] = sample j`` of the segment's plan in channel ``c`` (the
     channel image starting at ``xf[xb + c * xs]``), for ``j < m`` and ``c < C``.
     Interior positions read their taps from ``base`` on, GENERIC ones through their
@@ -404,7 +453,10 @@ def accumulate(x, xf, out, xb, xs, ob, os, C, m, mtok, ptok, count, base, pidx, 
     osu = np.uint64(os)
     nblk = (mu + np.uint64(V) - np.uint64(1)) // np.uint64(V)
     for q in range(nblk):  # each block's kind, once for all channels
-        bkind[q] = _block(kind, q * np.uint64(V), mu, V, blocks)
+        bk = _block(kind, q * np.uint64(V), mu, V, blocks)
+        if bk == MIXED and full and blocks and (q + np.uint64(1)) * np.uint64(V) <= mu:
+            bk = GENERIC  # every position has its padded taps: interior ones' are their taps
+        bkind[q] = bk
     masked = len(ptok) == ZEROS
     b = xb
     o = np.uint64(ob)
@@ -480,9 +532,9 @@ def _units(x, xf, gf, out, mtok, ptok, align, zero, u0, u1):
             a = g0 + np.uint64(r - 1 - k)  # the grid lists coordinates innermost axis first
             for j in range(np.uint64(m)):  # unsigned indices: no negative wraparound, so the loop vectorises
                 pos[k, j] = unnormalize(load(gf, a + j * np.uint64(r)), size, align, one)
-        count = plan(x, pos, m, mtok, ptok, align, zero, base, pidx, pw, pok, kind)
-        accumulate(x, xf, out, n * C * S, S, n * C * P + j0, P, C, m, mtok, ptok, count, base, pidx, pw, pok, kind,
-                   res, bkind, zero)
+        count, full = plan(x, pos, m, mtok, ptok, align, zero, base, pidx, pw, pok, kind)
+        accumulate(x, xf, out, n * C * S, S, n * C * P + j0, P, C, m, mtok, ptok, count, full, base, pidx, pw, pok,
+                   kind, res, bkind, zero)
 
 
 #: called through its own compiled code (``_opaque``): the serial and parallel entries do
