@@ -16,20 +16,25 @@ the parallel split is over (image, positions) whatever the shape). Per segment:
    tap of some axis outside (the sample is 0, or NaN at a non-finite position).
    Only a segment with GENERIC positions pays for the padded taps (flat offsets,
    weights, inside-flags from the shared per-axis math of ``kernels/_sample.py``).
-   Under reflection padding a segment whose first, middle and last positions are
-   interior is sorted the same way (interior or GENERIC: no position is 0 and no
-   tap masked), others take the padded taps for every position; under border
-   padding every position takes them (its padded taps are clamps, as cheap as the
-   sorting);
-3. ``accumulate``: position by position, each position's sample in every channel
-   in turn (its plan read once for all channels), the weights nested as
-   onnxruntime nests them (innermost axis first), stored into the output;
+   A segment with few GENERIC positions plans their padded taps one by one
+   (``SPARSE``). Under reflection padding a segment whose first, middle and last
+   positions are interior is sorted the same way (interior or GENERIC: no position
+   is 0 and no tap masked), under border padding one where few of every 8th
+   position are not interior (an image flow's rows); others take the padded taps
+   for every position. The interior planning is 32-bit (a channel image has fewer
+   than 2**31 elements), so that it vectorises on AVX2;
+3. ``accumulate``: channel by channel, every position of the segment in turn (a
+   channel's taps and its stores stay in L1: channel images of a power-of-two size
+   apart map to the same cache sets, which position-major order over 64 channels
+   thrashed), the weights nested as onnxruntime nests them (innermost axis first);
    interior positions read their taps from ``base``, GENERIC ones through the
    padded taps and masks, outside ones nothing (a branch-free pass writes their
    0s first). The rank and the taps per axis are constants in each loop, so the
-   tap loops unroll. Runs of ``lanes`` positions of one kind are sampled a block
-   at a time, each tap of a channel gathered for all of them (``_gather``), with
-   the same operations in the same order: the same bits as one by one.
+   tap loops unroll. Runs of ``lanes`` positions of one kind (or of any kinds where
+   every position has its padded taps) are sampled a block at a time, each tap of
+   a channel gathered for all of them (``_gather``; an interior position's
+   consecutive taps on the innermost axis as one word), with the same operations
+   in the same order: the same bits as one by one.
 
 Compile time (issue 18): the mode and padding reach the kernels as tokens
 (``TOKEN``: tuples whose length numba folds to a constant and whose other branches
@@ -431,10 +436,9 @@ def accumulate(x, xf, out, xb, xs, ob, os, C, m, mtok, ptok, count, full, base, 
     outside store 0 without reading; ``count``: what ``plan`` returned. Blocks of
     ``lanes(pw)`` positions of one kind are sampled together (``_gather.gathered``;
     not in the last image of 16-bit or uint8 ``x``: ``gather_safe``), the others one by
-    one. Zeros padding goes position by
-    position, every channel of a position (or block) in turn, so that its plan is read
-    once for all channels; border and reflection channel by channel (a channel image's
-    taps stay in cache). ``x`` (N, C, D1..Dr) is passed for its rank, the mode and
+    one; ``full`` (``plan``): every position has its padded taps, so a whole block of
+    mixed kinds goes through them. Channel by channel (a channel image's taps and
+    stores stay in cache; the blocks' kinds are found once). ``x`` (N, C, D1..Dr) is passed for its rank, the mode and
     padding as tokens (see ``TOKEN``): numba compiles only their code, with the tap
     count a constant, so the tap loops unroll."""
     r = x.ndim - 2
