@@ -268,17 +268,42 @@ def test_reflection_sorted_segments(r, mode, align, dtype, rng):
     positions outside, on the borders, huge and non-finite, give every other position
     the same bits as when the probes are outside (every position padded), and match
     the float64 oracle."""
+    def probes(s0, m):
+        return (s0, s0 + m // 2, s0 + m - 1)
+    _check_sorted_segments(r, mode, "reflection", align, dtype, 0.2, probes, rng)
+
+
+@pytest.mark.parametrize("r", [1, 2, 3])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("special", [0.2, 0.02])
+def test_border_sorted_segments(r, mode, dtype, special, rng):
+    """Border padding sorts a segment into interior and padded positions where few of
+    every 8th position are not interior (CPU); its padded positions get their taps one
+    by one where they are few (``special`` 0.02), else all positions get them and
+    blocks of mixed kinds go through them (0.2). Either way every other position has
+    the same bits as when the probes are outside (every position padded), and the
+    result matches the float64 oracle."""
+    def probes(s0, m):
+        return range(s0, s0 + m, 8)
+    _check_sorted_segments(r, mode, "border", 0, dtype, special, probes, rng)
+
+
+def _check_sorted_segments(r, mode, padding, align, dtype, special, probes_of, rng):
+    """Positions mostly interior, a share ``special`` of coordinates special; the
+    positions ``probes_of(s0, m)`` of each segment interior (sorted) or outside (every
+    position padded): the other positions' bits agree, and the oracle's values."""
     from numba_ops.kernels.cpu.grid_sample import SEG
     n, P = 2, 2 * SEG + 88  # per image: two whole segments and a part
     x = rng.standard_normal((n, 2) + (6,) * r).astype(dtype)
     g = rng.uniform(-0.7, 0.7, (n, P, r))  # mostly interior
     specials = np.array([np.nan, np.inf, -np.inf, 1e30, -1e30, 1.0, -1.0, 1.3, -2.9, 0.9999, 17.25])
-    pick = rng.random((n, P, r)) < 0.2
+    pick = rng.random((n, P, r)) < special
     g[pick] = rng.choice(specials, pick.sum())
-    probes = [j for s0 in range(0, P, SEG) for j in (s0, s0 + min(SEG, P - s0) // 2, s0 + min(SEG, P - s0) - 1)]
+    probes = [j for s0 in range(0, P, SEG) for j in probes_of(s0, min(SEG, P - s0))]
     others = np.setdiff1d(np.arange(P), probes)
     shape = (n, P) + (1,) * (r - 1) + (r,)
-    attrs = dict(mode=mode, padding_mode="reflection", align_corners=align)
+    attrs = dict(mode=mode, padding_mode=padding, align_corners=align)
     sorted_, padded = g.copy(), g.copy()
     sorted_[:, probes] = 0.0  # interior: the segments are sorted
     padded[:, probes] = 5.0  # outside: every position padded

@@ -9,7 +9,8 @@ compared across tools:
   4-5): ``dc_c512_7``, ``dc_c1024_7``, ``dc_c512_14``, ``dc_b2_c512_14``,
   ``dc_c256_14``, ``dc_c512_25x42``, ``dc3d_c256_8x14`` (3-D);
 * GridSample: ``gs2d_32x256``, ``gs3d_4x64``, ``gs2d_cubic_8x256``; affine_warp:
-  ``aw2d_32x256``, ``aw2d_u8_16x512``.
+  ``aw2d_32x256``, ``aw2d_u8_16x512``; and the grids users make (``gs*_aug_*``,
+  ``gs2d_flow_*``, ``aw*_aug_*``: augmentation affines, optical-flow warps).
 
 Each builder returns ``(args, kwargs, work)``: the positional inputs and the
 attributes of the call (ONNX names), and the amount of work that sets the
@@ -67,7 +68,66 @@ SAMPLE = {
                         padding="zeros", x_dtype=None),
     "aw2d_u8_16x512": dict(op="affine_warp", x=(16, 3, 512, 512), theta="ag2d_32x256", mode="linear",
                            padding="zeros", x_dtype="uint8"),
+    # the grids users make (align_corners=0): "augment", augmentation affines near the
+    # identity (``augment_theta``); "flow", the identity warped by a smooth flow of at
+    # most ``flow`` elements (``flow_grid``)
+    "gs2d_aug_32x256": dict(op="grid_sample", x=(32, 3, 256, 256), theta="augment", mode="linear",
+                            padding="zeros", x_dtype=None),
+    "gs2d_aug_nearest_32x256": dict(op="grid_sample", x=(32, 3, 256, 256), theta="augment", mode="nearest",
+                                    padding="zeros", x_dtype=None),
+    "gs2d_aug_cubic_8x256": dict(op="grid_sample", x=(8, 3, 256, 256), theta="augment", mode="cubic",
+                                 padding="zeros", x_dtype=None),
+    "gs2d_flow_8x512": dict(op="grid_sample", x=(8, 3, 512, 512), theta="flow", flow=4.0, mode="linear",
+                            padding="border", x_dtype=None),
+    "gs2d_flow_c64_4x128": dict(op="grid_sample", x=(4, 64, 128, 128), theta="flow", flow=4.0, mode="linear",
+                                padding="zeros", x_dtype=None),
+    "gs3d_aug_4x64": dict(op="grid_sample", x=(4, 1, 64, 64, 64), theta="augment", mode="linear",
+                          padding="border", x_dtype=None),
+    "aw2d_aug_32x256": dict(op="affine_warp", x=(32, 3, 256, 256), theta="augment", mode="linear",
+                            padding="zeros", x_dtype=None),
+    "aw2d_aug_nearest_32x256": dict(op="affine_warp", x=(32, 3, 256, 256), theta="augment", mode="nearest",
+                                    padding="zeros", x_dtype=None),
+    "aw3d_aug_4x64": dict(op="affine_warp", x=(4, 1, 64, 64, 64), theta="augment", mode="linear",
+                          padding="border", x_dtype=None),
 }
+
+
+def augment_theta(n, r, seed=2):
+    """``n`` float32 augmentation affines (n, r, r + 1) near the identity: a rotation of
+    -30..30 degrees (2-D; 3-D about a random axis), a scale of 0.8..1.25 (log-uniform)
+    and a shift of -0.1..0.1 per axis (normalised units)."""
+    rng = np.random.default_rng(seed)
+    angle = rng.uniform(-np.pi / 6, np.pi / 6, n)
+    scale = np.exp(rng.uniform(np.log(0.8), np.log(1.25), n))
+    theta = np.zeros((n, r, r + 1))
+    for q in range(n):
+        c, s = np.cos(angle[q]), np.sin(angle[q])
+        if r == 2:
+            rot = np.array([[c, -s], [s, c]])
+        else:  # Rodrigues' rotation about a random unit axis
+            a = rng.standard_normal(3)
+            a /= np.linalg.norm(a)
+            k = np.array([[0, -a[2], a[1]], [a[2], 0, -a[0]], [-a[1], a[0], 0]])
+            rot = np.eye(3) + s * k + (1 - c) * (k @ k)
+        theta[q, :, :r] = scale[q] * rot
+    theta[:, :, r] = rng.uniform(-0.1, 0.1, (n, r))
+    return theta.astype(np.float32)
+
+
+def flow_grid(shape, amplitude, seed=3):
+    """A float64 GridSample grid for ``x`` of ``shape`` (align_corners=0): the identity
+    plus a smooth flow (per axis a sum of three plane waves of at most 3 periods across
+    the image) of at most ``amplitude`` elements."""
+    rng = np.random.default_rng(seed)
+    r = len(shape) - 2
+    grid = affine_grid_f64(np.tile(np.eye(r, r + 1), (shape[0], 1, 1)), shape, 0)
+    axes = np.meshgrid(*[np.arange(L) / L for L in shape[2:]], indexing="ij")
+    for n in range(shape[0]):
+        for k in range(r):  # grid component k: spatial axis r - 1 - k
+            wave = sum(np.sin(2 * np.pi * sum(f * a for f, a in zip(rng.uniform(-3, 3, r), axes))
+                              + rng.uniform(0, 2 * np.pi)) for _ in range(3))
+            grid[n, ..., k] += amplitude / 3 * wave * 2 / shape[2 + r - 1 - k]
+    return grid
 
 #: every benchmark case as (op, name), AffineGrid first
 CASES = ([("affine_grid", n) for n in AFFINE] + [("deform_conv", n) for n in DEFORM]
@@ -153,9 +213,12 @@ def sample_inputs(name, dtype="float32", small=False):
     shape = tuple(case["x"])
     if small:
         shape = (min(shape[0], 2), shape[1]) + tuple(min(s, 8) for s in shape[2:])
-    (theta, _), akw, _ = affine_inputs(case["theta"], "float64")
-    theta = theta[: shape[0]].astype(np.float32)  # the AffineGrid case's float32 values
-    align = akw["align_corners"]
+    if case["theta"] in ("augment", "flow"):
+        theta, align = augment_theta(shape[0], len(shape) - 2), 0
+    else:
+        (theta, _), akw, _ = affine_inputs(case["theta"], "float64")
+        theta = theta[: shape[0]].astype(np.float32)  # the AffineGrid case's float32 values
+        align = akw["align_corners"]
     rng = np.random.default_rng(1)
     if case["x_dtype"] == "uint8":
         X = rng.integers(0, 256, size=shape, dtype=np.uint8)
@@ -163,7 +226,8 @@ def sample_inputs(name, dtype="float32", small=False):
         X = rng.standard_normal(shape).astype(np.float32).astype(np_dtype(dtype))
     kwargs = {"mode": case["mode"], "padding_mode": case["padding"], "align_corners": align}
     if case["op"] == "grid_sample":
-        pos = _cast(affine_grid_f64(theta, shape, align), dtype)
+        g = flow_grid(shape, case["flow"]) if case["theta"] == "flow" else affine_grid_f64(theta, shape, align)
+        pos = _cast(g, dtype)
         args = (X, pos)
     else:
         pos = _cast(theta, dtype)

@@ -139,7 +139,7 @@ def gathered(typingctx, x, xf, res, xb, base, pidx, pw, pok, j, mtok, s1, s2, in
         i32 = ir.IntType(32)
         vo = ir.VectorType(i32, V)
         first = builder.gep(arrays[1].data, [xb_])
-        start = builder.trunc(vector(4, ty=vi), vo) if inner else ir.Constant(vo, [0] * V)
+        start = vector(4, ty=vo) if inner else ir.Constant(vo, [0] * V)  # (base: int32)
         strides = (s2_, s1_, const(1))[3 - r:]
 
         def offset(k, t):  # tap t of axis k: its element offset, per lane
@@ -151,21 +151,53 @@ def gathered(typingctx, x, xf, res, xb, base, pidx, pw, pok, j, mtok, s1, s2, in
             v8 = ir.VectorType(ir.IntType(8), V)
             return builder.icmp_unsigned("!=", vector(7, k, t, v8), ir.Constant(v8, [0] * V))
 
+        # interior taps of the innermost axis are consecutive: ``G`` of them are gathered as
+        # one word of ``G * size`` bytes (at least 4: the narrow elements' 32-bit words)
+        # and split, so that fewer elements are gathered (the x86 code LLVM makes for
+        # Zen's slow gathers is a scalar load a lane)
+        G = min(T, max(1, 8 // size)) if inner else 1
+        pair = ir.IntType(8 * max(4, G * size))
+        gather_pair = None
+        if G > 1:
+            pname = "llvm.masked.gather.v%di%d.v%dp0" % (V, pair.width, V)
+            vpair = ir.VectorType(pair, V)
+            gather_pair = builder.module.globals.get(pname) or ir.Function(
+                builder.module, ir.FunctionType(vpair, [ir.VectorType(pair.as_pointer(), V), ir.IntType(32), vbool,
+                                                        vpair]), pname)
+
+        def taps(off, t):  # the innermost axis' taps t .. t + G - 1 at offsets ``off`` from tap t's, per lane
+            ptrs = _VectorGEP(builder.block, first, off)
+            insert(builder, ptrs)
+            if G == 1:
+                if size < 4:
+                    ptrs = builder.bitcast(ptrs, vptr)
+                v = builder.call(gather, [ptrs, ir.Constant(ir.IntType(32), size),  # (the element's alignment)
+                                          all_lanes, ir.Constant(vg, ir.Undefined)])
+                return [builder.trunc(v, vs) if size < 4 else v]
+            ptrs = builder.bitcast(ptrs, ir.VectorType(pair.as_pointer(), V))
+            w = builder.call(gather_pair, [ptrs, ir.Constant(ir.IntType(32), size), all_lanes,
+                                           ir.Constant(ir.VectorType(pair, V), ir.Undefined)])
+            bits = ir.IntType(8 * size)
+            out = []
+            for e in range(G):
+                sh = builder.lshr(w, ir.Constant(ir.VectorType(pair, V), [8 * size * e] * V)) if e else w
+                v = builder.trunc(sh, ir.VectorType(bits, V))
+                out.append(v if bits == st else builder.bitcast(v, vs))
+            return out
+
         def axis(k, off, ok):  # the sample over axes k.. (0: the outermost)
             acc = zero
+            if k == r - 1 and G > 1:
+                for t0 in range(0, T, G):
+                    for e, v in enumerate(taps(builder.add(off, offset(k, t0)), t0)):
+                        v = _widen(builder, v, ta[1].dtype, ct, V)
+                        acc = builder.fadd(acc, builder.fmul(vector(6, k, t0 + e, vc), v))
+                return acc
             for t in range(T):
                 o2 = builder.add(off, offset(k, t))
                 ok2 = builder.and_(ok, inside(k, t)) if mask_taps else ok
                 if k == r - 1:
-                    ptrs = _VectorGEP(builder.block, first, o2)
-                    insert(builder, ptrs)
-                    if size < 4:
-                        ptrs = builder.bitcast(ptrs, vptr)
-                    v = builder.call(gather, [ptrs, ir.Constant(ir.IntType(32), size),  # (the element's alignment)
-                                              all_lanes, ir.Constant(vg, ir.Undefined)])
-                    if size < 4:
-                        v = builder.trunc(v, vs)
-                    v = _widen(builder, v, ta[1].dtype, ct, V)
+                    v = _widen(builder, taps(o2, t)[0], ta[1].dtype, ct, V)
                     if mask_taps:
                         v = builder.select(ok2, v, zero)
                 else:

@@ -39,7 +39,7 @@ def _units(x, xf, theta, out, D, H, W, mtok, ptok, align, zero, u0, u1):
     xs = base_coords(W, align, one)
     ys = base_coords(H, align, one)
     zs = base_coords(D, align, one)
-    pos, base, pidx, pw, pok, kind, res = scratch(zero)
+    pos, base, pidx, pw, pok, kind, res, bkind = scratch(zero)
     for u in range(u0, u1):
         row = u // nseg
         w0 = (u - row * nseg) * SEG
@@ -61,9 +61,9 @@ def _units(x, xf, theta, out, D, H, W, mtok, ptok, align, zero, u0, u1):
                 yq = ys[h] * t1
                 for j in range(m):
                     pos[k, np.uint64(j)] = unnormalize((t0 * xs[np.uint64(w0 + j)] + b) + yq, size, align, one)
-        count = plan(x, pos, m, mtok, ptok, align, zero, base, pidx, pw, pok, kind)
+        count, full = plan(x, pos, m, mtok, ptok, align, zero, base, pidx, pw, pok, kind)
         accumulate(x, xf, out, n * C * S, S, n * C * P + row % (D * H) * W + w0, P, C, m, mtok, ptok, count,
-                   base, pidx, pw, pok, kind, res, zero)
+                   full, base, pidx, pw, pok, kind, res, bkind, zero)
 
 
 #: called through its own compiled code (``_opaque``): the serial and parallel entries do

@@ -16,20 +16,25 @@ the parallel split is over (image, positions) whatever the shape). Per segment:
    tap of some axis outside (the sample is 0, or NaN at a non-finite position).
    Only a segment with GENERIC positions pays for the padded taps (flat offsets,
    weights, inside-flags from the shared per-axis math of ``kernels/_sample.py``).
-   Under reflection padding a segment whose first, middle and last positions are
-   interior is sorted the same way (interior or GENERIC: no position is 0 and no
-   tap masked), others take the padded taps for every position; under border
-   padding every position takes them (its padded taps are clamps, as cheap as the
-   sorting);
-3. ``accumulate``: position by position, each position's sample in every channel
-   in turn (its plan read once for all channels), the weights nested as
-   onnxruntime nests them (innermost axis first), stored into the output;
+   A segment with few GENERIC positions plans their padded taps one by one
+   (``SPARSE``). Under reflection padding a segment whose first, middle and last
+   positions are interior is sorted the same way (interior or GENERIC: no position
+   is 0 and no tap masked), under border padding one where few of every 8th
+   position are not interior (an image flow's rows); others take the padded taps
+   for every position. The interior planning is 32-bit (a channel image has fewer
+   than 2**31 elements), so that it vectorises on AVX2;
+3. ``accumulate``: channel by channel, every position of the segment in turn (a
+   channel's taps and its stores stay in L1: channel images of a power-of-two size
+   apart map to the same cache sets, which position-major order over 64 channels
+   thrashed), the weights nested as onnxruntime nests them (innermost axis first);
    interior positions read their taps from ``base``, GENERIC ones through the
    padded taps and masks, outside ones nothing (a branch-free pass writes their
    0s first). The rank and the taps per axis are constants in each loop, so the
-   tap loops unroll. Runs of ``lanes`` positions of one kind are sampled a block
-   at a time, each tap of a channel gathered for all of them (``_gather``), with
-   the same operations in the same order: the same bits as one by one.
+   tap loops unroll. Runs of ``lanes`` positions of one kind (or of any kinds where
+   every position has its padded taps) are sampled a block at a time, each tap of
+   a channel gathered for all of them (``_gather``; an interior position's
+   consecutive taps on the innermost axis as one word), with the same operations
+   in the same order: the same bits as one by one.
 
 Compile time: the mode and padding reach the kernels as tokens
 (``TOKEN``: tuples whose length numba folds to a constant and whose other branches
@@ -76,26 +81,34 @@ GENERIC, AXIS_OUT = 1, 2
 
 @njit(cache=True, forceinline=True)
 def _split(p, zero, size):
-    """``(i, t, scale, finite)``: ``floor(p)`` as an int64 and the fraction, of ``p``
+    """``(i, t, scale, finite)``: ``floor(p)`` as an int32 and the fraction, of ``p``
     clamped to [-4, size + 2] (far and non-finite positions stay clear of integer
     overflow; no tap of an interior position changes), and the weights' scale (1,
-    or NaN for a non-finite position)."""
+    or NaN for a non-finite position). 32-bit, so that the loops vectorise where
+    the CPU has no vector conversion to int64 (AVX2): the caller makes sure that
+    ``size + 2 < 2**31`` (``_small``)."""
     finite = (p - p) == zero
     pmin = as_compute(zero, -4)
     pmax = as_compute(zero, size + 2)
     pc = p if p > pmin else pmin
     pc = pc if pc < pmax else pmax
     f = np.floor(pc)
-    return np.int64(f), pc - f, as_compute(zero, 1) if finite else as_compute(zero, np.nan), finite
+    return np.int32(f), pc - f, as_compute(zero, 1) if finite else as_compute(zero, np.nan), finite
 
 
 @njit(cache=True, forceinline=True)
-def _mark(j, i, lo, hi, size, finite, off, base, kind, first):
-    """``base[j]``'s share ``off`` and the axis' ``kind`` bits for taps ``i - lo ..
-    i + hi`` (zeros padding)."""
-    base[j] = off if first else base[j] + off
-    bits = (0 if (i - lo >= 0) & (i + hi <= size - 1) else GENERIC) | \
-        (AXIS_OUT if ((i + hi < 0) | (i - lo > size - 1)) & finite else 0)
+def _mark(j, i, lo, hi, size, finite, stride, base, kind, first):
+    """``base[j]``'s share (the first tap's index ``i - lo`` times ``stride``) and the
+    axis' ``kind`` bits for taps ``i - lo .. i + hi`` (zeros padding). In 32 bits
+    (each result cut to int32: LLVM then keeps the vector lanes 32-bit): the channel
+    image has fewer than 2**31 elements (``_small``)."""
+    first_tap = np.int32(i - lo)
+    last_tap = np.int32(i + hi)
+    off = np.int32(first_tap * np.int32(stride))
+    base[j] = off if first else np.int32(base[j] + off)
+    top = np.int32(size - 1)
+    bits = (0 if (first_tap >= 0) & (last_tap <= top) else GENERIC) | \
+        (AXIS_OUT if ((last_tap < 0) | (first_tap > top)) & finite else 0)
     kind[j] = bits if first else kind[j] | bits
 
 
@@ -111,15 +124,16 @@ def _fast_axis(pos, m, k, size, stride, mtok, zero, base, pw, kind, first):
         half = as_compute(zero, 0.5)
         for j in range(np.uint64(m)):
             i, t, sc, finite = _split(pos[k, j], zero, size)
-            i += np.int64(1) if (t > half) | ((t == half) & ((i & 1) == 1)) else np.int64(0)  # half to even
+            up = (t > half) | ((t == half) & ((i & np.int32(1)) == np.int32(1)))  # half to even
+            i = np.int32(i + np.int32(1)) if up else i
             pw[k, 0, j] = sc
-            _mark(j, i, 0, 0, size, finite, i * stride, base, kind, first)
+            _mark(j, i, 0, 0, size, finite, stride, base, kind, first)
     elif len(mtok) == LINEAR:
         for j in range(np.uint64(m)):
             i, t, sc, finite = _split(pos[k, j], zero, size)
             pw[k, 0, j] = (one - t) * sc
             pw[k, 1, j] = t * sc
-            _mark(j, i, 0, 1, size, finite, i * stride, base, kind, first)
+            _mark(j, i, 0, 1, size, finite, stride, base, kind, first)
     else:
         for j in range(np.uint64(m)):
             i, t, sc, finite = _split(pos[k, j], zero, size)
@@ -128,7 +142,7 @@ def _fast_axis(pos, m, k, size, stride, mtok, zero, base, pw, kind, first):
             pw[k, 1, j] = c1 * sc
             pw[k, 2, j] = c2 * sc
             pw[k, 3, j] = c3 * sc
-            _mark(j, i, 1, 2, size, finite, (i - 1) * stride, base, kind, first)
+            _mark(j, i, 1, 2, size, finite, stride, base, kind, first)
 
 
 @njit(cache=True, forceinline=True)
@@ -199,22 +213,69 @@ def _generic(r, sh, pos, m, mtok, ptok, align, zero, pidx, pw, pok):
 
 
 @njit(cache=True, forceinline=True)
+def _generic_at(r, sh, pos, j, mtok, ptok, align, zero, pidx, pw, pok):
+    """Padded taps (``_taps_one``) of position ``j`` on every axis."""
+    nd = r + 2
+    sizes = (sh[nd - 1], sh[nd - 2] if r >= 2 else 1, sh[nd - 3] if r >= 3 else 1)
+    stride = 1
+    for q in range(r):
+        size = sizes[q]
+        per = period(size, len(ptok), align)
+        _taps_one(pos, j, r - 1 - q, size, per, stride, mtok, ptok, align, zero, False, pidx, pw, pok)
+        stride *= size
+
+
+#: a segment with fewer than 1 in SPARSE positions GENERIC plans their padded taps one
+#: by one, else for every position in vectorised loops (``_generic``); its interior
+#: positions keep ``_fast_axis``'s weights, which are the padded taps' bit for bit
+SPARSE = 8
+
+
+@njit(cache=True, forceinline=True)
+def _inside(pos, j, r, sh, lo, hi, zero):
+    """Whether position ``j``'s taps ``i - lo .. i + hi`` are inside the input on every axis."""
+    nd = r + 2
+    inside = True
+    for k in range(r):
+        size = sh[nd - r + k]
+        i, _, _, finite = _split(pos[k, j], zero, size)
+        inside &= finite & (i - lo >= 0) & (i + hi <= size - 1)
+    return inside
+
+
+@njit(cache=True, forceinline=True)
+def _few_padded(pos, m, r, sh, mtok, zero):
+    """Whether fewer than 1 in ``SPARSE`` of every 8th of the segment's ``m`` positions
+    are not interior: a guess at whether sorting pays under border padding (as where a
+    flow's rows reach the input's edges; where many positions are not interior the
+    padded taps of every position, clamps, cost less than the sorting: counting them
+    all cost 15% of a 3-D call). Either answer gives the same samples."""
+    lo, hi = (1, 2) if len(mtok) == CUBIC else (0, 1)
+    n = 0
+    for j in range(0, m, 8):
+        n += not _inside(pos, j, r, sh, lo, hi, zero)
+    return n * SPARSE < (m + 7) // 8
+
+
+@njit(cache=True, forceinline=True)
 def _probe_interior(pos, m, r, sh, mtok, zero):
     """Whether the first, middle and last of the segment's ``m`` positions are all
     interior (every tap of every axis inside the input): a guess at whether sorting
     the segment's positions pays under reflection padding (an affine map's segment
     is a line, the interior convex). Either answer gives the same samples."""
     lo, hi = (1, 2) if len(mtok) == CUBIC else (0, 1)
-    nd = r + 2
     for j in (0, m // 2, m - 1):
-        inside = True
-        for k in range(r):
-            size = sh[nd - r + k]
-            i, _, _, finite = _split(pos[k, j], zero, size)
-            inside &= finite & (i - lo >= 0) & (i + hi <= size - 1)
+        inside = _inside(pos, j, r, sh, lo, hi, zero)
         if not inside:
             return False
     return True
+
+
+@njit(cache=True, forceinline=True)
+def _small(x):
+    """Whether a channel image of ``x`` has fewer than 2**31 elements: interior
+    positions are planned in 32 bits (``_split``, ``_mark``), others take the padded taps."""
+    return x.size // max(x.shape[0] * x.shape[1], 1) < 2 ** 31 - 8
 
 
 @njit(**INTERNAL)
@@ -223,23 +284,28 @@ def plan(x, pos, m, mtok, ptok, align, zero, base, pidx, pw, pok, kind):
     of ``x``, shape (N, C, D1..Dr)). Zeros padding: every position's ``kind``, the
     ``base`` and weights of interior ones (``_fast_axis``) and, when some are
     GENERIC, every position's padded taps (``_generic``: vectorised, cheaper for all
-    than a scalar loop for a few); returns how many are all-outside. Reflection, where
-    ``_probe_interior`` guesses that the segment is inside: the same, but a position
-    is interior or GENERIC (no tap is masked); returns how many are interior. Border,
-    and reflection otherwise: every position GENERIC, with its padded taps; returns 0.
-    (Border's padded taps are clamps, about as cheap as telling the interior positions
-    apart: sorting them measured 0.87-1.13x; reflection's reduce each tap by a
-    period: on interior positions sorting measured 0.24-0.50x.) The axes are unrolled
+    than a scalar loop for a few; ``SPARSE``); returns how many are all-outside.
+    Border where few positions are not interior (``_few_padded``), and reflection
+    where ``_probe_interior`` guesses that the segment is inside: the same, but a
+    position is interior or GENERIC (no tap is masked); returns how many are
+    interior. Otherwise, and for channel images of 2**31 elements or more
+    (``_small``), every position GENERIC, with its padded taps; returns 0 (border's
+    padded taps are clamps, cheaper than sorting where many positions are not
+    interior; reflection's reduce each tap by a period: on interior positions sorting
+    measured 2-4x faster). Returned with the count: whether every position
+    has its padded taps (then a block of mixed kinds is sampled through them,
+    ``accumulate``). The axes are unrolled
     (``x.ndim`` is a constant), innermost first; the mode and the padding are tokens
     (see ``TOKEN``), so only their code compiles."""
     r = x.ndim - 2
     sh = x.shape
     nd = x.ndim
-    if len(ptok) == BORDER or (len(ptok) == REFLECTION and not _probe_interior(pos, m, r, sh, mtok, zero)):
+    if not _small(x) or (len(ptok) == REFLECTION and not _probe_interior(pos, m, r, sh, mtok, zero)) or \
+            (len(ptok) == BORDER and not _few_padded(pos, m, r, sh, mtok, zero)):
         for j in range(np.uint64(m)):
             kind[j] = GENERIC
         _generic(r, sh, pos, m, mtok, ptok, align, zero, pidx, pw, pok)
-        return 0
+        return 0, True
     _fast_axis(pos, m, r - 1, sh[nd - 1], 1, mtok, zero, base, pw, kind, True)
     if r >= 2:
         _fast_axis(pos, m, r - 2, sh[nd - 2], sh[nd - 1], mtok, zero, base, pw, kind, False)
@@ -247,7 +313,7 @@ def plan(x, pos, m, mtok, ptok, align, zero, base, pidx, pw, pok, kind):
         _fast_axis(pos, m, r - 3, sh[nd - 3], sh[nd - 2] * sh[nd - 1], mtok, zero, base, pw, kind, False)
     ngeneric = 0
     nout = 0
-    if len(ptok) == REFLECTION:  # every tap is read: a position is interior or GENERIC
+    if len(ptok) != ZEROS:  # every tap is read: a position is interior or GENERIC
         for j in range(np.uint64(m)):
             kind[j] = GENERIC if kind[j] != 0 else 0
             ngeneric += kind[j]
@@ -255,9 +321,14 @@ def plan(x, pos, m, mtok, ptok, align, zero, base, pidx, pw, pok, kind):
         for j in range(np.uint64(m)):
             ngeneric += kind[j] == GENERIC
             nout += kind[j] >= AXIS_OUT
-    if ngeneric:
+    full = ngeneric * SPARSE >= m
+    if full:
         _generic(r, sh, pos, m, mtok, ptok, align, zero, pidx, pw, pok)
-    return m - ngeneric if len(ptok) == REFLECTION else nout
+    else:  # a few (a segment across the input's edge): one by one
+        for j in range(np.uint64(m)):
+            if kind[j] == GENERIC:
+                _generic_at(r, sh, pos, j, mtok, ptok, align, zero, pidx, pw, pok)
+    return (m - ngeneric if len(ptok) != ZEROS else nout), full
 
 
 # --- accumulate: one channel's samples of a segment --------------------------------------
@@ -356,7 +427,8 @@ def _store_block(out, o, res, V):
 
 
 @njit(**INTERNAL)
-def accumulate(x, xf, out, xb, xs, ob, os, C, m, mtok, ptok, count, base, pidx, pw, pok, kind, res, zero):
+def accumulate(x, xf, out, xb, xs, ob, os, C, m, mtok, ptok, count, full, base, pidx, pw, pok, kind, res,
+               bkind, zero):
     """``out[ob + c * os + j] = sample j`` of the segment's plan in channel ``c`` (the
     channel image starting at ``xf[xb + c * xs]``), for ``j < m`` and ``c < C``.
     Interior positions read their taps from ``base`` on, GENERIC ones through their
@@ -364,10 +436,9 @@ def accumulate(x, xf, out, xb, xs, ob, os, C, m, mtok, ptok, count, base, pidx, 
     outside store 0 without reading; ``count``: what ``plan`` returned. Blocks of
     ``lanes(pw)`` positions of one kind are sampled together (``_gather.gathered``;
     not in the last image of 16-bit or uint8 ``x``: ``gather_safe``), the others one by
-    one. Zeros padding goes position by
-    position, every channel of a position (or block) in turn, so that its plan is read
-    once for all channels; border and reflection channel by channel (a channel image's
-    taps stay in cache). ``x`` (N, C, D1..Dr) is passed for its rank, the mode and
+    one; ``full`` (``plan``): every position has its padded taps, so a whole block of
+    mixed kinds goes through them. Channel by channel (a channel image's taps and
+    stores stay in cache; the blocks' kinds are found once). ``x`` (N, C, D1..Dr) is passed for its rank, the mode and
     padding as tokens (see ``TOKEN``): numba compiles only their code, with the tap
     count a constant, so the tap loops unroll."""
     r = x.ndim - 2
@@ -384,86 +455,62 @@ def accumulate(x, xf, out, xb, xs, ob, os, C, m, mtok, ptok, count, base, pidx, 
     blocks = gather_safe(xf, xb + C * xs, xs)
     mu = np.uint64(m)
     osu = np.uint64(os)
-    if len(ptok) != ZEROS:  # border, reflection: every tap is read, no position is 0
-        b = xb
-        o = np.uint64(ob)
-        for c in range(C):
-            j = np.uint64(0)
-            while j < mu:
-                bk = _block(kind, j, mu, V, blocks)
-                if bk != MIXED:
-                    if bk == 0:
-                        gathered(x, xf, res, b, base, pidx, pw, pok, j, mtok, s1, s2, True, False)
-                    else:
-                        gathered(x, xf, res, b, base, pidx, pw, pok, j, mtok, s1, s2, False, False)
-                    _store_block(out, o + j, res, V)
-                    j += np.uint64(V)
-                else:
-                    if kind[j] == 0:
-                        v = _sample(x, xf, b + base[j], j, T, False, True, s1, s2, pidx, pw, pok, zero)
-                    else:
-                        v = _sample(x, xf, b, j, T, False, False, s1, s2, pidx, pw, pok, zero)
-                    store_sample(out, o + j, v)
-                    j += np.uint64(1)
-            b += xs
-            o += osu
-        return
-    if count:  # (zeros: how many positions are all-outside)
-        # first every position as if every tap of an axis were outside (0, or NaN at a
-        # non-finite position; branch-free, so it vectorises), then the others over it
-        o = np.uint64(ob)
-        for c in range(C):
+    nblk = (mu + np.uint64(V) - np.uint64(1)) // np.uint64(V)
+    for q in range(nblk):  # each block's kind, once for all channels
+        bk = _block(kind, q * np.uint64(V), mu, V, blocks)
+        if bk == MIXED and full and blocks and (q + np.uint64(1)) * np.uint64(V) <= mu:
+            bk = GENERIC  # every position has its padded taps: interior ones' are their taps
+        bkind[q] = bk
+    masked = len(ptok) == ZEROS
+    b = xb
+    o = np.uint64(ob)
+    for c in range(C):
+        if masked and count:  # (zeros: how many positions are all-outside)
+            # first every position as if every tap of an axis were outside (0, or NaN at a
+            # non-finite position; branch-free, so it vectorises), then the others over it
+            # (the channel's stores stay in L1)
             for j in range(mu):
                 acc = pw[0, 0, j] * zero
                 for k in range(1, r):
                     acc *= pw[k, 0, j]
                 store_sample(out, o + j, zero if acc == acc else acc)
-            o += osu
-        if count == m:
-            return
-    j = np.uint64(0)
-    while j < mu:
-        bk = _block(kind, j, mu, V, blocks)
-        if bk == 0 or bk == GENERIC:
-            b = xb
-            o = np.uint64(ob)
-            for c in range(C):
-                if bk == 0:
-                    gathered(x, xf, res, b, base, pidx, pw, pok, j, mtok, s1, s2, True, False)
-                else:  # taps outside read as exact zeros
-                    gathered(x, xf, res, b, base, pidx, pw, pok, j, mtok, s1, s2, False, True)
+            if count == m:
+                b += xs
+                o += osu
+                continue
+        for q in range(nblk):
+            j = q * np.uint64(V)
+            bk = bkind[q]
+            if bk == 0:
+                gathered(x, xf, res, b, base, pidx, pw, pok, j, mtok, s1, s2, True, False)
                 _store_block(out, o + j, res, V)
-                b += xs
-                o += osu
-            j += np.uint64(V)
-            continue
-        if bk != MIXED:  # all outside: their 0s are stored
-            j += np.uint64(V)
-            continue
-        kd = kind[j]
-        o = np.uint64(ob) + j
-        if kd == 0:
-            b = xb + base[j]
-            for c in range(C):
-                store_sample(out, o, _sample(x, xf, b, j, T, False, True, s1, s2, pidx, pw, pok, zero))
-                b += xs
-                o += osu
-        elif kd == GENERIC:  # taps outside read as exact zeros
-            b = xb
-            for c in range(C):
-                store_sample(out, o, _sample(x, xf, b, j, T, True, False, s1, s2, pidx, pw, pok, zero))
-                b += xs
-                o += osu
-        j += np.uint64(1)
+            elif bk == GENERIC:
+                if masked:  # taps outside read as exact zeros
+                    gathered(x, xf, res, b, base, pidx, pw, pok, j, mtok, s1, s2, False, True)
+                else:
+                    gathered(x, xf, res, b, base, pidx, pw, pok, j, mtok, s1, s2, False, False)
+                _store_block(out, o + j, res, V)
+            elif bk == MIXED:
+                for jj in range(j, min(j + np.uint64(V), mu)):
+                    kd = kind[jj]
+                    if kd == 0:
+                        v = _sample(x, xf, b + base[jj], jj, T, False, True, s1, s2, pidx, pw, pok, zero)
+                        store_sample(out, o + jj, v)
+                    elif kd == GENERIC:
+                        v = _sample(x, xf, b, jj, T, masked, False, s1, s2, pidx, pw, pok, zero)
+                        store_sample(out, o + jj, v)
+            # (else all outside: their 0s are stored)
+        b += xs
+        o += osu
 
 
 @njit(**INTERNAL)
 def scratch(zero):
-    """``(pos, base, pidx, pw, pok, kind, res)``: one thread's segment buffers (``res``:
-    a block's samples)."""
-    return (np.empty((3, SEG), type(zero)), np.empty(SEG, np.int64), np.empty((3, 4, SEG), np.int64),
+    """``(pos, base, pidx, pw, pok, kind, res, bkind)``: one thread's segment buffers
+    (``res``: a block's samples; ``bkind``: each block's kind, ``_block``)."""
+    return (np.empty((3, SEG), type(zero)), np.empty(SEG, np.int32), np.empty((3, 4, SEG), np.int64),
             np.empty((3, 4, SEG), type(zero)), np.empty((3, 4, SEG), np.bool_), np.empty(SEG, np.uint8),
-            np.empty(16, type(zero)))
+            np.empty(16, type(zero)), np.empty(SEG // 8 + 1, np.uint8))
 
 
 # --- GridSample ------------------------------------------------------------------------
@@ -478,7 +525,7 @@ def _units(x, xf, gf, out, mtok, ptok, align, zero, u0, u1):
     S = xf.size // (N * C)
     nseg = (P + SEG - 1) // SEG
     one = as_compute(zero, 1)
-    pos, base, pidx, pw, pok, kind, res = scratch(zero)
+    pos, base, pidx, pw, pok, kind, res, bkind = scratch(zero)
     for u in range(u0, u1):
         n = u // nseg
         j0 = (u - n * nseg) * SEG
@@ -489,9 +536,9 @@ def _units(x, xf, gf, out, mtok, ptok, align, zero, u0, u1):
             a = g0 + np.uint64(r - 1 - k)  # the grid lists coordinates innermost axis first
             for j in range(np.uint64(m)):  # unsigned indices: no negative wraparound, so the loop vectorises
                 pos[k, j] = unnormalize(load(gf, a + j * np.uint64(r)), size, align, one)
-        count = plan(x, pos, m, mtok, ptok, align, zero, base, pidx, pw, pok, kind)
-        accumulate(x, xf, out, n * C * S, S, n * C * P + j0, P, C, m, mtok, ptok, count, base, pidx, pw, pok, kind,
-                   res, zero)
+        count, full = plan(x, pos, m, mtok, ptok, align, zero, base, pidx, pw, pok, kind)
+        accumulate(x, xf, out, n * C * S, S, n * C * P + j0, P, C, m, mtok, ptok, count, full, base, pidx, pw, pok,
+                   kind, res, bkind, zero)
 
 
 #: called through its own compiled code (``_opaque``): the serial and parallel entries do
