@@ -1,4 +1,4 @@
-"""Cold start of numba_ops, as a new user meets it (issue 18's targets):
+"""Cold start of numba_ops, as a new user meets it:
 
 - ``import numba_ops`` (``python -X importtime``, median of fresh processes);
 - first calls with an empty JIT cache: each sequence runs in a fresh process with

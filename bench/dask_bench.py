@@ -1,4 +1,4 @@
-"""numba_ops.dask throughput against one call (issue 19).
+"""numba_ops.dask throughput against one call.
 
 A 16-image batch of the shared case ``dc_r50_c64_56`` (numba_ops/benchmark/cases.py: 64 -> 64
 channels, 56 x 56, 3 x 3, mask) computed

@@ -1,4 +1,4 @@
-"""DeformConv size sweep on the CPU (issue 22): how the cost grows with the work, from
+"""DeformConv size sweep on the CPU: how the cost grows with the work, from
 the existing bench cases to deep channels at small spatial sizes, float32.
 
 Per shape of the shared case table (``numba_ops.benchmark.cases.DEFORM``): numba_ops' median

@@ -1,4 +1,4 @@
-"""The GPU benchmark (issue 5): numba_ops' CUDA kernels beside PyTorch on one GPU.
+"""The GPU benchmark: numba_ops' CUDA kernels beside PyTorch on one GPU.
 
 One run, a few minutes, on a machine with an NVIDIA GPU, numba-cuda and (for the
 peers) torch/torchvision with CUDA:
@@ -14,7 +14,7 @@ our time, torch's ``affine_grid`` / torchvision's ``deform_conv2d`` on the same
 device tensors, the achieved GB/s (AffineGrid: bytes written; against the GPU's
 write bandwidth, measured here with a large ``fill``) or GFLOP/s (DeformConv: the
 dense convolution's 2·N·oC·P·(C/group)·K), the ratio to the peer, and the
-largest difference from the peer's result. Targets (issue 5): AffineGrid ≥ 80 %
+largest difference from the peer's result. Targets: AffineGrid ≥ 80 %
 of write bandwidth on ``ag2d_256x512``; DeformConv ≥ 2 × torchvision.
 
 Inputs live on the device as torch tensors when torch has CUDA (so our zero-copy
@@ -212,7 +212,7 @@ def run(names, dtypes, as_json=None):
                              kernels_only_s=t_kernel, work=work, max_abs_diff=diff,
                              fraction_of_write_bw=(work / t_ours / bw) if op == "affine_grid" else None,
                              kernels_fraction_of_write_bw=(work / t_kernel / bw) if t_kernel else None))
-    print("\ntargets (issue 5):")
+    print("\ntargets:")
     for r in rows:
         if r["case"] == TARGET_AFFINE:
             ok = r["fraction_of_write_bw"] >= 0.8

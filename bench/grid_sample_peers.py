@@ -4,7 +4,7 @@
     python bench/grid_sample_peers.py --processes [--rounds R] [--reps N] [--threads T] [--only PREFIX]
 
 Default: against onnxruntime, in one process, taking turns call by call. Cases
-(issue 21): gs2d_32x256 (x 32x3x256x256, grid from ag2d_32x256's theta,
+gs2d_32x256 (x 32x3x256x256, grid from ag2d_32x256's theta,
 linear, zeros), gs3d_4x64 (x 4x1x64^3, ag3d_4x64's grid, trilinear, border),
 gs2d_cubic_8x256 (x 8x3x256x256, cubic, reflection), aw2d_32x256 (affine_warp of
 the first, against our own affine_grid + grid_sample and onnxruntime's AffineGrid

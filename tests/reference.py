@@ -1,4 +1,4 @@
-"""Slow float64 oracles, written from the ONNX pages and API.md, kept out of test bodies."""
+"""Slow float64 oracles, written from the ONNX pages and the documented contract, kept out of test bodies."""
 import itertools
 import math
 import threading
@@ -39,7 +39,7 @@ def _sample(xc, pos):
 @np.errstate(invalid="ignore", over="ignore")  # NaN/Inf inputs are tested on purpose
 def deform_conv_ref(x, w, offset, b=None, mask=None, kernel_shape=None, strides=None, pads=None,
                     dilations=None, group=1, offset_group=1):
-    """float64 DeformConv by the definition in API.md (any number of spatial axes)."""
+    """float64 DeformConv by the documented definition (any number of spatial axes)."""
     x, w, offset = (np.asarray(a, dtype=np.float64) for a in (x, w, offset))
     N, C = x.shape[:2]
     nd = x.ndim - 2
@@ -75,7 +75,7 @@ def deform_conv_ref(x, w, offset, b=None, mask=None, kernel_shape=None, strides=
 
 def _gs_unnormalize(g, size, align, dtype):
     """ONNX/onnxruntime GsDenormalize in ``dtype`` (float64 unless a test asks for the
-    compute type: API.md allows what rounding the coordinate to it moves)."""
+    compute type: the accuracy contract allows what rounding the coordinate to it moves)."""
     g, one, two = dtype(g), dtype(1), dtype(2)
     with np.errstate(invalid="ignore", over="ignore"):
         if align:
@@ -126,7 +126,7 @@ def _gs_axis(pos, size, mode, padding, align):
 
 
 def grid_sample_ref(x, grid, mode="linear", padding_mode="zeros", align_corners=False, coord_dtype=np.float64):
-    """float64 GridSample by API.md's definition (any number of spatial axes):
+    """float64 GridSample by the documented definition (any number of spatial axes):
     per axis the unnormalised position (in ``coord_dtype``), its taps (nearest:
     rounded half to even; linear; cubic, A = -0.75), each tap padded on its own
     (zeros: outside counts 0), and the sum over the taps' combinations of the

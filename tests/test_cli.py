@@ -1,4 +1,4 @@
-"""The ``numba-ops`` command (API.md, Command line): each subcommand in a fresh
+"""The ``numba-ops`` command (the documented contract: Command line): each subcommand in a fresh
 process, as a user runs it; faults are injected through a small wrapper script
 that patches numba_ops, then calls ``numba_ops.cli.main``."""
 import importlib.metadata

@@ -1,4 +1,4 @@
-"""numba_ops.dask against API.md ("Scale-out (Dask)"): the threaded scheduler and a
+"""numba_ops.dask against the documented contract ("Scale-out (Dask)"): the threaded scheduler and a
 LocalCluster of processes give the one-call results; bad arguments fail while the
 graph is built, with the one-call ops' own errors; weights enter the graph once;
 the launchers' internal output origin computes any region of the one-call result."""
@@ -407,7 +407,7 @@ def test_import_numba_ops_does_not_import_dask():
 # --- device arrays: blocks on the GPU (numba's simulator in CI) --------------------------------
 
 def test_device_blocks(device):
-    """Blocks holding device arrays run on the GPU (API.md, Devices: device=None follows
+    """Blocks holding device arrays run on the GPU (Devices: device=None follows
     them); NumPy blocks run on the CPU unless device= says otherwise."""
     ins, att, outs = make(np.random.default_rng(8), N=3)
     ins = cast(ins, np.float32)

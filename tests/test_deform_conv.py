@@ -1,4 +1,4 @@
-"""numba_ops.deform_conv against API.md (deform_conv, dtypes, Bad input) and the
+"""numba_ops.deform_conv against the documented contract (deform_conv, dtypes, Bad input) and the
 ONNX DeformConv page: worked examples, ONNX backend cases, onnxruntime and
 torchvision as 2-D oracles, tests/reference.py (float64, any rank) for the rest."""
 import threading
@@ -548,7 +548,7 @@ def test_non_finite_offset_is_nan_even_if_far_on_other_axis():
 @pytest.mark.parametrize("D", [param(deform_default(len(D), np.float32), D) for D in [(700,), (2, 700), (2, 1, 700)]])
 def test_far_positions_keep_the_offset_fraction(D, path, device, monkeypatch):
     """A position o*stride - pad + k*dil + offset in the hundreds: in a float32 sum
-    its fraction (the interpolation weight) would lose bits beyond API.md's 1e-5.
+    its fraction (the interpolation weight) would lose bits beyond the documented 1e-5.
     Strides put the outputs hundreds of elements apart, on every plan (1-D general,
     2-D/3-D 32-bit) and path."""
     _force_path(monkeypatch, path)

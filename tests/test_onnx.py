@@ -1,5 +1,5 @@
 """numba_ops.onnx: whole ONNX models through onnx's ReferenceEvaluator with our
-operators, against onnxruntime (API.md, ONNX)."""
+operators, against onnxruntime (the documented contract: ONNX)."""
 import subprocess
 import sys
 
@@ -108,7 +108,7 @@ def test_deform_conv_attribute_defaults(rng):
 
 
 def test_affine_grid_length_one_axis_align_corners():
-    """API.md: an axis of length 1 has the single coordinate 0 under both settings
+    """An axis of length 1 has the single coordinate 0 under both settings
     (as PyTorch); onnxruntime 1.x gives -1 there with align_corners=1, so this edge
     is checked against the definition, not against onnxruntime."""
     node = helper.make_node("AffineGrid", ["theta", "size"], ["grid"], align_corners=1)

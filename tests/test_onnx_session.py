@@ -1,5 +1,5 @@
 """numba_ops.onnx.session: whole models in onnxruntime with numba_ops' nodes, against
-the functions (API.md, ONNX). Shapes are tiny; the default matrix covers every op,
+the functions (the documented contract: ONNX). Shapes are tiny; the default matrix covers every op,
 dtype and rank at least once, the exhaustive product is marked ``full``."""
 import itertools
 import os

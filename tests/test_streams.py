@@ -1,4 +1,4 @@
-"""``stream=`` (API.md, Devices) on every op: each accepted kind of stream gives the
+"""``stream=`` (the documented contract: Devices) on every op: each accepted kind of stream gives the
 default stream's result, a bad value is a TypeError naming ``stream``, calls on
 device inputs never wait for the stream, calls on NumPy inputs return after the
 copy back. Runs on a GPU or in numba's simulator (NUMBA_ENABLE_CUDASIM=1), which
@@ -86,7 +86,7 @@ def _cases(rng):
 
 def _check(op, got, want):
     """Equal results: the sampling ops are bit-identical on every path (uint8 too);
-    DeformConv within API.md's accuracy."""
+    DeformConv within the documented accuracy."""
     if op == "deform_conv":
         assert_api_close(got, want, want.dtype)
     else:

@@ -1,4 +1,4 @@
-"""numba_ops.warm / ``numba-ops warm`` (API.md, "Warm-up (JIT cache)"): after a
+"""numba_ops.warm / ``numba-ops warm`` (the documented contract: "Warm-up (JIT cache)"): after a
 warm-up into an empty cache, a fresh process calls every op x dtype x rank
 without numba compiling anything, and a second warm-up compiles nothing.
 
@@ -215,7 +215,7 @@ def test_warm_result(capsys):
     calls = len(__import__("numba_ops.affine_grid", fromlist=["warm_calls"]).warm_calls(DTYPE))
     seen = []
     r = numba_ops.warm("affine_grid", [np.float32], "cpu", progress=lambda *a: seen.append(a), force=True)
-    printed = capsys.readouterr().out  # API.md: warm returns and prints what it did
+    printed = capsys.readouterr().out  # documented: warm returns and prints what it did
     assert f"{r['compiled']} functions compiled" in printed and str(r["cache_dir"]) in printed
     assert r["ops"] == ["affine_grid"] and r["dtypes"] == [DTYPE] and r["devices"] == ["cpu"]
     assert r["calls"] == calls and r["failures"] == [] and r["skipped"] == {}
