@@ -123,7 +123,7 @@ def grid_sample(x: ArrayLike, grid: ArrayLike, *, mode: str = "linear", padding_
     >>> numba_ops.grid_sample(x, grid)
     array([[[[1.5, 0. ]]]], dtype=float32)
     >>> far = np.array([[[[0.9, -0.5], [3.0, 0.5]]]], np.float32)  # the second beyond the right edge
-    >>> numba_ops.grid_sample(x, far, mode="nearest", padding_mode="border")
+    >>> numba_ops.grid_sample(x, far, padding_mode="border")  # clamped to the edge
     array([[[[1., 3.]]]], dtype=float32)
     """
     inputs = {"X": x, "grid": grid}

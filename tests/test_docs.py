@@ -49,7 +49,13 @@ def test_every_public_function_has_an_example():
     assert not missing, missing
 
 
-@pytest.mark.parametrize("script", EXAMPLES, ids=[p.name for p in EXAMPLES])
+#: the examples that do real work (seconds each: LocalClusters, an ONNX export) run
+#: in the full pass (``--full``, which CI runs); the others also by default
+_HEAVY = {"augment_batch.py", "dask_volume.py", "onnx_deformable_layer.py"}
+
+
+@pytest.mark.parametrize("script", [pytest.param(p, marks=pytest.mark.full) if p.name in _HEAVY else p
+                                    for p in EXAMPLES], ids=[p.name for p in EXAMPLES])
 def test_example_runs(script, tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
                MPLBACKEND="Agg")

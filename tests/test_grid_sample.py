@@ -273,10 +273,8 @@ def test_reflection_sorted_segments(r, mode, align, dtype, rng):
     _check_sorted_segments(r, mode, "reflection", align, dtype, 0.2, probes, rng)
 
 
-@pytest.mark.parametrize("r", [1, 2, 3])
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("dtype", [np.float32, np.float64])
-@pytest.mark.parametrize("special", [0.2, 0.02])
+@pytest.mark.parametrize(*matrix(dict(padding="border"), r=[1, 2, 3], mode=MODES, dtype=[np.float32, np.float64],
+                                special=[0.2, 0.02]))
 def test_border_sorted_segments(r, mode, dtype, special, rng):
     """Border padding sorts a segment into interior and padded positions where few of
     every 8th position are not interior (CPU); its padded positions get their taps one
