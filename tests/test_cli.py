@@ -102,7 +102,7 @@ def test_check_on_an_unusable_device_says_so():
 def test_bench_quick(tmp_path):
     out_json = tmp_path / "bench.json"
     rc, out, err = run("bench", "--quick", "--repeat", "1", "--only", "ag2d_small,dc_seed",
-                       "--peers", "onnxruntime", "--json", str(out_json))
+                       "--peers", "onnxruntime", "--rounds", "3", "--json", str(out_json))
     assert rc == 0, out + err
     # a progress line per case and implementation, then the table
     for impl in ("numba_ops", "onnxruntime"):
