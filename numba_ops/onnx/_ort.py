@@ -11,7 +11,7 @@ What the extension layer imposes, and how it is met:
 
 - Every custom op is declared once per input/output type signature, and all of
   them must be declared before the first session is created (the extension keeps
-  the declarations of a domain in a vector that a session's kernels point into:
+  the declarations of a domain in a vector that an InferenceSession's kernels point into:
   a later declaration can move it). ``_register`` declares the whole table at
   once, on first use.
 - The extension passes only string attributes, so the node's attributes travel
@@ -22,7 +22,7 @@ What the extension layer imposes, and how it is met:
   once to the output dtype).
 - A Python exception raised in a custom op aborts the process. The op never
   raises: it records the exception (per ``run`` call, per thread) and returns
-  zeros of the declared output shape; the session's ``run`` then raises the
+  zeros of the declared output shape; the InferenceSession's ``run`` then raises the
   recorded exception (also when the zeros make a later onnxruntime node fail
   first, whose error it replaces).
 - The extension's own callback copies every output through a Python list; the
@@ -164,7 +164,7 @@ def _set_threads(n):
 
 
 def _with_threads(n, call, args, attrs):
-    """``call`` on ``n`` numba threads: the session's ``run`` has set them for its
+    """``call`` on ``n`` numba threads: the InferenceSession's ``run`` has set them for its
     thread already, a node on another thread (ORT_PARALLEL) sets them here."""
     if num_threads() == n:
         return call(*args, **attrs)
@@ -625,7 +625,7 @@ def _entry(so, key):
 
 
 def node_threads(so):
-    """numba's thread count in the session's numba_ops nodes: the options' entry
+    """numba's thread count in the InferenceSession's numba_ops nodes: the options' entry
     ``numba_ops.num_threads`` ("0": numba's own count), default 1."""
     text = _entry(so, THREADS)
     try:
