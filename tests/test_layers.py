@@ -37,11 +37,6 @@ COMPAT = "numba_ops.kernels._compat"
 #: numba's public modules (numba-cuda's ``numba.cuda`` itself included)
 NUMBA_PUBLIC = {"numba", "numba.extending", "numba.types", "numba.typed", "numba.cuda"}
 
-#: modules whose fix lands with another change: (module, reason); strict, so the
-#: mark fails once the module is fixed and must then go
-PENDING = {}
-
-
 def layer(mod):
     """(rank, sub-layer) of a numba_ops module; KeyError for one no layer names."""
     if mod == "numba_ops.kernels" or mod.startswith("numba_ops.kernels."):
@@ -163,8 +158,7 @@ def test_every_module_has_a_layer():
     assert not unplaced, f"modules no layer names (add them to tests/test_layers.py): {unplaced}"
 
 
-@pytest.mark.parametrize("mod", [pytest.param(m, marks=pytest.mark.xfail(strict=True, reason=PENDING[m]))
-                                 if m in PENDING else m for m in modules()])
+@pytest.mark.parametrize("mod", modules())
 def test_imports_run_downward(mod):
     bad = violations(mod)
     assert not bad, "\n".join(bad)

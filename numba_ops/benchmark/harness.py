@@ -29,7 +29,6 @@ import importlib.util
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 

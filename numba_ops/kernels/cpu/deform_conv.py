@@ -831,7 +831,7 @@ def _round(th, rd, chunk, tok, geo, d, io, pad, wts, ws):
     wr, wmat, shared = wts
     fws = ws[0]
     y3 = io[3]
-    C, K, group, T, nth = d.C, d.K, d.group, d.T, d.nth
+    group, T, nth = d.group, d.T, d.nth
     oC, P = y3.shape[1], y3.shape[2]
     nd = geo.sizes.shape[0]
     ocg = oC // group
