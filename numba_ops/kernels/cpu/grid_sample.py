@@ -507,10 +507,15 @@ def accumulate(x, xf, out, xb, xs, ob, os, C, m, mtok, ptok, count, full, base, 
 @njit(**INTERNAL)
 def scratch(zero):
     """``(pos, base, pidx, pw, pok, kind, res, bkind)``: one thread's segment buffers
-    (``res``: a block's samples; ``bkind``: each block's kind, ``_block``)."""
-    return (np.empty((3, SEG), type(zero)), np.empty(SEG, np.int32), np.empty((3, 4, SEG), np.int64),
-            np.empty((3, 4, SEG), type(zero)), np.empty((3, 4, SEG), np.bool_), np.empty(SEG, np.uint8),
-            np.empty(16, type(zero)), np.empty(SEG // 8 + 1, np.uint8))
+    (``res``: a block's samples; ``bkind``: each block's kind, ``_block``), zeroed:
+    LLVM turns the plan's conditional stores (a GENERIC position's padded taps) into
+    AVX-512 masked stores, and a masked store to a page not yet touched (fresh
+    memory, or one that the OS took back) takes a microcode assist even with every
+    lane off: with buffers from ``np.empty`` two threads ran 4-8x slower than one on
+    a Zen 5 VM."""
+    return (np.zeros((3, SEG), type(zero)), np.zeros(SEG, np.int32), np.zeros((3, 4, SEG), np.int64),
+            np.zeros((3, 4, SEG), type(zero)), np.zeros((3, 4, SEG), np.bool_), np.zeros(SEG, np.uint8),
+            np.zeros(16, type(zero)), np.zeros(SEG // 8 + 1, np.uint8))
 
 
 # --- GridSample ------------------------------------------------------------------------
