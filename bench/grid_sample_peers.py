@@ -1,7 +1,7 @@
 """GridSample / affine_warp against their peers.
 
     python bench/grid_sample_peers.py [--reps N]
-    python bench/grid_sample_peers.py --processes [--rounds R] [--reps N] [--threads T] [--only PREFIX]
+    python bench/grid_sample_peers.py --processes [--rounds R] [--reps N] [--threads T] [--only SUBSTRINGS]
 
 Default: against onnxruntime, in one process, taking turns call by call. Cases
 gs2d_32x256 (x 32x3x256x256, grid from ag2d_32x256's theta,
@@ -74,7 +74,7 @@ _IMPLS = ("numba_ops", "numba_ops two-step", "torch")
 
 def _peer_call(impl, name):
     """A zero-argument call of case ``name`` by ``impl`` (None: the case has no such peer)."""
-    from numba_ops import _cases
+    from numba_ops.benchmark import cases as _cases
     op = _cases.op_of(name)
     args, kw, _ = _cases.sample_inputs(name)
     x = args[0]
@@ -125,8 +125,8 @@ def _worker(impl, names, reps, threads):
 
 
 def _processes(args):
-    from numba_ops import _cases
-    names = [n for n in _cases.SAMPLE if n.startswith(args.only or "")]
+    from numba_ops.benchmark import cases as _cases
+    names = [n for n in _cases.SAMPLE if not args.only or any(s in n for s in args.only.split(","))]
     got = {impl: {n: [] for n in names} for impl in _IMPLS}
     for rnd in range(args.rounds):
         order = _IMPLS if rnd % 2 == 0 else _IMPLS[::-1]
