@@ -88,10 +88,25 @@ def _widen(builder, v, storage, ct, V):
     return v
 
 
+def direct(out, pw):
+    """Whether ``gathered`` stores a block's samples straight into ``out``: ``out``
+    holds the compute type of the weights ``pw`` (float32 or float64 results), so a
+    sample needs no rounding or cast (``store_sample``)."""
+    return out.dtype == pw.dtype
+
+
+@overload(direct, jit_options={"inline": "always"})
+def _direct(out, pw):
+    same = out.dtype == pw.dtype
+    return lambda out, pw: same
+
+
 @intrinsic
-def gathered(typingctx, x, xf, res, xb, base, pidx, pw, pok, j, mtok, s1, s2, interior, masked):
-    """``res[l] = `` sample ``j + l`` of the plan in the channel image at
-    ``xf[xb:]``, for ``l < lanes(pw)``, in the compute type: ``interior`` (a literal
+def gathered(typingctx, x, xf, res, out, o, xb, base, pidx, pw, pok, j, mtok, s1, s2, interior, masked):
+    """Sample ``j + l`` of the plan in the channel image at ``xf[xb:]``, for
+    ``l < lanes(pw)``, in the compute type, stored as one vector: into ``out[o + l]``
+    where ``direct(out, pw)``, else into ``res[l]`` (the caller rounds or casts
+    them into ``out``). ``interior`` (a literal
     bool), taps from ``base`` (``xb + base[j] + tz * s2 + ty * s1 + tx``), else the
     padded offsets ``pidx`` (``xb + pidx[0, tz, j] + ...``), zeroed where ``pok`` is
     False if ``masked`` (a literal bool). ``x`` gives the rank, ``mtok`` the mode
@@ -103,15 +118,15 @@ def gathered(typingctx, x, xf, res, xb, base, pidx, pw, pok, j, mtok, s1, s2, in
     T = (1, 2, 4)[len(mtok)]
     V = 16 if pw.dtype == types.float32 else 8
     inner, mask_taps = interior.literal_value, masked.literal_value
-    sig = types.void(x, xf, res, xb, base, pidx, pw, pok, j, mtok, s1, s2, interior, masked)
+    sig = types.void(x, xf, res, out, o, xb, base, pidx, pw, pok, j, mtok, s1, s2, interior, masked)
 
     def codegen(context, builder, sig, args):
         ta = sig.args
         intp = context.get_value_type(types.intp)
-        xb_, j_, s1_, s2_ = (context.cast(builder, args[i], ta[i], types.intp) for i in (3, 8, 10, 11))
-        arrays = {i: context.make_array(ta[i])(context, builder, args[i]) for i in (1, 2, 4, 5, 6, 7)}
+        o_, xb_, j_, s1_, s2_ = (context.cast(builder, args[i], ta[i], types.intp) for i in (4, 5, 10, 12, 13))
+        arrays = {i: context.make_array(ta[i])(context, builder, args[i]) for i in (1, 2, 3, 6, 7, 8, 9)}
         st = context.get_value_type(ta[1].dtype)  # x's storage element
-        ct = context.get_value_type(ta[6].dtype)  # the compute type
+        ct = context.get_value_type(ta[8].dtype)  # the compute type
         size = context.get_abi_sizeof(st)
         vs, vc, vi = ir.VectorType(st, V), ir.VectorType(ct, V), ir.VectorType(intp, V)
         vbool = ir.VectorType(ir.IntType(1), V)
@@ -139,17 +154,17 @@ def gathered(typingctx, x, xf, res, xb, base, pidx, pw, pok, j, mtok, s1, s2, in
         i32 = ir.IntType(32)
         vo = ir.VectorType(i32, V)
         first = builder.gep(arrays[1].data, [xb_])
-        start = vector(4, ty=vo) if inner else ir.Constant(vo, [0] * V)  # (base: int32)
+        start = vector(6, ty=vo) if inner else ir.Constant(vo, [0] * V)  # (base: int32)
         strides = (s2_, s1_, const(1))[3 - r:]
 
         def offset(k, t):  # tap t of axis k: its element offset, per lane
             if inner:
                 return _splat(builder, builder.trunc(builder.mul(const(t), strides[k]), i32), V)
-            return builder.trunc(vector(5, k, t, vi), vo)
+            return builder.trunc(vector(7, k, t, vi), vo)
 
         def inside(k, t):
             v8 = ir.VectorType(ir.IntType(8), V)
-            return builder.icmp_unsigned("!=", vector(7, k, t, v8), ir.Constant(v8, [0] * V))
+            return builder.icmp_unsigned("!=", vector(9, k, t, v8), ir.Constant(v8, [0] * V))
 
         # interior taps of the innermost axis are consecutive: ``G`` of them are gathered as
         # one word of ``G * size`` bytes (at least 4: the narrow elements' 32-bit words)
@@ -191,7 +206,7 @@ def gathered(typingctx, x, xf, res, xb, base, pidx, pw, pok, j, mtok, s1, s2, in
                 for t0 in range(0, T, G):
                     for e, v in enumerate(taps(builder.add(off, offset(k, t0)), t0)):
                         v = _widen(builder, v, ta[1].dtype, ct, V)
-                        acc = builder.fadd(acc, builder.fmul(vector(6, k, t0 + e, vc), v))
+                        acc = builder.fadd(acc, builder.fmul(vector(8, k, t0 + e, vc), v))
                 return acc
             for t in range(T):
                 o2 = builder.add(off, offset(k, t))
@@ -202,10 +217,14 @@ def gathered(typingctx, x, xf, res, xb, base, pidx, pw, pok, j, mtok, s1, s2, in
                         v = builder.select(ok2, v, zero)
                 else:
                     v = axis(k + 1, o2, ok2)
-                acc = builder.fadd(acc, builder.fmul(vector(6, k, t, vc), v))
+                acc = builder.fadd(acc, builder.fmul(vector(8, k, t, vc), v))
             return acc
 
-        out = axis(0, start, all_lanes)
-        builder.store(out, builder.bitcast(arrays[2].data, vc.as_pointer()), align=1)
+        samples = axis(0, start, all_lanes)
+        if ta[3].dtype == ta[8].dtype:  # ``direct``
+            dest = builder.gep(arrays[3].data, [o_])
+        else:
+            dest = arrays[2].data
+        builder.store(samples, builder.bitcast(dest, vc.as_pointer()), align=1)
         return context.get_dummy_value()
     return sig, codegen

@@ -59,7 +59,7 @@ from .._sample import (BORDER, CUBIC, LINEAR, NEAREST, REFLECTION, TAPS, ZEROS, 
                        store_sample, unnormalize)
 from .._scalar import load
 from . import _runtime
-from ._gather import gather_safe, gathered, lanes
+from ._gather import direct, gather_safe, gathered, lanes
 from ._opaque import INTERNAL, opaque
 
 #: grid dtypes; ``x`` has the same dtype, or uint8
@@ -324,10 +324,16 @@ def plan(x, pos, m, mtok, ptok, align, zero, base, pidx, pw, pok, kind):
     full = ngeneric * SPARSE >= m
     if full:
         _generic(r, sh, pos, m, mtok, ptok, align, zero, pidx, pw, pok)
-    else:  # a few (a segment across the input's edge): one by one
-        for j in range(np.uint64(m)):
+    else:  # a few (a segment across the input's edge): one by one, up to the last (a scalar
+        # loop: LLVM would vectorise a ``for`` over the segment into every position's taps
+        # under masked stores)
+        j = np.uint64(0)
+        left = ngeneric
+        while left:
             if kind[j] == GENERIC:
                 _generic_at(r, sh, pos, j, mtok, ptok, align, zero, pidx, pw, pok)
+                left -= 1
+            j += np.uint64(1)
     return (m - ngeneric if len(ptok) != ZEROS else nout), full
 
 
@@ -421,7 +427,10 @@ def _block(kind, j, m, V, blocks):
 
 @njit(cache=True, forceinline=True)
 def _store_block(out, o, res, V):
-    """``out[o + l] = res[l]`` for ``l < V``, each rounded or cast as ``store_sample`` does."""
+    """``out[o + l] = res[l]`` for ``l < V``, each rounded or cast as ``store_sample`` does
+    (nothing where ``gathered`` stored them itself: ``direct``)."""
+    if direct(out, res):
+        return
     for q in range(np.uint64(V)):
         store_sample(out, o + q, res[q])
 
@@ -482,13 +491,13 @@ def accumulate(x, xf, out, xb, xs, ob, os, C, m, mtok, ptok, count, full, base, 
             j = q * np.uint64(V)
             bk = bkind[q]
             if bk == 0:
-                gathered(x, xf, res, b, base, pidx, pw, pok, j, mtok, s1, s2, True, False)
+                gathered(x, xf, res, out, o + j, b, base, pidx, pw, pok, j, mtok, s1, s2, True, False)
                 _store_block(out, o + j, res, V)
             elif bk == GENERIC:
                 if masked:  # taps outside read as exact zeros
-                    gathered(x, xf, res, b, base, pidx, pw, pok, j, mtok, s1, s2, False, True)
+                    gathered(x, xf, res, out, o + j, b, base, pidx, pw, pok, j, mtok, s1, s2, False, True)
                 else:
-                    gathered(x, xf, res, b, base, pidx, pw, pok, j, mtok, s1, s2, False, False)
+                    gathered(x, xf, res, out, o + j, b, base, pidx, pw, pok, j, mtok, s1, s2, False, False)
                 _store_block(out, o + j, res, V)
             elif bk == MIXED:
                 for jj in range(j, min(j + np.uint64(V), mu)):
@@ -536,11 +545,14 @@ def _units(x, xf, gf, out, mtok, ptok, align, zero, u0, u1):
         j0 = (u - n * nseg) * SEG
         m = min(SEG, P - j0)
         g0 = np.uint64((n * P + j0) * r)
-        for k in range(r):
-            size = x.shape[2 + k]
-            a = g0 + np.uint64(r - 1 - k)  # the grid lists coordinates innermost axis first
-            for j in range(np.uint64(m)):  # unsigned indices: no negative wraparound, so the loop vectorises
-                pos[k, j] = unnormalize(load(gf, a + j * np.uint64(r)), size, align, one)
+        # one loop over the positions, all their coordinates in it (the grid lists them
+        # innermost axis first): LLVM loads them as whole vectors and deinterleaves,
+        # where a loop per axis gathers them; unsigned indices, so no index pays for
+        # negative wraparound
+        for j in range(np.uint64(m)):
+            for k in range(r):
+                pos[k, j] = unnormalize(load(gf, g0 + j * np.uint64(r) + np.uint64(r - 1 - k)), x.shape[2 + k],
+                                        align, one)
         count, full = plan(x, pos, m, mtok, ptok, align, zero, base, pidx, pw, pok, kind)
         accumulate(x, xf, out, n * C * S, S, n * C * P + j0, P, C, m, mtok, ptok, count, full, base, pidx, pw, pok,
                    kind, res, bkind, zero)
