@@ -70,6 +70,30 @@ def test_irbuilder_insert():
     assert b.block.instructions[-1] is instr, changed("IRBuilder._insert", "llvmlite")
 
 
+def test_no_nrt_option():
+    """numba's ``_nrt`` njit option (``NO_NRT``): a function compiled with it counts no
+    references to its array arguments (kernels/cpu/grid_sample.py's ``plan``)."""
+    @njit(**_compat.NO_NRT)
+    def bump(a):
+        a[0] += 1.0
+        return a[0]
+
+    a = np.zeros(3)
+    assert bump(a) == 1.0 and a[0] == 1.0, changed("the _nrt option")
+    (ir_text,) = bump.inspect_llvm().values()
+    assert "NRT_incref" not in ir_text and "NRT_decref" not in ir_text, changed("the _nrt option")
+
+    @njit
+    def counted(a):
+        b = a
+        a[0] = 1.0
+        return b[0] + a.sum()
+
+    counted(np.zeros(3))
+    (ir_text,) = counted.inspect_llvm().values()
+    assert "NRT_" in ir_text, "the control: a function compiled with numba's runtime refers to it"
+
+
 def test_struct_proxy_getvalue():
     """``cgutils.Structure._getvalue``: the LLVM value of a struct proxy (kernels/cpu/_views.py)."""
     context = _cpu_context()

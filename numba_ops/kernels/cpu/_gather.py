@@ -228,3 +228,23 @@ def gathered(typingctx, x, xf, res, out, o, xb, base, pidx, pw, pok, j, mtok, s1
         builder.store(samples, builder.bitcast(dest, vc.as_pointer()), align=1)
         return context.get_dummy_value()
     return sig, codegen
+
+
+@intrinsic
+def prefetch(typingctx, a, i):
+    """Ask the CPU to bring the cache line of ``a[i]`` (a C-contiguous array, any
+    index, also past its end: a prefetch never faults) into its caches
+    (``llvm.prefetch``: a read, kept in every level)."""
+    sig = types.void(a, i)
+
+    def codegen(context, builder, sig, args):
+        arr = context.make_array(sig.args[0])(context, builder, args[0])
+        idx = context.cast(builder, args[1], sig.args[1], types.intp)
+        ptr = builder.bitcast(builder.gep(arr.data, [idx]), ir.IntType(8).as_pointer())
+        i32 = ir.IntType(32)
+        fn = builder.module.globals.get("llvm.prefetch.p0") or ir.Function(
+            builder.module, ir.FunctionType(ir.VoidType(), [ir.IntType(8).as_pointer(), i32, i32, i32]),
+            "llvm.prefetch.p0")
+        builder.call(fn, [ptr, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+        return context.get_dummy_value()
+    return sig, codegen

@@ -1,8 +1,9 @@
 """affine_warp on the CPU: GridSample at AffineGrid's positions, computed on the fly.
 
-The output's rows ``(n, [d,] h)`` of ``W`` positions are cut into segments of at
-most ``SEG`` (``kernels/cpu/grid_sample.py``), which ``prange`` shares out. A
-segment's grid values are computed from theta exactly as the CPU AffineGrid
+Each image's output positions, in order, are cut into segments of at most ``SEG``
+as GridSample's (``kernels/cpu/grid_sample.py``; rows shorter than ``SEG`` share a
+segment, so that its fixed cost is spread as widely), which ``prange`` shares out. A
+segment's grid values, row piece by row piece, are computed from theta exactly as the CPU AffineGrid
 kernel computes them (same base coordinates, same grouping: 2-D
 ``theta[n,k,0] * x_w + (theta[n,k,1] * y_h + theta[n,k,2])``, 3-D
 ``(theta[n,k,0] * x_w + (theta[n,k,2] * z_d + theta[n,k,3])) + y_h * theta[n,k,1]``)
@@ -19,7 +20,7 @@ from .._sample import TAPS, as_compute, unnormalize
 from . import _runtime
 from ._opaque import INTERNAL, opaque
 from .affine_grid import base_coords
-from .grid_sample import SEG, TOKEN, ZERO, accumulate, kernel_view, output_for, plan, public, scratch
+from .grid_sample import SEG, TOKEN, ZERO, accumulate, kernel_view, output_for, plan, prefetch_ahead, public, scratch
 
 #: theta dtypes; ``x`` has the same dtype, or uint8
 DTYPES = NAMES  # the dtypes these kernels take (the dispatcher checks them)
@@ -27,43 +28,50 @@ DTYPES = NAMES  # the dtypes these kernels take (the dispatcher checks them)
 
 @njit(**INTERNAL)
 def _units(x, xf, theta, out, D, H, W, mtok, ptok, align, zero, u0, u1):
-    """Segments ``u0:u1`` (row-major over rows (n, d, h)) of ``out`` (flat, N*C*D*H*W;
+    """Segments ``u0:u1`` (image-major, ``SEG`` consecutive output positions each, as
+    GridSample's: rows shorter than ``SEG`` share one) of ``out`` (flat, N*C*D*H*W;
     D = 1 in 2-D); ``x`` (N, C, [Di,] Hi, Wi) C-contiguous, ``xf`` its flat view,
     ``theta`` (N, r, r+1) in the compute type."""
     r = x.ndim - 2
     N, C = x.shape[0], x.shape[1]
     P = D * H * W
     S = xf.size // (N * C)
-    nseg = (W + SEG - 1) // SEG
+    nseg = (P + SEG - 1) // SEG
     one = as_compute(zero, 1)
     xs = base_coords(W, align, one)
     ys = base_coords(H, align, one)
     zs = base_coords(D, align, one)
     pos, base, pidx, pw, pok, kind, res, bkind = scratch(zero)
     for u in range(u0, u1):
-        row = u // nseg
-        w0 = (u - row * nseg) * SEG
-        m = min(SEG, W - w0)
-        s = row // H
-        h = row - s * H
-        n = s // D
-        d = s - n * D
-        for k in range(r):
-            a = r - 1 - k  # grid component of spatial axis k (innermost first)
-            size = x.shape[2 + k]
-            t0, t1, t2 = theta[n, a, 0], theta[n, a, 1], theta[n, a, 2]
-            if r == 2:
-                b = t1 * ys[h] + t2
-                for j in range(m):  # unsigned indices: the loop vectorises
-                    pos[k, np.uint64(j)] = unnormalize(t0 * xs[np.uint64(w0 + j)] + b, size, align, one)
-            else:
-                b = t2 * zs[d] + theta[n, a, 3]
-                yq = ys[h] * t1
-                for j in range(m):
-                    pos[k, np.uint64(j)] = unnormalize((t0 * xs[np.uint64(w0 + j)] + b) + yq, size, align, one)
+        n = u // nseg
+        j0 = (u - n * nseg) * SEG
+        m = min(SEG, P - j0)
+        j = 0
+        while j < m:  # the segment's pieces of rows (d, h)
+            row = (j0 + j) // W
+            w0 = j0 + j - row * W
+            L = min(W - w0, m - j)
+            h = row % H
+            d = row // H
+            for k in range(r):
+                a = r - 1 - k  # grid component of spatial axis k (innermost first)
+                size = x.shape[2 + k]
+                t0, t1, t2 = theta[n, a, 0], theta[n, a, 1], theta[n, a, 2]
+                if r == 2:
+                    b = t1 * ys[h] + t2
+                    for q in range(L):  # unsigned indices: the loop vectorises
+                        pos[k, np.uint64(j + q)] = unnormalize(t0 * xs[np.uint64(w0 + q)] + b, size, align, one)
+                else:
+                    b = t2 * zs[d] + theta[n, a, 3]
+                    yq = ys[h] * t1
+                    for q in range(L):
+                        pos[k, np.uint64(j + q)] = unnormalize((t0 * xs[np.uint64(w0 + q)] + b) + yq, size, align,
+                                                               one)
+            j += L
         count, full = plan(x, pos, m, mtok, ptok, align, zero, base, pidx, pw, pok, kind)
-        accumulate(x, xf, out, n * C * S, S, n * C * P + row % (D * H) * W + w0, P, C, m, mtok, ptok, count,
-                   full, base, pidx, pw, pok, kind, res, bkind, zero)
+        prefetch_ahead(xf, N, C, P, n, u - n * nseg, nseg, u == u0)
+        accumulate(x, xf, out, n * C * S, S, n * C * P + j0, P, C, m, mtok, ptok, count, full, base, pidx, pw, pok,
+                   kind, res, bkind, zero)
 
 
 #: called through its own compiled code (``_opaque``): the serial and parallel entries do
@@ -73,13 +81,13 @@ _units_op = opaque(_units)
 
 @njit(cache=True, nogil=True)
 def _serial(x, xf, theta, out, D, H, W, mtok, ptok, align, zero):
-    units = x.shape[0] * D * H * ((W + SEG - 1) // SEG)
+    units = x.shape[0] * ((D * H * W + SEG - 1) // SEG)
     _units_op(x, xf, theta, out, D, H, W, mtok, ptok, align, zero, 0, units)
 
 
 @njit(cache=True, parallel=True, nogil=True)
 def _parallel(x, xf, theta, out, D, H, W, mtok, ptok, align, zero, nchunks):
-    units = x.shape[0] * D * H * ((W + SEG - 1) // SEG)
+    units = x.shape[0] * ((D * H * W + SEG - 1) // SEG)
     nchunks = min(units, nchunks)
     for c in prange(nchunks):
         _units_op(x, xf, theta, out, D, H, W, mtok, ptok, align, zero,
