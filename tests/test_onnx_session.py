@@ -250,6 +250,31 @@ def test_sess_options_used_and_reusable(rng):
     _equal(binding.copy_outputs_to_cpu()[0], want)
 
 
+def _spinning(so):
+    try:
+        return so.get_session_config_entry("session.intra_op.allow_spinning")
+    except Exception:  # onnxruntime raises for an absent entry
+        return None
+
+
+@pytest.mark.parametrize("threads,spinning", [(None, None), ("1", None), ("2", "0"), ("0", "0")])
+def test_threading_defaults(rng, threads, spinning):
+    """numba_ops' nodes on one numba thread leave onnxruntime's pool as onnxruntime
+    sets it; more numba threads (or numba's own count, "0") turn its spinning off,
+    unless the options set it; the results are the same."""
+    m, feeds, want = _two_op_model(rng)
+    so = ort.SessionOptions()
+    if threads is not None:
+        so.add_session_config_entry("numba_ops.num_threads", threads)
+    _equal(session(m, so).run(None, feeds)[0], want)
+    assert _spinning(so) == spinning
+    so = ort.SessionOptions()
+    so.add_session_config_entry("numba_ops.num_threads", "2")
+    so.add_session_config_entry("session.intra_op.allow_spinning", "1")
+    session(m, so)
+    assert _spinning(so) == "1"
+
+
 # --- errors ---------------------------------------------------------------------------------
 
 def _dc_model(attrs=None, x_elem=TP.FLOAT, offset_shape=None, name="my_dc"):

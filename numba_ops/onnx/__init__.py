@@ -305,13 +305,13 @@ def session(model, sess_options=None, *, providers=None, ops=None, fuse=False, *
     sess_options : onnxruntime.SessionOptions, optional
         Used as given (default: new options), with numba_ops' custom-op library
         (onnxruntime-extensions') registered into it once, and where the options
-        do not set them, numba_ops' threading defaults: onnxruntime's intra-op
-        pool does not spin (``session.intra_op.allow_spinning`` "0": its idle
-        threads would hold the cores that a numba_ops node and the other nodes
-        need), and numba_ops' nodes run on one numba thread, the calling one
-        (config entry ``numba_ops.num_threads``; "0" for numba's own count): a
-        second pool of numba threads beside onnxruntime's makes both wait on each
-        other's threads wherever the cores are shared.
+        do not set them, numba_ops' threading defaults: numba_ops' nodes run on
+        one numba thread, the calling one (config entry ``numba_ops.num_threads``;
+        "0" for numba's own count), beside onnxruntime's own pool with its own
+        settings; where the entry asks for more than one numba thread,
+        onnxruntime's intra-op pool does not spin
+        (``session.intra_op.allow_spinning`` "0"), since two spinning pools hold
+        the cores that each other's next node needs.
     providers : sequence, optional
         onnxruntime's execution providers; default ``["CPUExecutionProvider"]``,
         the target. With another provider listed first (CUDA, ...) onnxruntime
