@@ -1,7 +1,7 @@
-"""The README's performance table, from a saved ``numba-ops bench --json`` run.
+"""The performance table of docs/performance.rst, from a saved ``numba-ops bench --json`` run.
 
     numba-ops bench --json run.json          # every case: numba_ops, each peer, the limit
-    python bench/peer_table.py run.json      # a Markdown table (--rst for the docs)
+    python bench/peer_table.py run.json      # a Markdown table (--rst: the docs' list-table)
 
 Per case: numba_ops' warm median, each installed peer's (onnxruntime,
 PyTorch/torchvision), the machine's limit (the time the measured write

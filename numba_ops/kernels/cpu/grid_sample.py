@@ -36,6 +36,10 @@ the parallel split is over (image, positions) whatever the shape). Per segment:
    consecutive taps on the innermost axis as one word), with the same operations
    in the same order: the same bits as one by one.
 
+Between the plan and the accumulation, ``prefetch_ahead`` asks for a share of the
+next image's ``x`` (a grid's taps land anywhere in an image, so the caches, not the
+hardware prefetchers, have to hold it when its turn comes).
+
 Compile time: the mode and padding reach the kernels as tokens
 (``TOKEN``: tuples whose length numba folds to a constant and whose other branches
 it prunes before typing), so a call compiles its own mode and padding alone; the
@@ -530,6 +534,33 @@ def scratch(zero):
 
 # --- GridSample ------------------------------------------------------------------------
 
+#: images of ``x`` (all channels of one batch entry) up to this size are prefetched
+#: (``prefetch_ahead``): it is sampled from the caches, where the one before it left it
+PREFETCH_BYTES = 16 << 20
+
+
+@njit(cache=True, forceinline=True)
+def prefetch_ahead(xf, N, C, P, n, s, ns, first):
+    """While unit ``s`` of the ``ns`` units of image ``n`` is sampled, prefetch the
+    ``s``-th of ``ns`` shares of image ``n + 1`` of ``xf`` (the flat ``x``, N images),
+    so that the next image's taps are read from the caches; at a thread's ``first``
+    unit, the rest of image ``n`` too. A grid's taps land anywhere in an image, where
+    hardware prefetchers, which follow streams, do not look: on a Zen 5 VM this made
+    32x3x256x256 augmentation affines 1.5-1.6x faster. Only for images of at most
+    ``PREFETCH_BYTES`` whose channel images have at most 4x as many elements as the
+    channel's outputs (``P``; a small crop of a large image reads a part of it)."""
+    L = xf.size // N
+    if L * xf.itemsize > PREFETCH_BYTES or L > 4 * P * C:
+        return
+    step = 64 // xf.itemsize
+    if first:
+        for q in range(n * L + s * L // ns, (n + 1) * L, step):
+            prefetch(xf, q)
+    if n + 1 < N:
+        for q in range((n + 1) * L + s * L // ns, (n + 1) * L + (s + 1) * L // ns, step):
+            prefetch(xf, q)
+
+
 @njit(**INTERNAL)
 def _units(x, xf, gf, out, mtok, ptok, align, zero, u0, u1):
     """Segments ``u0:u1`` (image-major) of the output ``out`` (flat, N*C*P); ``x``
@@ -558,34 +589,6 @@ def _units(x, xf, gf, out, mtok, ptok, align, zero, u0, u1):
         prefetch_ahead(xf, N, C, P, n, u - n * nseg, nseg, u == u0)
         accumulate(x, xf, out, n * C * S, S, n * C * P + j0, P, C, m, mtok, ptok, count, full, base, pidx, pw, pok,
                    kind, res, bkind, zero)
-
-
-#: images of ``x`` (all channels of one batch entry) up to this size are prefetched
-#: (``prefetch_ahead``): it is sampled from the caches, where the one before it left it
-PREFETCH_BYTES = 16 << 20
-
-
-@njit(cache=True, forceinline=True)
-def prefetch_ahead(xf, N, C, P, n, s, ns, first):
-    """While unit ``s`` of the ``ns`` units of image ``n`` is sampled, prefetch the
-    ``s``-th of ``ns`` shares of image ``n + 1`` of ``xf`` (the flat ``x``, N images),
-    so that the next image's taps are read from the caches; at a thread's ``first``
-    unit, the rest of image ``n`` too. A grid's taps land anywhere in an image, so
-    hardware prefetchers, which follow streams, miss them: on a Zen 5 VM they made a
-    32x3x256x256 affine warp 1.5-1.6x slower than the same work on an image the
-    caches held. Only for images of at most ``PREFETCH_BYTES`` whose channel images
-    have at most 4x as many elements as the channel's outputs (``P``; a small
-    crop of a large image reads a part of it)."""
-    L = xf.size // N
-    if L * xf.itemsize > PREFETCH_BYTES or L > 4 * P * C:
-        return
-    step = 64 // xf.itemsize
-    if first:
-        for q in range(n * L + s * L // ns, (n + 1) * L, step):
-            prefetch(xf, q)
-    if n + 1 < N:
-        for q in range((n + 1) * L + s * L // ns, (n + 1) * L + (s + 1) * L // ns, step):
-            prefetch(xf, q)
 
 
 #: called through its own compiled code (``_opaque``): the serial and parallel entries do
