@@ -12,13 +12,13 @@
    session run in processes of their own that take turns, a round of
    ``--runs`` calls each, with a pause between rounds longer than any thread
    pool's spin (so neither process's idle threads spin into the other's round).
-   A third process runs onnxruntime alone with its intra-op pool's spinning off,
-   as the session sets it, to tell that setting's share from the kernels'.
+   A third process runs the session with its DeformConv nodes on the Python
+   route (``numba_ops.capi`` "0"), to tell the C API route's share.
    Printed: the outputs' largest difference, each implementation's median ms per
    call with the spread of the round medians (min-max), the speed ratios, and per
-   DeformConv node its time in the session (onnxruntime's profiler), in
-   onnxruntime alone (its profiler) and in a direct ``numba_ops.deform_conv``
-   call on the same inputs (one numba thread, as in the session).
+   DeformConv node its time in onnxruntime alone and in the session (onnxruntime's
+   profiler), and in a direct ``numba_ops.deform_conv`` call on the same inputs
+   on as many numba threads as onnxruntime's pool has.
 2. A 3-D model (Conv on 5-D input, a 3-D DeformConv with offsets and mask, a 3-D
    GridSample) that onnxruntime alone refuses: in the session against
    ``numba_ops.onnx.evaluator`` (same outputs within float32 accuracy, and the
@@ -98,19 +98,19 @@ def _export(path, width):
 
 # --- the timed processes --------------------------------------------------------------------
 
-KINDS = ("onnxruntime", "onnxruntime-nospin", "session")
+KINDS = ("onnxruntime", "session", "session-python")
 
 
 def _make(kind, model, so=None):
-    """onnxruntime alone (its defaults, or with its pool's spinning off as the session
-    sets it), or the session."""
+    """onnxruntime alone, the session (its DeformConv nodes on onnxruntime's C API), or
+    the session with those nodes on the Python route (``numba_ops.capi`` "0")."""
     import onnxruntime as ort
     so = ort.SessionOptions() if so is None else so
-    if kind == "session":
+    if kind.startswith("session"):
         from numba_ops.onnx import session
+        if kind == "session-python":
+            so.add_session_config_entry("numba_ops.capi", "0")
         return session(model, so)
-    if kind == "onnxruntime-nospin":
-        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     return ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
 
 
@@ -159,7 +159,8 @@ def worker(kind, model):
 
 def _node_times(kind, model, feeds):
     """Per DeformConv node: its time in this kind's session (profiler), and for the
-    session also a direct numba_ops call on the node's inputs."""
+    session also a direct numba_ops call on the node's inputs, on as many numba threads
+    as onnxruntime's pool has (numba's default count, onnxruntime's default too)."""
     import onnx
     import onnxruntime as ort
     profiled = _profile(lambda so: _make(kind, model, so), feeds)
@@ -168,7 +169,7 @@ def _node_times(kind, model, feeds):
     import numba
 
     import numba_ops
-    numba.set_num_threads(1)  # as the session runs its nodes (numba_ops.num_threads, default 1)
+    numba.set_num_threads(numba.config.NUMBA_DEFAULT_NUM_THREADS)
     m = onnx.load(model)
     nodes = [n for n in m.graph.node if n.op_type == "DeformConv"]
     extra = sorted({i for n in nodes for i in n.input if i} - {i.name for i in m.graph.initializer})
@@ -241,13 +242,13 @@ def backbone(args, tmp):
         print(f"  {k:<18} median {med[k]:7.2f} ms per call   round medians {min(per_round):.2f}-{max(per_round):.2f} ms "
               f"({args.rounds} rounds x {args.runs} calls)")
     print(f"  speed: session / onnxruntime alone = {med['onnxruntime'] / med['session']:.2f}x "
-          f"(/ onnxruntime alone without spinning: {med['onnxruntime-nospin'] / med['session']:.2f}x)")
+          f"(the Python route: {med['onnxruntime'] / med['session-python']:.2f}x)")
     ort_nodes, ses = nodes["onnxruntime"]["profiled"], nodes["session"]
-    nospin = nodes["onnxruntime-nospin"]["profiled"]
-    print("  DeformConv node          onnxruntime  (no spin)  in session  direct numba_ops (ms, medians)")
+    py = nodes["session-python"]["profiled"]
+    print("  DeformConv node          onnxruntime  in session  (Python route)  direct numba_ops (ms, medians)")
     for name in ses["direct"]:
-        print(f"  {name:<24} {ort_nodes.get(name, float('nan')):11.2f} {nospin.get(name, float('nan')):10.2f}"
-              f" {ses['profiled'].get(name, float('nan')):11.2f} {ses['direct'][name]:11.2f}")
+        print(f"  {name:<24} {ort_nodes.get(name, float('nan')):11.2f} {ses['profiled'].get(name, float('nan')):11.2f}"
+              f" {py.get(name, float('nan')):15.2f} {ses['direct'][name]:11.2f}")
     total = sum(ort_nodes.values())
     print(f"  onnxruntime's DeformConv nodes: {total:.2f} ms of its {med['onnxruntime']:.2f} ms per call "
           f"({100 * total / med['onnxruntime']:.0f} %)")

@@ -122,6 +122,22 @@ def _fast_key(x, w, offset, b, mask, kernel_shape, strides, pads, dilations, gro
     return tuple(key)
 
 
+def checked_params(x, w, offset, b, mask, kernel_shape=None, strides=None, pads=None, dilations=None, group=1,
+                   offset_group=1):
+    """The call's params (``parse_params``) after the checks of its inputs' dtypes and
+    shapes (arrays, or anything with ``shape`` and ``dtype``; ``b`` and ``mask`` may be
+    None); raises the errors ``deform_conv`` raises."""
+    common_float_dtype({"X": x, "W": w, "offset": offset, "B": b, "mask": mask})
+    p = parse_params(x, w, kernel_shape, strides, pads, dilations, group, offset_group)
+    N, oC = x.shape[0], w.shape[0]
+    og, K, nd = p.offset_group, p.K, p.nd
+    _check_shape(offset, "offset", (N, og * K * nd) + p.out_spatial,
+                 f"(N, offset_group*K*n, {_axes('o', nd)}) with K={K}, n={nd}")
+    _check_shape(mask, "mask", (N, og * K) + p.out_spatial, f"(N, offset_group*K, {_axes('o', nd)}) with K={K}")
+    _check_shape(b, "B", (oC,), "(oC,)")
+    return p
+
+
 def deform_conv(x: ArrayLike, w: ArrayLike, offset: ArrayLike, b: ArrayLike | None = None,
                 mask: ArrayLike | None = None, *, kernel_shape: Sequence[int] | None = None,
                 strides: Sequence[int] | None = None, pads: Sequence[int] | None = None,
@@ -235,14 +251,7 @@ def deform_conv(x: ArrayLike, w: ArrayLike, offset: ArrayLike, b: ArrayLike | No
     if any(a is not orig for a, orig in zip(arrays, inputs.values())):
         key = None  # converted (byte order, device copy): such calls never take the fast path
     x, w, offset, b, mask = arrays
-    common_float_dtype({"X": x, "W": w, "offset": offset, "B": b, "mask": mask})
-    p = parse_params(x, w, kernel_shape, strides, pads, dilations, group, offset_group)
-    N, oC = x.shape[0], w.shape[0]
-    og, K, nd = p.offset_group, p.K, p.nd
-    _check_shape(offset, "offset", (N, og * K * nd) + p.out_spatial,
-                 f"(N, offset_group*K*n, {_axes('o', nd)}) with K={K}, n={nd}")
-    _check_shape(mask, "mask", (N, og * K) + p.out_spatial, f"(N, offset_group*K, {_axes('o', nd)}) with K={K}")
-    _check_shape(b, "B", (oC,), "(oC,)")
+    p = checked_params(x, w, offset, b, mask, kernel_shape, strides, pads, dilations, group, offset_group)
     if key is not None and device == "cpu":
         remember(_SEEN, key, p)
     if device == "cuda":

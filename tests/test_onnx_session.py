@@ -309,6 +309,90 @@ def test_bad_grid_sample_attribute_fails_at_creation():
         session(helper.make_model(g, opset_imports=[helper.make_opsetid("", 22)]))
 
 
+# --- DeformConv through onnxruntime's C API, on its pool -------------------------------------
+
+def _profiled_ops(s, feeds):
+    """The op types of the nodes a run of ``s`` ran (onnxruntime's profiler)."""
+    import json
+    s.run(None, feeds)
+    path = s.end_profiling()
+    with open(path) as f:
+        events = json.load(f)
+    os.remove(path)
+    return {e["args"].get("op_name") for e in events if e.get("cat") == "Node"}
+
+
+def _profiling():
+    so = ort.SessionOptions()
+    so.enable_profiling = True
+    return so
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the C API route is built for Linux")
+def test_float_deform_conv_takes_the_c_api_route(rng):
+    """Float DeformConv nodes run compiled on onnxruntime's pool (op DeformConv_<dtype> of
+    domain numba_ops.capi), inputs in their ONNX places; config entry numba_ops.capi "0"
+    keeps them on the Python route. Both give the function's result."""
+    from numba_ops.onnx import _capi, _ort
+    assert _capi.library() is not None, _capi.reason()
+    nodes, floats, others, want, _ = _deform_case(rng, "float64", 2, "mask")
+    m, feeds = _model(nodes, floats, others, "float64")
+    _ort._register()
+    rewritten, _ = _ort.prepare(m, pool=2)
+    dc, = [n for n in rewritten.graph.node if n.name == "dc"]
+    assert (dc.domain, dc.op_type, list(dc.input)) == (_capi.DOMAIN, "DeformConv_float64",
+                                                       ["X", "W", "offset", "", "mask"])
+    s = session(m, _profiling())
+    assert "DeformConv_float64" in _profiled_ops(s, feeds)
+    _equal(s.run(None, feeds)[0], want)
+    so = _profiling()
+    so.add_session_config_entry("numba_ops.capi", "0")
+    s = session(m, so)
+    assert "DeformConv_float64" not in _profiled_ops(s, feeds)
+    _equal(s.run(None, feeds)[0], want)
+
+
+def test_without_the_c_api_route_deform_conv_takes_the_python_route(rng, monkeypatch):
+    """Where the shim cannot be built (no C compiler), the Python route runs the nodes."""
+    from numba_ops.onnx import _capi
+    monkeypatch.setattr(_capi, "library", lambda: None)
+    nodes, floats, others, want, _ = _deform_case(rng, "float32", 2)
+    m, feeds = _model(nodes, floats, others, "float32")
+    s = session(m, _profiling())
+    assert "DeformConv_float32" not in _profiled_ops(s, feeds)
+    _equal(session(m).run(None, feeds)[0], want)
+
+
+@pytest.mark.parametrize("C,size,oC", [(16, 20, 16), (64, 6, 64)])
+def test_c_api_route_tiled_rounds_and_shapes_that_change(rng, C, size, oC):
+    """Calls large enough for the tiled kernel's pool rounds (the position split; deep
+    channels at a small size: the channel split, several rounds a tile), run on
+    onnxruntime's pool; then other input shapes in the same session (planned again),
+    and back."""
+    from numba_ops.deform_conv import parse_params
+    from numba_ops.kernels.cpu import deform_conv as dc
+    from numba_ops.kernels.cpu._deform_plan import state
+    node = helper.make_node("DeformConv", ["X", "W", "offset", "B", "mask"], ["Y"], name="dc", pads=[1, 1, 1, 1])
+    ins = [helper.make_tensor_value_info(n, TP.FLOAT, None) for n in ("X", "W", "offset", "B", "mask")]
+    m = helper.make_model(helper.make_graph([node], "g", ins, [helper.make_tensor_value_info("Y", TP.FLOAT, None)]),
+                          opset_imports=[helper.make_opsetid("", 22)])
+    s = session(m)
+    w = rng.standard_normal((oC, C, 3, 3)).astype(np.float32) * 0.1
+    b = rng.standard_normal(oC).astype(np.float32)
+    for n, sz in ((1, size), (2, size + 3), (1, size)):
+        x = rng.standard_normal((n, C, sz, sz)).astype(np.float32)
+        off = rng.standard_normal((n, 18, sz, sz)).astype(np.float32)
+        mask = rng.uniform(0, 1, (n, 9, sz, sz)).astype(np.float32)
+        p = parse_params(x, w, None, None, [1, 1, 1, 1], None, 1, 1)
+        st = state(x, w, p)
+        assert not st.small
+        if n == 1:  # (the channel split: a set-up round and, a tile, its fill, GEMM and sum)
+            assert len(dc.schedule(st, st.tiling(2, x, w))) == (2 if C < 64 else 4)
+        got, = s.run(None, {"X": x, "W": w, "offset": off, "B": b, "mask": mask})
+        want = numba_ops.deform_conv(x, w, off, b, mask, pads=[1, 1, 1, 1])
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
+
+
 RUNTIME_ERROR = textwrap.dedent("""
     import numpy as np
     from onnx import TensorProto as TP, helper

@@ -1,11 +1,15 @@
 """numba_ops' operators inside onnxruntime: the machinery behind ``numba_ops.onnx.session``.
 
-The route: onnxruntime-extensions' Python custom operators. ``session`` rewrites a
-copy of the model so that each node it takes becomes a node of the custom-op domain
-``numba_ops.ort`` whose one string attribute ``numba_ops`` carries (as JSON) the
-original op, its attributes, the node's name, the session it belongs to and its
-declared output shape; onnxruntime then calls back into Python for those nodes
-and runs every other node itself.
+Two routes. ``session`` rewrites a copy of the model so that each node it takes
+becomes a custom-op node whose one string attribute ``numba_ops`` carries (as JSON)
+the original op, its attributes, the node's name, the session it belongs to, its
+declared output shape and the thread counts; onnxruntime runs every other node
+itself. Float32/float64 DeformConv nodes become nodes of domain ``numba_ops.capi``,
+compiled custom operators of onnxruntime's C API that run on onnxruntime's pool
+(``_capi``), where that route is available; every other node becomes a node of
+domain ``numba_ops.ort``, an onnxruntime-extensions Python custom operator, which
+onnxruntime calls back into Python for. This module is the rewrite, the session
+class and the Python route; errors of both routes are recorded and raised here.
 
 What the extension layer imposes, and how it is met:
 
@@ -45,8 +49,9 @@ from onnxruntime_extensions import PyCustomOpDef, get_library_path
 
 from .. import _dtypes
 from ..kernels._compat import set_pool_thread_count
+from ..kernels.cpu._blas import ONE_THREAD
 from ..kernels.cpu._runtime import num_threads
-from . import CALLS, DOMAIN as FUSED_DOMAIN, fuse as fuse_model
+from . import CALLS, DOMAIN as FUSED_DOMAIN, _capi, fuse as fuse_model
 
 #: the custom-op domain of the nodes that run on numba_ops
 ORT_DOMAIN = "numba_ops.ort"
@@ -96,7 +101,7 @@ class _Kernel:
         """The node's result; never raises (see the module docstring)."""
         spec = None
         try:
-            spec = _SPECS.get(numba_ops) or _parse(numba_ops)
+            spec = spec_of(numba_ops)
             it = iter(feed)
             args = [next(it) if p else None for p in self.present]
             if spec.threads is None:
@@ -109,7 +114,7 @@ class _Kernel:
             return y
         except BaseException as exc:  # noqa: B036 (anything escaping aborts the process)
             try:
-                _record(spec, numba_ops, exc)
+                record(spec, numba_ops, exc)
                 shape = [0 if d is None else d for d in spec.shape] if spec is not None and spec.shape else [0]
                 return np.zeros(shape, self.out_dtype)
             except BaseException:  # noqa: B036
@@ -146,7 +151,7 @@ def _register():
 # --- the node specs the custom ops read, and the errors they record ---------------------
 
 class _Spec:
-    __slots__ = ("op", "call", "attrs", "node", "session", "shape", "threads")
+    __slots__ = ("op", "call", "attrs", "node", "session", "shape", "threads", "pool")
 
 
 def _set_threads(n):
@@ -181,17 +186,24 @@ _PENDING = {}  # session token -> exceptions recorded outside a guarded run (run
 _PENDING_LOCK = threading.Lock()
 
 
+def spec_of(text):
+    """The ``_Spec`` of a node's ``numba_ops`` attribute text (parsed once)."""
+    return _SPECS.get(text) or _parse(text)
+
+
 def _parse(text):
     d = json.loads(text)
     s = _Spec()
     s.op, s.attrs, s.node, s.session, s.shape = d["op"], d["attrs"], d["node"], d["session"], d["shape"]
-    s.threads = d.get("threads")
+    s.threads, s.pool = d.get("threads"), d.get("pool") or 1
     s.call = CALLS[FUSED_DOMAIN if s.op == "AffineWarp" else "", s.op]
     _SPECS[text] = s
     return s
 
 
-def _record(spec, text, exc):
+def record(spec, text, exc):
+    """Keep ``exc``, raised by the node of ``spec`` (or of the attribute ``text``), for its
+    session's ``run`` to raise."""
     token = spec.session if spec is not None else json.loads(text).get("session")
     if isinstance(exc, Exception) and spec is not None and hasattr(exc, "add_note"):
         exc.add_note(f"(raised by numba_ops running {spec.op} node {spec.node!r} in onnxruntime)")
@@ -248,9 +260,12 @@ class NumbaOpsSession(ort.InferenceSession):
     may report each other's errors.
     """
 
-    def __init__(self, model_bytes, sess_options, providers, token, nodes, threads, **kwargs):
+    def __init__(self, model_bytes, sess_options, providers, token, nodes, threads, blas=False, **kwargs):
         self._numba_ops_token = token
         self._numba_ops_threads = threads
+        # DeformConv nodes on onnxruntime's threads call SciPy's OpenBLAS: held at one thread
+        # while a run is under way (``_blas.ONE_THREAD``)
+        self._numba_ops_blas = blas and any(op == "DeformConv" for op, _ in nodes)
         self.numba_ops_nodes = tuple(nodes)
         weakref.finalize(self, _drop, token)
         super().__init__(model_bytes, sess_options, providers=providers, **kwargs)
@@ -263,7 +278,11 @@ class NumbaOpsSession(ort.InferenceSession):
         threads = self._numba_ops_threads if self.numba_ops_nodes else None
         before = None if threads is None else _set_threads(threads)  # once a run, not once a node
         try:
-            out = fn(*args)
+            if self._numba_ops_blas:
+                with ONE_THREAD:
+                    out = fn(*args)
+            else:
+                out = fn(*args)
         except Exception:
             exc = errors[0] if errors else _take_pending(token)
             if exc is None:
@@ -486,9 +505,10 @@ def _op_key(node, wanted):
     return node.op_type
 
 
-def prepare(model, ops=None, fuse=False, token=0, threads=None):
+def prepare(model, ops=None, fuse=False, token=0, threads=None, pool=None):
     """The rewritten model for ``session`` (see the module docstring) and the
-    (op type, node name) of every node taken."""
+    (op type, node name) of every node taken. ``pool``: onnxruntime's intra-op thread
+    count where float DeformConv nodes take the C API route (``_capi``), else None."""
     if ops is None:
         wanted = set(OPS)
     else:
@@ -560,7 +580,7 @@ def prepare(model, ops=None, fuse=False, token=0, threads=None):
         if out not in declared and out_dims is not None:
             new_vi.append(helper.make_tensor_value_info(out, out_elem, out_dims))
         text = json.dumps({"op": op, "attrs": attrs, "node": node_name, "session": token, "shape": out_dims,
-                           "threads": threads}, separators=(",", ":"))
+                           "threads": threads, "pool": pool}, separators=(",", ":"))
         ins, casts = [], []
         for nm, v, e in zip(in_names, inputs, elems):
             if e is None:
@@ -576,7 +596,15 @@ def prepare(model, ops=None, fuse=False, token=0, threads=None):
             y = _unique(f"{out}/numba_ops_float32", names)
             new_vi.append(helper.make_tensor_value_info(y, _F, out_dims))
         new_nodes += casts
-        new_nodes.append(helper.make_node(kernel, ins, [y], name=node_name, domain=ORT_DOMAIN, numba_ops=text))
+        if pool and op == "DeformConv":  # compiled, on onnxruntime's pool; inputs in their places ("": absent)
+            it = iter(ins)
+            ins = [next(it) if e is not None else "" for e in elems]
+            while not ins[-1]:
+                ins.pop()
+            new_nodes.append(helper.make_node(_capi.op_type(_np_dtype(compute[0])), ins, [y], name=node_name,
+                                              domain=_capi.DOMAIN, numba_ops=text))
+        else:
+            new_nodes.append(helper.make_node(kernel, ins, [y], name=node_name, domain=ORT_DOMAIN, numba_ops=text))
         if y != out:
             new_nodes.append(helper.make_node("Cast", [y], [out], to=out_elem, name=f"{y}/cast"))
         taken.append((op, node_name))
@@ -584,8 +612,9 @@ def prepare(model, ops=None, fuse=False, token=0, threads=None):
         del graph.node[:]
         graph.node.extend(new_nodes)
         graph.value_info.extend(new_vi)
-        if not any(o.domain == ORT_DOMAIN for o in m.opset_import):
-            m.opset_import.append(helper.make_opsetid(ORT_DOMAIN, 1))
+        for d in (ORT_DOMAIN, _capi.DOMAIN):
+            if not any(o.domain == d for o in m.opset_import):
+                m.opset_import.append(helper.make_opsetid(d, 1))
     return m, taken
 
 
@@ -599,10 +628,12 @@ def _unique(name, names):
 
 
 def options(sess_options):
-    """``sess_options`` (or new SessionOptions) with numba_ops' custom-op library
+    """``sess_options`` (or new SessionOptions) with numba_ops' custom-op libraries
     registered, once per options object, and the threading defaults where the
-    options do not set them; returns it and numba's thread count in the nodes
-    (``node_threads``)."""
+    options do not set them; returns it, numba's thread count in the Python route's
+    nodes (``node_threads``) and, where float DeformConv nodes take the C API route
+    (``_capi``; session config entry ``numba_ops.capi`` "0" turns it off), the
+    intra-op thread count their tilings are cut for (else None)."""
     so = ort.SessionOptions() if sess_options is None else sess_options
     threads = node_threads(so)
     if _entry(so, _MARK) is None:
@@ -610,7 +641,13 @@ def options(sess_options):
         so.add_session_config_entry(_MARK, "1")
     if threads != 1 and _entry(so, SPINNING) is None:
         so.add_session_config_entry(SPINNING, "0")
-    return so, threads
+    pool = None
+    if _entry(so, CAPI) != "0" and _capi.library() is not None:
+        if _entry(so, _MARK_CAPI) is None:
+            so.register_custom_ops_library(_capi.library())
+            so.add_session_config_entry(_MARK_CAPI, "1")
+        pool = so.intra_op_num_threads or numba.config.NUMBA_DEFAULT_NUM_THREADS
+    return so, threads, pool
 
 
 #: onnxruntime's switch for its intra-op pool's spinning, which numba_ops turns off where
@@ -623,6 +660,9 @@ def options(sess_options):
 SPINNING = "session.intra_op.allow_spinning"
 #: the config entry that sets numba's thread count in numba_ops' nodes (default 1)
 THREADS = "numba_ops.num_threads"
+#: the config entry that turns the C API route of float DeformConv nodes off ("0")
+CAPI = "numba_ops.capi"
+_MARK_CAPI = "numba_ops.capi_library"
 
 
 def _entry(so, key):
@@ -649,10 +689,10 @@ def session(model, sess_options=None, *, providers=None, ops=None, fuse=False, *
     _register()
     token = _new_token()
     try:
-        so, threads = options(sess_options)
-        m, taken = prepare(model, ops=ops, fuse=fuse, token=token, threads=threads)
+        so, threads, pool = options(sess_options)
+        m, taken = prepare(model, ops=ops, fuse=fuse, token=token, threads=threads, pool=pool)
         return NumbaOpsSession(m.SerializeToString(), so, ["CPUExecutionProvider"] if providers is None else providers,
-                               token, taken, threads, **kwargs)
+                               token, taken, threads, blas=pool is not None, **kwargs)
     except BaseException:
         _drop(token)
         raise

@@ -253,7 +253,7 @@ class State:
     __slots__ = ("p", "origin", "xshape", "dtype", "oC", "yshape", "view", "empty", "small", "direct", "nob",
                  "tilings", "ctype")
 
-    def __init__(self, x, w, p, origin=None):
+    def __init__(self, x, w, p, origin=None, nth=None):
         N, C = x.shape[0], x.shape[1]
         oC = w.shape[0]
         nd, K, group = p.nd, p.K, p.group
@@ -282,7 +282,7 @@ class State:
                 and max(ends) * max(p.strides) + max(p.kernel_shape) * max(p.dilations) < I32)
         fast = nd if (fits and nd in (2, 3)) else 0
         self.tilings = {}
-        for nth in {1, _runtime.num_threads()}:
+        for nth in {1, _runtime.num_threads() if nth is None else nth}:
             T, nb, osplit = plan_sizes(N, C, K, oC, P, p.group, p.offset_group, nd, S + tail, item, nth,
                                        SPLIT, self.view is None)
             split = int(osplit) + int(osplit and nth > 1 and reduction_split(oC, p.group, nth))
@@ -294,10 +294,11 @@ class State:
                                        nth * nint)
 
     def tiling(self, nth, x, w):
-        """The ``Tiling`` at ``nth`` threads (made when the caller changed numba's thread count)."""
+        """The ``Tiling`` at ``nth`` threads (made when the caller changed numba's thread count,
+        or for another pool's threads)."""
         t = self.tilings.get(nth)
         if t is None:
-            t = self.tilings[nth] = State(x, w, self.p, self.origin).tilings[nth]
+            t = self.tilings[nth] = State(x, w, self.p, self.origin, nth).tilings[nth]
         return t
 
 

@@ -969,6 +969,51 @@ def _parallel(x, w, off, m, b, y, meta, fws, iws):
                     _round_op(np.int64(th), rd, chunk, tok, geo, d, io, pad, wts, ws)
 
 
+@njit(cache=True, inline="always")
+def task(x, w, off, m, b, y, meta, fws, iws, th, rd, n0):
+    """Thread ``th``'s share of ``_parallel``'s pool round ``rd`` (-1: the set-up round) of
+    the chunk of images from ``n0``, for a pool other than numba's (onnxruntime's, see
+    ``numba_ops.onnx._capi``): the caller runs ``schedule``'s rounds in order, each with
+    ``th`` over ``range(d.nth)``, and waits for each round to end before the next."""
+    geo, d = unpack_geometry(meta), unpack_plan(meta)
+    x3, w3, off3, m3, y3, wr, wmat, shared, xp, coff, segs, rows = _entry(x, w, off, m, y, geo, d, fws)
+    N, oC, P = x3.shape[0], y3.shape[1], y3.shape[2]
+    ntile = (P + d.T - 1) // d.T
+    chunk = (n0, min(d.nb, N - n0))
+    if rd < 0:
+        wrows = _chunk_rounds(d, n0, chunk[1], ntile, w3, oC)[0]
+        _pad_round_op(th, chunk, (x3, xp, rows), (w3, wr, wrows), geo, d)
+    else:
+        _round_op(th, rd, chunk, x.shape[2:], geo, d, (off3, m3, b, y3), (xp, coff, segs), (wr, wmat, shared),
+                  (fws, iws))
+
+
+@njit(cache=True, inline="always")
+def on_caller(x, w, off, m, b, y, meta, tiny):
+    """A call too small for a pool, on the caller's thread: the direct loops if ``tiny``,
+    else the tiled path (as ``launch`` runs them)."""
+    if tiny:
+        _direct(x, w, off, m, b, y, meta)
+    else:
+        _serial(x, w, off, m, b, y, meta)
+
+
+def schedule(st, t):
+    """``(first image, round)`` of every pool round of a tiled parallel run (``task``) of
+    the state ``st`` at the tiling ``t``, in order."""
+    d = t.plan
+    N = st.xshape[0]
+    P = 1
+    for o in st.yshape[2:]:
+        P *= o
+    ntile = (P + d.T - 1) // d.T
+    out = []
+    for n0 in range(0, N, d.nb):
+        nrounds = _tile_rounds.py_func(d) * min(d.nb, N - n0) * ntile if d.split != 0 else 1
+        out += [(n0, rd) for rd in range(-1, nrounds)]
+    return out
+
+
 # --- launch -------------------------------------------------------------------------------
 
 def launch(x, w, offset, b, mask, p, origin=None):
