@@ -18,8 +18,9 @@ How the pieces meet:
   ``RegisterCustomOps``. ``SHIM`` is that library, seven lines of C compiled
   once per machine with the C compiler (``cc``) into numba_ops' cache; it hands
   the call to ``_register``, a ctypes callback, which declares the operators.
-  Without a compiler (or onnxruntime older than API version 17) ``available()``
-  is False and every node takes the Python route.
+  Without a compiler ``library()`` is None, and where the registration fails
+  (onnxruntime older than API version 17) ``reason()`` says why: DeformConv
+  nodes then take the Python route.
 - The C API is a table of function pointers (``OrtApi``); ``API`` names the
   positions used here, which onnxruntime never moves (new functions are appended).
   The compiled compute calls them through ``_call`` (an indirect call), so it

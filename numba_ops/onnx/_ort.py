@@ -4,7 +4,8 @@ Two routes. ``session`` rewrites a copy of the model so that each node it takes
 becomes a custom-op node whose one string attribute ``numba_ops`` carries (as JSON)
 the original op, its attributes, the node's name, the session it belongs to, its
 declared output shape and the thread counts; onnxruntime runs every other node
-itself. Float32/float64 DeformConv nodes become nodes of domain ``numba_ops.capi``,
+itself. DeformConv nodes (16-bit ones between Casts, as every 16-bit node) become
+nodes of domain ``numba_ops.capi``,
 compiled custom operators of onnxruntime's C API that run on onnxruntime's pool
 (``_capi``), where that route is available; every other node becomes a node of
 domain ``numba_ops.ort``, an onnxruntime-extensions Python custom operator, which
@@ -644,9 +645,13 @@ def options(sess_options):
     pool = None
     if _entry(so, CAPI) != "0" and _capi.library() is not None:
         if _entry(so, _MARK_CAPI) is None:
-            so.register_custom_ops_library(_capi.library())
-            so.add_session_config_entry(_MARK_CAPI, "1")
-        pool = so.intra_op_num_threads or numba.config.NUMBA_DEFAULT_NUM_THREADS
+            try:
+                so.register_custom_ops_library(_capi.library())
+                so.add_session_config_entry(_MARK_CAPI, "1")
+            except Exception:  # (reason() says why)
+                pass
+        if _entry(so, _MARK_CAPI) is not None and _capi.reason() is None:
+            pool = so.intra_op_num_threads or numba.config.NUMBA_DEFAULT_NUM_THREADS
     return so, threads, pool
 
 
