@@ -5,9 +5,11 @@ Each op's front end (``numba_ops/<op>.py``) lists, per float dtype name, a few
 tiny calls of its public function (``warm_calls(dtype)``: ``(args, kwargs)``
 pairs) that together reach every kernel variant its launchers compile: each
 rank, each path (direct, serial, parallel), with and without the optional
-inputs. ``warm`` makes those calls on each requested device; numba compiles
-what is not in its cache yet and saves it there, so a later process loads
-instead of compiling. The kernels are ``cache=True`` (CPU and CUDA), so a second
+inputs; where onnxruntime is installed, deform_conv also compiles the task that
+``numba_ops.onnx.session`` runs for its DeformConv nodes, per rank
+(``onnx._capi.warm_task``). ``warm`` makes those calls on each requested device;
+numba compiles what is not in its cache yet and saves it there, so a later
+process loads instead of compiling. The kernels are ``cache=True`` (CPU and CUDA), so a second
 ``warm`` finds everything cached and only loads.
 
 What was compiled is read from numba's own dispatchers (their per-signature
@@ -312,6 +314,11 @@ def warm(ops: str | Iterable[str] | None = None, dtypes: str | Iterable[Any] | N
             for args, kwargs in front.warm_calls(dtype):
                 for device in devices:
                     plan.append((op, dtype, device, public, args, kwargs))
+            if op == "deform_conv" and "cpu" in devices and _session_installed():
+                # the compiled task of numba_ops.onnx.session's DeformConv nodes, per rank
+                from .onnx._capi import warm_task
+                plan += [(op, dtype, "cpu", warm_task, ("onnxruntime session", dtype, rank), {})
+                         for rank in (1, 2, 3)]
     # the kernel modules, so that their dispatchers are counted from the start
     for op in ops:
         for device in devices:
@@ -359,6 +366,11 @@ def warm(ops: str | Iterable[str] | None = None, dtypes: str | Iterable[Any] | N
         _write_stamp(dirs, dict(_state(request, calls, dirs), functions=compiled + loaded))
     return _result(request, len(plan), in_workers + compiled, loaded, t0, dirs, failures, skipped, False, progress,
                    quiet)
+
+
+def _session_installed():
+    """Whether ``numba_ops.onnx.session`` can run here (extra ``onnxruntime``)."""
+    return all(importlib.util.find_spec(m) is not None for m in ("onnx", "onnxruntime", "onnxruntime_extensions"))
 
 
 def _result(request, ncalls, compiled, loaded, t0, dirs, failures, skipped, up_to_date, progress, quiet):

@@ -9,6 +9,7 @@ NUMBA_CACHE_DIR: AffineGrid alone in the default run, DeformConv too with
 cache gets use one, on the smallest requests that show it; the others warm into
 the session's cache.
 """
+import importlib.util
 import json
 import os
 import re
@@ -37,7 +38,7 @@ OPS = ("affine_grid", "deform_conv")
 # the ops' warm_calls; numba's "numba:compile" event fires for every function it
 # compiles (loads from the cache fire none).
 CALLS = r"""
-import json, sys
+import importlib.util, json, sys
 import numpy as np
 from numba.core import event
 from numba_ops._dtypes import np_dtype
@@ -68,6 +69,19 @@ for nd, sides in [(1, (3, 20, 2500)), (2, (3, 8, 45)), (3, (3, 5, 14))] * ("defo
             b, m = (r(oC), r(N, og * K, *(o,) * nd)) if extra else (None, None)
             numba_ops.deform_conv(x, w, off, b, m, group=g, offset_group=og)
             done.append(("deform_conv", x.shape, extra))
+# a DeformConv node of each rank in numba_ops.onnx.session (its compiled task), where installed
+session_ok = all(importlib.util.find_spec(m) for m in ("onnx", "onnxruntime", "onnxruntime_extensions"))
+for nd in (1, 2, 3) if "deform_conv" in ops and session_ok and dt.itemsize >= 4 else ():
+    from onnx import helper
+    from numba_ops.onnx import session
+    elem = helper.np_dtype_to_tensor_dtype(dt)
+    ins = [helper.make_tensor_value_info(n, elem, None) for n in ("X", "W", "offset")]
+    g = helper.make_graph([helper.make_node("DeformConv", ["X", "W", "offset"], ["Y"])], "g", ins,
+                          [helper.make_tensor_value_info("Y", elem, None)])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 22)])
+    feeds = {"X": r(1, 2, *(4,) * nd), "W": r(2, 2, *(2,) * nd), "offset": r(1, 2 ** nd * nd, *(3,) * nd)}
+    session(model).run(None, feeds)
+    done.append(("session", nd))
 names = sorted({d.py_func.__module__ + "." + d.py_func.__qualname__
                 for _, e in compiles.buffer if e.is_start for d in [e.data["dispatcher"]]})
 print(json.dumps({"calls": len(done), "compiled": names}))
@@ -108,7 +122,8 @@ def test_warm_leaves_nothing_to_compile(ops, tmp_path):
                        env=env, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     got = json.loads(p.stdout.strip().splitlines()[-1])
-    assert got["calls"] == 4 * ("affine_grid" in ops) + 3 * 3 * 2 * ("deform_conv" in ops)
+    session = all(importlib.util.find_spec(m) for m in ("onnx", "onnxruntime", "onnxruntime_extensions"))
+    assert got["calls"] == 4 * ("affine_grid" in ops) + (3 * 3 * 2 + 3 * session) * ("deform_conv" in ops)
     assert got["compiled"] == [], f"compiled after warm: {got['compiled']}"
     # warm again: the cache is as the first left it (its stamp matches): nothing to do
     rc, out, err = _cli("--op", *ops, "--dtype", DTYPE, "--device", "cpu", env=env)

@@ -279,33 +279,33 @@ def _task_ol(S, th, dt, nd):
 # compiled in the process and calling the task through its own code (``_opaque``: numba
 # loads a cached callback without publishing the symbols it calls)
 @njit(**INTERNAL)
-def _f1(S, th):
-    _task(S, th, np.float32, 3)
+def _f1(usr, th):
+    _task(carray(usr, (NS,), np.int64), th, np.float32, 3)
 
 
 @njit(**INTERNAL)
-def _f2(S, th):
-    _task(S, th, np.float32, 4)
+def _f2(usr, th):
+    _task(carray(usr, (NS,), np.int64), th, np.float32, 4)
 
 
 @njit(**INTERNAL)
-def _f3(S, th):
-    _task(S, th, np.float32, 5)
+def _f3(usr, th):
+    _task(carray(usr, (NS,), np.int64), th, np.float32, 5)
 
 
 @njit(**INTERNAL)
-def _d1(S, th):
-    _task(S, th, np.float64, 3)
+def _d1(usr, th):
+    _task(carray(usr, (NS,), np.int64), th, np.float64, 3)
 
 
 @njit(**INTERNAL)
-def _d2(S, th):
-    _task(S, th, np.float64, 4)
+def _d2(usr, th):
+    _task(carray(usr, (NS,), np.int64), th, np.float64, 4)
 
 
 @njit(**INTERNAL)
-def _d3(S, th):
-    _task(S, th, np.float64, 5)
+def _d3(usr, th):
+    _task(carray(usr, (NS,), np.int64), th, np.float64, 5)
 
 
 _TASKS = {(np.float32, 1): _f1, (np.float32, 2): _f2, (np.float32, 3): _f3, (np.float64, 1): _d1,
@@ -319,13 +319,21 @@ def _callback_of(task):
 
     @cfunc(types.void(types.voidptr, types.uintp))
     def fn(usr, th):
-        call(carray(usr, (NS,), np.int64), np.int64(th))
+        call(usr, np.int64(th))
     return fn
+
+
+def warm_task(kind, dtype, rank, device="cpu"):
+    """Compile (or load from numba's disk cache) the task that a ``session``'s DeformConv
+    node of float dtype name ``dtype`` (16-bit ones run the float32 kernel) and ``rank``
+    runs (``numba_ops.warm`` calls it, ``kind`` naming it in its report)."""
+    dt = np.float64 if dtype == "float64" else np.float32
+    _TASKS[(dt, rank)].compile((types.voidptr, types.int64))
 
 
 def _task_fn(dtype, rank):
     """The address of the C callback running pool item ``th`` of a node of ``dtype``
-    and ``rank`` (``fn(S, th)``, as ``KernelContext_ParallelFor`` calls it)."""
+    and ``rank`` (``fn(S's address, th)``, as ``KernelContext_ParallelFor`` calls it)."""
     key = (dtype, rank)
     with _TASK_LOCK:
         f = _TASK_FNS.get(key)
