@@ -643,10 +643,11 @@ def options(sess_options):
     if threads != 1 and _entry(so, SPINNING) is None:
         so.add_session_config_entry(SPINNING, "0")
     pool = None
-    if _entry(so, CAPI) != "0" and _capi.library() is not None:
+    lib = _capi.library() if _entry(so, CAPI) != "0" else None
+    if lib is not None:
         if _entry(so, _MARK_CAPI) is None:
             try:
-                so.register_custom_ops_library(_capi.library())
+                so.register_custom_ops_library(lib)
                 so.add_session_config_entry(_MARK_CAPI, "1")
             except Exception:  # (reason() says why)
                 pass
