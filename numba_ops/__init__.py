@@ -15,6 +15,8 @@ devices
     The devices usable here.
 warm
     Compile every kernel into the on-disk JIT cache ahead of time.
+affine_grid_backward, deform_conv_backward, grid_sample_backward, affine_warp_backward
+    The ops' gradients (vector-Jacobian products), for training and registration.
 
 Submodules (each needs its extra): ``numba_ops.onnx`` (the ops for ONNX models)
 and ``numba_ops.dask`` (the ops on ``dask.array``). ``import numba_ops`` imports
@@ -32,10 +34,11 @@ array([[1., 3.],
 """
 from ._dispatch import devices
 from ._warm import warm
-from .affine_grid import affine_grid
-from .affine_warp import affine_warp
-from .deform_conv import deform_conv
-from .grid_sample import grid_sample
+from .affine_grid import affine_grid, affine_grid_backward
+from .affine_warp import affine_warp, affine_warp_backward
+from .deform_conv import deform_conv, deform_conv_backward
+from .grid_sample import grid_sample, grid_sample_backward
 
 __version__ = "0.1.0"
-__all__ = ["affine_grid", "affine_warp", "deform_conv", "devices", "grid_sample", "warm", "__version__"]
+__all__ = ["affine_grid", "affine_grid_backward", "affine_warp", "affine_warp_backward", "deform_conv",
+           "deform_conv_backward", "devices", "grid_sample", "grid_sample_backward", "warm", "__version__"]

@@ -28,6 +28,14 @@ LAUNCHERS = {
     ("grid_sample", "cuda"): "numba_ops.kernels.cuda.grid_sample",
     ("affine_warp", "cpu"): "numba_ops.kernels.cpu.affine_warp",
     ("affine_warp", "cuda"): "numba_ops.kernels.cuda.affine_warp",
+    ("affine_grid_backward", "cpu"): "numba_ops.kernels.cpu.affine_grid_backward",
+    ("affine_grid_backward", "cuda"): "numba_ops.kernels.cuda.affine_grid_backward",
+    ("deform_conv_backward", "cpu"): "numba_ops.kernels.cpu.deform_conv_backward",
+    ("deform_conv_backward", "cuda"): "numba_ops.kernels.cuda.deform_conv_backward",
+    ("grid_sample_backward", "cpu"): "numba_ops.kernels.cpu.grid_sample_backward",
+    ("grid_sample_backward", "cuda"): "numba_ops.kernels.cuda.grid_sample_backward",
+    ("affine_warp_backward", "cpu"): "numba_ops.kernels.cpu.affine_warp_backward",
+    ("affine_warp_backward", "cuda"): "numba_ops.kernels.cuda.affine_warp_backward",
 }
 
 

@@ -77,3 +77,31 @@ def int_tuple(value, name, length=None, minimum=None):
     if minimum is not None and any(v < minimum for v in out):
         raise ValueError(f"{name} entries must be >= {minimum}; got {list(out)}")
     return out
+
+
+def parse_wrt(wrt, names, given):
+    """The inputs whose gradients a backward call computes: ``wrt`` None (every input
+    in ``names`` that ``given`` marks present) or an iterable of names from ``names``
+    (ValueError naming ``wrt`` for any other, TypeError for a non-iterable); a name
+    asked for whose input is absent (``b``/``mask`` None) is simply not computed.
+    A dict {name: bool}."""
+    if wrt is None:
+        return {n: bool(g) for n, g in zip(names, given)}
+    if isinstance(wrt, str):
+        wrt = (wrt,)
+    try:
+        asked = list(wrt)
+    except TypeError:
+        raise TypeError(f"wrt must be None or an iterable of input names from {names}; got {wrt!r}") from None
+    for a in asked:
+        if not isinstance(a, str) or a not in names:
+            raise ValueError(f"wrt names inputs from {', '.join(map(repr, names))}; got {a!r}")
+    return {n: (n in asked) and bool(g) for n, g in zip(names, given)}
+
+
+def check_grad_y(grad_y, shape, dtype):
+    """``grad_y`` (an array) must have the forward result's ``shape`` and the inputs' ``dtype``."""
+    if tuple(grad_y.shape) != tuple(shape):
+        raise ValueError(f"grad_y must have the forward result's shape {tuple(shape)}; got {tuple(grad_y.shape)}")
+    if np.dtype(grad_y.dtype) != np.dtype(dtype):
+        raise TypeError(f"grad_y must have the inputs' dtype {np.dtype(dtype)}; got {np.dtype(grad_y.dtype)}")

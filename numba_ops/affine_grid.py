@@ -136,6 +136,67 @@ def affine_grid(theta: ArrayLike, size: Sequence[int] | ArrayLike, align_corners
     return result_for(out, back)
 
 
+def affine_grid_backward(grad_grid: ArrayLike, size: Sequence[int] | ArrayLike, align_corners: bool | int = False, *,
+                         device: str | None = None, stream: Any = None) -> Any:
+    """The gradient of :func:`affine_grid` with respect to ``theta``.
+
+    The grid is linear in ``theta``, so the gradient does not depend on it:
+    ``grad_theta[n, i, j] = sum over positions of grad_grid[n, ..., i] * b_j``,
+    ``b = (x, y, 1)`` (2-D) or ``(x, y, z, 1)`` (3-D) the position's base
+    coordinates. Summed in float64 whatever the dtype; the same bits on every
+    CPU call, whatever the number of threads.
+
+    Parameters
+    ----------
+    grad_grid : array_like, shape (N, H, W, 2) or (N, D, H, W, 3)
+        The gradient of a loss with respect to the grid, in theta's float dtype.
+    size, align_corners, device, stream
+        As :func:`affine_grid`.
+
+    Returns
+    -------
+    grad_theta : array, shape (N, 2, 3) or (N, 3, 4)
+        ``grad_grid``'s dtype.
+
+    Raises
+    ------
+    ValueError
+        ``grad_grid`` missing or not of the grid's shape for ``size``; the forward's
+        errors for ``size`` and ``align_corners``.
+    TypeError
+        ``grad_grid`` not of a float dtype.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import numba_ops
+    >>> gg = np.ones((1, 2, 2, 2), np.float32)  # size (1, 1, 2, 2)
+    >>> numba_ops.affine_grid_backward(gg, (1, 1, 2, 2))[0]
+    array([[0., 0., 4.],
+           [0., 0., 4.]], dtype=float32)
+    """
+    if grad_grid is None:
+        raise ValueError("grad_grid is required")
+    device = resolve_device(device, [grad_grid, size])
+    back = on_device(grad_grid) or on_device(size)
+    gg = as_array(grad_grid, "grad_grid", device)
+    dtype = common_float_dtype({"grad_grid": gg})
+    align = as_bool(align_corners, "align_corners")
+    if on_device(size):
+        size = as_array(size, "size", "cpu")
+    size = tuple(int(v) for v in int_tuple(size, "size", length=(4, 5), minimum=0))
+    nd = len(size) - 2
+    want = (size[0],) + size[2:] + (nd,)
+    if tuple(gg.shape) != want:
+        raise ValueError(f"grad_grid must have the grid's shape {want} for size {list(size)}; "
+                         f"got {tuple(gg.shape)}")
+    if device == "cuda":
+        out = launcher("affine_grid_backward", device, dtype)(gg, size, align, stream=stream)
+    else:
+        out = launcher("affine_grid_backward", device, dtype)(gg, size, align)
+    return result_for(out, back)
+
+
 def warm_calls(dtype):
     """``(args, kwargs)`` of calls that compile every CPU kernel variant of
     affine_grid for float dtype name ``dtype`` (``numba_ops.warm`` makes them on

@@ -2,14 +2,14 @@
 grid. Front end; the kernels are kernels/*/affine_warp.py."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 import numpy as np
 
 from ._dispatch import as_array, launcher, on_device, resolve_device, result_for
 from ._dtypes import np_dtype
-from ._validate import int_tuple
-from .grid_sample import check_input_sizes, every_mode, parse_attrs, sample_dtypes
+from ._validate import check_grad_y, int_tuple, parse_wrt
+from .grid_sample import check_input_sizes, every_mode, no_uint8, parse_attrs, sample_dtypes
 
 if TYPE_CHECKING:
     from numpy.typing import ArrayLike
@@ -86,15 +86,28 @@ def affine_warp(x: ArrayLike, theta: ArrayLike, size: Sequence[int] | ArrayLike 
            [ 7.,  6.,  5.,  4.],
            [11., 10.,  9.,  8.]], dtype=float32)
     """
+    device, back, x, theta, dtype, (mode, padding, align), size = _prepared(
+        x, theta, size, mode, padding_mode, align_corners, device)
+    if device == "cuda":
+        y = launcher("affine_warp", "cuda", dtype)(x, theta, size, mode, padding, align, stream=stream)
+    else:
+        y = launcher("affine_warp", "cpu", dtype)(x, theta, size, mode, padding, align)
+    return result_for(y, back)
+
+
+def _prepared(x, theta, size, mode, padding_mode, align_corners, device, extra=()):
+    """The checked call: ``(device, device inputs?, x, theta, dtype, (mode, padding,
+    align), size)``; ``extra`` (name, array) pairs (grad_y) count for the device."""
     inputs = {"X": x, "theta": theta}
     for name, a in inputs.items():
         if a is None:
             raise ValueError(f"{name} is required")
-    device = resolve_device(device, [x, theta, size])
-    back = on_device(x) or on_device(theta) or on_device(size)
+    others = [a for _, a in extra]
+    device = resolve_device(device, [x, theta, size] + others)
+    back = any(on_device(a) for a in [x, theta, size] + others)
     x, theta = (as_array(a, name, device) for name, a in inputs.items())
     dtype = sample_dtypes(x, theta, "theta")
-    mode, padding, align = parse_attrs(mode, padding_mode, align_corners)
+    attrs = parse_attrs(mode, padding_mode, align_corners)
     if x.ndim not in (4, 5):
         raise ValueError(f"X must have shape (N, C, H, W) or (N, C, D, H, W); got {tuple(x.shape)}")
     r = x.ndim - 2
@@ -106,16 +119,72 @@ def affine_warp(x: ArrayLike, theta: ArrayLike, size: Sequence[int] | ArrayLike 
         size = int_tuple(size, "size", length=r + 2, minimum=0)
         if size[:2] != tuple(x.shape[:2]):
             raise ValueError(f"size must have X's N and C {tuple(x.shape[:2])} in front; got {list(size)}")
+    size = tuple(int(s) for s in size)
     want = (x.shape[0], r, r + 1)
     if tuple(theta.shape) != want:
         raise ValueError(f"theta must have shape (N, {r}, {r + 1}) = {want} for a {r}-D X of shape "
                          f"{tuple(x.shape)}; got {tuple(theta.shape)}")
     check_input_sizes(x, size)
+    return device, back, x, theta, dtype, attrs, size
+
+
+def affine_warp_backward(grad_y: ArrayLike, x: ArrayLike, theta: ArrayLike,
+                         size: Sequence[int] | ArrayLike | None = None, *, mode: str = "linear",
+                         padding_mode: str = "zeros", align_corners: bool | int = False,
+                         wrt: Iterable[str] | None = None, device: str | None = None,
+                         stream: Any = None) -> tuple[Any, Any]:
+    """The gradients of :func:`affine_warp` with respect to ``x`` and ``theta``.
+
+    Computed in one pass as the forward, without a grid: each position's gradient
+    (as :func:`grid_sample_backward` gives it) goes straight into theta's, summed
+    in float64. The derivative conventions are :func:`grid_sample_backward`'s.
+    This is what an image registration optimises: ``theta``'s gradient of a
+    similarity loss between ``affine_warp(moving, theta)`` and a fixed image.
+
+    Parameters
+    ----------
+    grad_y : array_like, shape ``size``
+        The forward result's shape and the inputs' dtype.
+    x, theta, size, mode, padding_mode, align_corners, device, stream
+        As :func:`affine_warp`; ``x`` must be float (uint8 has no gradient).
+    wrt : iterable of {"x", "theta"}, optional
+        The gradients to compute (default both); the other is None and costs nothing.
+
+    Returns
+    -------
+    (grad_x, grad_theta) : tuple of arrays or None
+        ``x``'s and ``theta``'s shapes and dtype; deterministic on the CPU.
+
+    Raises
+    ------
+    ValueError, TypeError
+        As :func:`grid_sample_backward`.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import numba_ops
+    >>> x = np.linspace(0, 1, 16, dtype=np.float32).reshape(1, 1, 4, 4)
+    >>> theta = np.array([[[1, 0, 0], [0, 1, 0]]], np.float32)
+    >>> y = numba_ops.affine_warp(x, theta)
+    >>> gx, gt = numba_ops.affine_warp_backward(np.ones_like(y), x, theta, wrt=["theta"])
+    >>> gx is None, gt.shape
+    (True, (1, 2, 3))
+    """
+    if grad_y is None:
+        raise ValueError("grad_y is required")
+    device, back, x, theta, dtype, (mode, padding, align), size = _prepared(
+        x, theta, size, mode, padding_mode, align_corners, device, (("grad_y", grad_y),))
+    no_uint8(x)
+    want = parse_wrt(wrt, ("x", "theta"), (True, True))
+    grad_y = as_array(grad_y, "grad_y", device)
+    check_grad_y(grad_y, size, dtype)
+    args = (grad_y, x, theta, size, mode, padding, align, want["x"], want["theta"])
     if device == "cuda":
-        y = launcher("affine_warp", "cuda", dtype)(x, theta, size, mode, padding, align, stream=stream)
+        gx, gt = launcher("affine_warp_backward", "cuda", dtype)(*args, stream=stream)
     else:
-        y = launcher("affine_warp", "cpu", dtype)(x, theta, size, mode, padding, align)
-    return result_for(y, back)
+        gx, gt = launcher("affine_warp_backward", "cpu", dtype)(*args)
+    return result_for(gx, back), result_for(gt, back)
 
 
 def warm_calls(dtype):

@@ -1,14 +1,14 @@
 """DeformConv (ONNX opset 19/22): front end. Semantics: the ONNX DeformConv operator page."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 import numpy as np
 
 from ._dispatch import as_array, launcher, on_device, resolve_device, result_for
 from ._dtypes import common_float_dtype, np_dtype
 from ._shapes import DeformParams, out_size
-from ._validate import as_int, int_tuple, remember
+from ._validate import as_int, check_grad_y, int_tuple, parse_wrt, remember
 
 if TYPE_CHECKING:
     from numpy.typing import ArrayLike
@@ -260,6 +260,81 @@ def deform_conv(x: ArrayLike, w: ArrayLike, offset: ArrayLike, b: ArrayLike | No
         y = launcher("deform_conv", device, x.dtype)(x, w, offset, b, mask, p)
     return result_for(y, back)
 
+
+
+def deform_conv_backward(grad_y: ArrayLike, x: ArrayLike, w: ArrayLike, offset: ArrayLike,
+                         b: ArrayLike | None = None, mask: ArrayLike | None = None, *,
+                         kernel_shape: Sequence[int] | None = None, strides: Sequence[int] | None = None,
+                         pads: Sequence[int] | None = None, dilations: Sequence[int] | None = None,
+                         group: int = 1, offset_group: int = 1, wrt: Iterable[str] | None = None,
+                         device: str | None = None, stream: Any = None) -> tuple:
+    """The gradients of :func:`deform_conv` (its vector-Jacobian product), N-D.
+
+    For ``y = deform_conv(x, w, offset, b, mask, ...)`` and the gradient ``grad_y``
+    of a loss with respect to ``y``, returns the loss's gradients with respect to
+    every input. The sampling's weights are differentiated from ``floor`` of the
+    position (PyTorch's and torchvision's convention: the right-hand derivative at
+    an integer position); a corner outside the input contributes nothing. A sample
+    whose position is not finite gets NaN in its own ``offset`` and ``mask``
+    gradients and adds nothing to the others.
+
+    Parameters
+    ----------
+    grad_y : array_like, shape (N, oC, o1, ..., on)
+        The forward result's shape and the inputs' dtype.
+    x, w, offset, b, mask, kernel_shape, strides, pads, dilations, group, offset_group, device, stream
+        As :func:`deform_conv`.
+    wrt : iterable of {"x", "w", "offset", "b", "mask"}, optional
+        The gradients to compute (default: every input given); the others are
+        None and cost nothing (so do ``b``'s and ``mask``'s when they are None).
+
+    Returns
+    -------
+    (grad_x, grad_w, grad_offset, grad_b, grad_mask) : tuple of arrays or None
+        Each input's shape and dtype. On the CPU the result is the same bits on
+        every call, whatever the number of threads (no atomics: every element of
+        ``grad_x`` is summed by one thread in a fixed order); on CUDA, atomic adds
+        may order the sums differently from call to call.
+
+    Raises
+    ------
+    ValueError
+        The forward's errors; ``grad_y`` missing or not of the result's shape; an
+        unknown name in ``wrt``.
+    TypeError
+        The forward's errors; ``grad_y`` of another dtype.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import numba_ops
+    >>> x = np.arange(4, dtype=np.float32).reshape(1, 1, 4)
+    >>> w = np.ones((1, 1, 1), np.float32)
+    >>> offset = np.full((1, 1, 4), 0.5, np.float32)  # every sample half-way to the next
+    >>> gx, gw, goff, gb, gm = numba_ops.deform_conv_backward(np.ones((1, 1, 4), np.float32), x, w, offset)
+    >>> gx[0, 0], goff[0, 0]
+    (array([0.5, 1. , 1. , 1. ], dtype=float32), array([ 1.,  1.,  1., -3.], dtype=float32))
+    """
+    if grad_y is None:
+        raise ValueError("grad_y is required")
+    inputs = {"X": x, "W": w, "offset": offset, "B": b, "mask": mask}
+    device = resolve_device(device, list(inputs.values()) + [grad_y])
+    back = any(on_device(a) for a in list(inputs.values()) + [grad_y])
+    for name in ("X", "W", "offset"):
+        if inputs[name] is None:
+            raise ValueError(f"{name} is required")
+    x, w, offset, b, mask = (as_array(a, name, device) for name, a in inputs.items())
+    p = checked_params(x, w, offset, b, mask, kernel_shape, strides, pads, dilations, group, offset_group)
+    want = parse_wrt(wrt, ("x", "w", "offset", "b", "mask"), (True, True, True, b is not None, mask is not None))
+    grad_y = as_array(grad_y, "grad_y", device)
+    check_grad_y(grad_y, (x.shape[0], w.shape[0]) + p.out_spatial, x.dtype)
+    wants = tuple(want[n] for n in ("x", "w", "offset", "b", "mask"))
+    if device == "cuda":
+        grads = launcher("deform_conv_backward", device, x.dtype)(grad_y, x, w, offset, b, mask, p, wants,
+                                                                  stream=stream)
+    else:
+        grads = launcher("deform_conv_backward", device, x.dtype)(grad_y, x, w, offset, b, mask, p, wants)
+    return tuple(result_for(g, back) for g in grads)
 
 
 def warm_calls(dtype):

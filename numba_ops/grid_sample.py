@@ -3,13 +3,13 @@ operator page, with onnxruntime's choices where implementations differ (see
 ``grid_sample``); the per-axis math is kernels/_sample.py."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterable
 
 import numpy as np
 
 from ._dispatch import as_array, launcher, on_device, resolve_device, result_for
 from ._dtypes import SUPPORTED, common_float_dtype, entry, np_dtype
-from ._validate import as_bool
+from ._validate import as_bool, check_grad_y, parse_wrt
 from .kernels._modes import MODES, PADDING_MODES
 
 if TYPE_CHECKING:
@@ -126,26 +126,111 @@ def grid_sample(x: ArrayLike, grid: ArrayLike, *, mode: str = "linear", padding_
     >>> numba_ops.grid_sample(x, far, padding_mode="border")  # clamped to the edge
     array([[[[1., 3.]]]], dtype=float32)
     """
-    inputs = {"X": x, "grid": grid}
-    for name, a in inputs.items():
-        if a is None:
-            raise ValueError(f"{name} is required")
-    device = resolve_device(device, [x, grid])
-    back = on_device(x) or on_device(grid)  # device inputs: a device result, wherever it ran
-    x, grid = (as_array(a, name, device) for name, a in inputs.items())
-    dtype = sample_dtypes(x, grid, "grid")
-    mode, padding, align = parse_attrs(mode, padding_mode, align_corners)
-    r = check_x(x)
-    if grid.ndim != r + 2 or tuple(grid.shape)[-1] != r:  # (a tuple: the simulator's shapes take no negative index)
-        raise ValueError(f"grid must have shape (N, O1..O{r}, {r}) for a rank-{x.ndim} X; got {tuple(grid.shape)}")
-    if grid.shape[0] != x.shape[0]:
-        raise ValueError(f"grid must have X's batch size N = {x.shape[0]}; got grid shape {tuple(grid.shape)}")
-    check_input_sizes(x, tuple(x.shape[:2]) + tuple(grid.shape[1:-1]))
+    device, back, x, grid, dtype, (mode, padding, align), _ = _prepared(x, grid, mode, padding_mode, align_corners,
+                                                                          device)
     if device == "cuda":
         y = launcher("grid_sample", "cuda", dtype)(x, grid, mode, padding, align, stream=stream)
     else:
         y = launcher("grid_sample", "cpu", dtype)(x, grid, mode, padding, align)
     return result_for(y, back)
+
+
+def _prepared(x, grid, mode, padding_mode, align_corners, device, extra=()):
+    """The checked call: ``(device, device inputs?, x, grid, dtype, (mode, padding,
+    align), output shape)``; ``extra`` (name, array) pairs (grad_y) count for the device."""
+    inputs = {"X": x, "grid": grid}
+    for name, a in inputs.items():
+        if a is None:
+            raise ValueError(f"{name} is required")
+    others = [a for _, a in extra]
+    device = resolve_device(device, [x, grid] + others)
+    back = any(on_device(a) for a in [x, grid] + others)  # device inputs: a device result, wherever it ran
+    x, grid = (as_array(a, name, device) for name, a in inputs.items())
+    dtype = sample_dtypes(x, grid, "grid")
+    attrs = parse_attrs(mode, padding_mode, align_corners)
+    r = check_x(x)
+    if grid.ndim != r + 2 or tuple(grid.shape)[-1] != r:  # (a tuple: the simulator's shapes take no negative index)
+        raise ValueError(f"grid must have shape (N, O1..O{r}, {r}) for a rank-{x.ndim} X; got {tuple(grid.shape)}")
+    if grid.shape[0] != x.shape[0]:
+        raise ValueError(f"grid must have X's batch size N = {x.shape[0]}; got grid shape {tuple(grid.shape)}")
+    out_shape = tuple(x.shape[:2]) + tuple(grid.shape[1:-1])
+    check_input_sizes(x, out_shape)
+    return device, back, x, grid, dtype, attrs, out_shape
+
+
+def grid_sample_backward(grad_y: ArrayLike, x: ArrayLike, grid: ArrayLike, *, mode: str = "linear",
+                         padding_mode: str = "zeros", align_corners: bool | int = False,
+                         wrt: Iterable[str] | None = None, device: str | None = None,
+                         stream: Any = None) -> tuple[Any, Any]:
+    """The gradients of :func:`grid_sample` (its vector-Jacobian product).
+
+    For ``y = grid_sample(x, grid, ...)`` and the gradient ``grad_y`` of a loss
+    with respect to ``y``, returns the loss's gradients with respect to ``x`` and
+    ``grid``. Where the forward is not differentiable the derivative is PyTorch's:
+    weights differentiated from ``floor`` of the position (the right-hand derivative
+    at an integer), zero for ``"nearest"``, zero where ``border`` clamps and the
+    sign flipped where ``reflection`` mirrors; a tap outside a zeros-padded input
+    contributes nothing. A grid position that is not finite gets NaN for its own
+    gradient and adds nothing to ``grad_x``.
+
+    Parameters
+    ----------
+    grad_y : array_like, shape (N, C, O1, ..., Or)
+        The forward result's shape and the inputs' dtype.
+    x, grid, mode, padding_mode, align_corners, device, stream
+        As :func:`grid_sample`; ``x`` must be float (uint8 has no gradient).
+    wrt : iterable of {"x", "grid"}, optional
+        The gradients to compute (default both); the other is None and costs nothing.
+
+    Returns
+    -------
+    (grad_x, grad_grid) : tuple of arrays or None
+        ``x``'s and ``grid``'s shapes and dtype. On the CPU the result is the same
+        bits on every call, whatever the number of threads; on CUDA, atomic adds
+        may order the sums differently from call to call.
+
+    Raises
+    ------
+    ValueError
+        The forward's errors; ``grad_y`` missing or not of the result's shape; an
+        unknown name in ``wrt``.
+    TypeError
+        The forward's errors; ``grad_y`` of another dtype; a uint8 ``x``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import numba_ops
+    >>> x = np.array([[[[0, 1], [2, 3]]]], dtype=np.float32)
+    >>> grid = np.zeros((1, 1, 1, 2), np.float32)  # the centre: the mean of the four
+    >>> gx, gg = numba_ops.grid_sample_backward(np.ones((1, 1, 1, 1), np.float32), x, grid)
+    >>> gx[0, 0]
+    array([[0.25, 0.25],
+           [0.25, 0.25]], dtype=float32)
+    >>> gg[0, 0, 0]  # d y / d (gx, gy): 1 per element along x, 2 along y, times 2 / 2
+    array([1., 2.], dtype=float32)
+    """
+    if grad_y is None:
+        raise ValueError("grad_y is required")
+    device, back, x, grid, dtype, (mode, padding, align), out_shape = _prepared(
+        x, grid, mode, padding_mode, align_corners, device, (("grad_y", grad_y),))
+    no_uint8(x)
+    want = parse_wrt(wrt, ("x", "grid"), (True, True))
+    grad_y = as_array(grad_y, "grad_y", device)
+    check_grad_y(grad_y, out_shape, dtype)
+    args = (grad_y, x, grid, mode, padding, align, want["x"], want["grid"])
+    if device == "cuda":
+        gx, gg = launcher("grid_sample_backward", "cuda", dtype)(*args, stream=stream)
+    else:
+        gx, gg = launcher("grid_sample_backward", "cpu", dtype)(*args)
+    return result_for(gx, back), result_for(gg, back)
+
+
+def no_uint8(x):
+    """A backward call's ``x`` must be float: uint8 images have no gradient."""
+    if np.dtype(x.dtype) == np.uint8:
+        raise TypeError("X has dtype uint8, which has no gradient: the backward ops take float inputs "
+                        "(float16, bfloat16, float32, float64)")
 
 
 def warm_calls(dtype):

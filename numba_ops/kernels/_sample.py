@@ -274,3 +274,69 @@ def cubic_taps(pos, size, padding, align, zero):
     per = period(size, padding, align)
     i, frac, finite = split_coord(pos, per, zero)
     return cubic_at(i, frac, finite, size, per, padding, align, zero)
+
+
+# --- gradients (the backward kernels of grid_sample, affine_warp and deform_conv) ---------
+
+@njit(cache=True)
+def unnormalize_scale(size, align, one):
+    """``d unnormalize(g) / d g`` on an axis of ``size`` elements: ``(size - 1) / 2``
+    with ``align_corners``, else ``size / 2``."""
+    return as_compute(one, size - 1 if align else size) / (one + one)
+
+
+@njit(cache=True)
+def cubic_dweights(t, one):
+    """``d/dt`` of ``cubic_weights(t)``: Keys' kernel differentiated at the taps'
+    distances ``1 + t, t, 1 - t, 2 - t`` (their sum is 0, as the weights' is 1)."""
+    a = as_compute(one, -0.75)
+    a2 = a + as_compute(one, 2)
+    a3 = a + as_compute(one, 3)
+    three, eight, ten = as_compute(one, 3), as_compute(one, 8), as_compute(one, 10)
+    two = one + one
+    x = t + one  # c0 = f(1 + t), f(x) = ((a x - 5a) x + 8a) x - 4a on 1 <= x <= 2
+    d0 = (three * a * x - ten * a) * x + eight * a
+    d1 = (three * a2 * t - two * a3) * t  # c1 = g(t), g(x) = (a2 x - a3) x^2 + 1 on 0 <= x <= 1
+    u = one - t
+    d2 = -(three * a2 * u - two * a3) * u  # c2 = g(1 - t)
+    x = two - t
+    d3 = -((three * a * x - ten * a) * x + eight * a)  # c3 = f(2 - t)
+    return d0, d1, d2, d3
+
+
+@njit(cache=True)
+def grad_taps_at(mode, i, frac, finite, size, per, padding, align, zero):
+    """The taps of one axis with their weights' derivatives, for the backward kernels:
+    ``(i0..i3, w0..w3, d0..d3, ok0..ok3)`` for the split position ``(i, frac,
+    finite)`` (``split_coord``) in ``mode`` (a runtime code: one function serves
+    every mode). The mode's ``TAPS[mode]`` taps come first (``nearest_at``,
+    ``linear_at``, ``cubic_at``: the forward's taps and weights); the rest have
+    weight 0 and ``ok`` False. ``d`` is the derivative of each weight with respect
+    to the position (PyTorch's: taken from ``floor``, so the right-hand one at an
+    integer; 0 for nearest); a padded tap keeps its own weight's derivative, so a
+    border-clamped position gets 0 and a reflected one the mirrored sign, as the
+    derivative of the padded sum. Weights and derivatives are NaN at a non-finite
+    position."""
+    one = as_compute(zero, 1)
+    s = one if finite else as_compute(zero, np.nan)
+    if mode == NEAREST:
+        i0, w0, ok0 = nearest_at(i, frac, finite, size, per, padding, align, zero)
+        return (i0, i0, i0, i0, w0, zero, zero, zero, zero * s, zero, zero, zero, ok0, False, False, False)
+    if mode == LINEAR:
+        i0, i1, w0, w1, ok0, ok1 = linear_at(i, frac, finite, size, per, padding, align, zero)
+        return (i0, i1, i1, i1, w0, w1, zero, zero, -s, s, zero, zero, ok0, ok1, False, False)
+    i0, i1, i2, i3, w0, w1, w2, w3, ok0, ok1, ok2, ok3 = cubic_at(i, frac, finite, size, per, padding, align, zero)
+    d0, d1, d2, d3 = cubic_dweights(frac, one)
+    return (i0, i1, i2, i3, w0, w1, w2, w3, d0 * s, d1 * s, d2 * s, d3 * s, ok0, ok1, ok2, ok3)
+
+
+@njit(cache=True)
+def grad_taps(mode, pos, size, padding, align, zero):
+    """``grad_taps_at`` of the position ``pos`` on an axis of ``size`` (GridSample's
+    taps: ``split_coord`` first, with the padding's period), then whether ``pos`` is
+    finite: a 17-tuple."""
+    per = period(size, padding, align)
+    i, frac, finite = split_coord(pos, per, zero)
+    i0, i1, i2, i3, w0, w1, w2, w3, d0, d1, d2, d3, ok0, ok1, ok2, ok3 = grad_taps_at(
+        mode, i, frac, finite, size, per, padding, align, zero)
+    return i0, i1, i2, i3, w0, w1, w2, w3, d0, d1, d2, d3, ok0, ok1, ok2, ok3, finite

@@ -94,3 +94,13 @@ def run(serial, parallel, work, *args):
     with POOL_LOCK:
         return parallel(*args, 4 * nth)
 
+
+
+def call(serial, parallel, *args):
+    """``parallel(*args)`` (a kernel whose ``prange`` split does not depend on the
+    thread count) under the pool lock, or ``serial(*args)``, the same function
+    compiled without ``parallel``, at one thread or where the pool cannot run."""
+    if not pool_usable() or num_threads() == 1:
+        return serial(*args)
+    with POOL_LOCK:
+        return parallel(*args)

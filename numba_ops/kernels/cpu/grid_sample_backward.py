@@ -1,0 +1,267 @@
+"""GridSample's and affine_warp's backward on the CPU: ``@njit(parallel=True)`` over
+fixed units of output positions.
+
+Per output position ``(n, o)`` the kernel takes, axis by axis, the forward's taps and
+weights with the weights' derivatives (``_sample.grad_taps``, shared with the CUDA
+kernels), then for every channel, with ``g = grad_y[n, c, o]``:
+
+- ``grad_x[n, c, tap] += g * w`` over the position's taps (a tap outside a
+  zeros-padded input contributes nothing);
+- ``d sample / d pos_k = sum over taps of (prod of the other axes' weights) *
+  d w_k * x[tap]``, summed over the channels with weight ``g`` and times
+  ``d pos / d grid`` (``unnormalize_scale``) into the position's grid gradient.
+  ``nearest`` has none (0); a non-finite position gets NaN and scatters nothing.
+
+affine_warp computes each position from theta as affine_grid does (never building
+the grid) and sums ``grid gradient * base coordinates`` into theta's gradient in
+float64.
+
+**Deterministic whatever the thread count.** The positions of each image are cut
+into ``units_per_image(N, P)`` units, a function of the shape alone; each unit
+scatters into a grad_x buffer of its own (unit ``k`` of every image into buffer
+``k``), so no two threads ever add to one element, and the buffers are summed in
+their fixed order afterwards (``_sum_buffers``); theta's partial sums are kept per
+unit and added in order too. The units' count is small (``GX_SPLIT`` per call at
+most): the extra memory is ``units_per_image - 1`` copies of ``x`` in the compute
+type, and none for four or more images.
+
+Every rank reaches one compiled kernel: the input is seen as 3-D with leading axes
+of size 1 (one tap of weight 1 each), and the mode and padding are runtime values,
+so the kernels compile once per compute type (16-bit inputs are computed in
+float32, their gradients rounded once).
+"""
+import numpy as np
+from numba import njit, prange
+
+from .._dtypes import NAMES, compute
+from .._sample import LINEAR, NEAREST, as_compute, grad_taps, unnormalize, unnormalize_scale
+from .._scalar import base_coord
+from . import _runtime
+from ._opaque import INTERNAL, opaque
+
+DTYPES = NAMES  # the dtypes these kernels take (the dispatcher checks them)
+
+#: the most grad_x buffers per call (units of one image): the determinism's memory
+GX_SPLIT = 4
+#: positions a unit holds at least (fewer units for small outputs)
+MIN_UNIT = 4096
+
+
+def units_per_image(N, P):
+    """Units (and grad_x buffers) per image: ``GX_SPLIT`` units over the batch, at least
+    one per image, none smaller than ``MIN_UNIT`` positions. A function of the shape
+    alone, which is what makes the sums' order independent of the thread count."""
+    return max(1, min(-(-GX_SPLIT // max(N, 1)), -(-P // MIN_UNIT)))
+
+
+@njit(**INTERNAL)
+def _units(xf, gyf, src, gxb, gpos, gth, dims, isz, osz, mode, padding, align, affine, want_x, want_pos,
+           zero, u0, u1):
+    """Units ``u0:u1`` (image-major). ``dims = (N, C, P, S, r, U)``; ``isz``/``osz`` the
+    input's/output's spatial sizes as 3 axes (leading 1s); ``src`` the flat grid
+    (N*P*r), or theta (N*r*(r+1)) when ``affine``. Writes grad_x into ``gxb`` (U
+    buffers of N*C*S), the grid gradient into ``gpos`` (N*P*r, grid_sample) or
+    theta's partial sums into ``gth`` (N*U*r*(r+1), float64, affine_warp)."""
+    N, C, P, S, r, U = dims[0], dims[1], dims[2], dims[3], dims[4], dims[5]
+    one = as_compute(zero, 1)
+    nan = as_compute(zero, np.nan)
+    ct = type(zero)
+    lead = 3 - r
+    stride = np.empty(3, np.int64)
+    stride[2] = 1
+    stride[1] = isz[2]
+    stride[0] = isz[1] * isz[2]
+    ti = np.zeros((3, 4), np.int64)
+    tw = np.ones((3, 4), ct)
+    td = np.zeros((3, 4), ct)
+    tok = np.ones((3, 4), np.bool_)
+    nt = np.ones(3, np.int64)
+    scl = np.zeros(3, ct)
+    gcoord = np.zeros(3, ct)
+    oi = np.zeros(3, np.int64)
+    bc = np.ones(4, ct)  # base coordinates (x, y, z), then 1 (affine)
+    btab = np.zeros((3, max(osz[0], osz[1], osz[2])), ct)
+    if affine:
+        for a in range(3):
+            for i in range(osz[a]):
+                btab[a, i] = base_coord(i, osz[a], align, one)
+    acc = np.zeros((3, 4), np.float64)
+    deriv = want_pos and mode != NEAREST
+    for u in range(u0, u1):
+        n = u // U
+        k = u - n * U
+        acc[:] = 0.0
+        for j in range(k * P // U, (k + 1) * P // U):
+            t = j // osz[2]
+            oi[2] = j - t * osz[2]
+            oi[0] = t // osz[1]
+            oi[1] = t - oi[0] * osz[1]
+            finite = True
+            for a in range(lead, 3):
+                ci = 2 - a  # the grid's coordinate of this axis (innermost first)
+                if affine:
+                    g = zero
+                    for q in range(r):
+                        bc[q] = btab[2 - q, oi[2 - q]]
+                        g += src[(n * r + ci) * (r + 1) + q] * bc[q]
+                    g += src[(n * r + ci) * (r + 1) + r]
+                else:
+                    g = src[(n * P + j) * r + ci]
+                size = isz[a]
+                (i0, i1, i2, i3, w0, w1, w2, w3, d0, d1, d2, d3, ok0, ok1, ok2, ok3,
+                 fin) = grad_taps(mode, unnormalize(g, size, align, one), size, padding, align, zero)
+                finite &= fin
+                s = stride[a]
+                ti[a, 0], ti[a, 1], ti[a, 2], ti[a, 3] = i0 * s, i1 * s, i2 * s, i3 * s
+                tw[a, 0], tw[a, 1], tw[a, 2], tw[a, 3] = w0, w1, w2, w3
+                td[a, 0], td[a, 1], td[a, 2], td[a, 3] = d0, d1, d2, d3
+                tok[a, 0], tok[a, 1], tok[a, 2], tok[a, 3] = ok0, ok1, ok2, ok3
+                nt[a] = 1 if mode == NEAREST else (2 if mode == LINEAR else 4)
+                scl[a] = unnormalize_scale(size, align, one)
+            scatter = want_x and finite
+            gz = zero
+            gy_ = zero
+            gx_ = zero
+            for c in range(C):
+                gv = gyf[(n * C + c) * P + j]
+                xb = (n * C + c) * S
+                bb = ((k * N + n) * C + c) * S
+                az = zero
+                ay = zero
+                ax = zero
+                for tz in range(nt[0]):
+                    if not tok[0, tz]:
+                        continue
+                    oz = ti[0, tz]
+                    sy = zero
+                    sdy = zero
+                    sdx = zero
+                    for ty in range(nt[1]):
+                        if not tok[1, ty]:
+                            continue
+                        oy = oz + ti[1, ty]
+                        wzy = tw[0, tz] * tw[1, ty]
+                        sx = zero
+                        dx = zero
+                        for tx in range(nt[2]):
+                            if not tok[2, tx]:
+                                continue
+                            f = oy + ti[2, tx]
+                            if deriv:
+                                v = xf[xb + f]
+                                sx += tw[2, tx] * v
+                                dx += td[2, tx] * v
+                            if scatter:
+                                gxb[bb + f] += gv * (wzy * tw[2, tx])
+                        sy += tw[1, ty] * sx
+                        sdy += td[1, ty] * sx
+                        sdx += tw[1, ty] * dx
+                    az += td[0, tz] * sy
+                    ay += tw[0, tz] * sdy
+                    ax += tw[0, tz] * sdx
+                gz += gv * az
+                gy_ += gv * ay
+                gx_ += gv * ax
+            if not want_pos:
+                continue
+            gcoord[0] = gx_ * scl[2]
+            gcoord[1] = gy_ * scl[1]
+            gcoord[2] = gz * scl[0]
+            for ci in range(r):
+                gc = gcoord[ci] if finite else nan
+                if not deriv and finite:
+                    gc = zero
+                if affine:
+                    for q in range(r):
+                        acc[ci, q] += np.float64(gc) * np.float64(bc[q])
+                    acc[ci, r] += np.float64(gc)
+                else:
+                    gpos[(n * P + j) * r + ci] = gc
+        if affine and want_pos:
+            for ci in range(r):
+                for q in range(r + 1):
+                    gth[((n * U + k) * r + ci) * (r + 1) + q] = acc[ci, q]
+
+
+_units_op = opaque(_units)
+
+
+@njit(cache=True, nogil=True)
+def _serial(xf, gyf, src, gxb, gpos, gth, dims, isz, osz, mode, padding, align, affine, want_x, want_pos, zero):
+    _units_op(xf, gyf, src, gxb, gpos, gth, dims, isz, osz, mode, padding, align, affine, want_x, want_pos, zero,
+              0, dims[0] * dims[5])
+
+
+@njit(cache=True, parallel=True, nogil=True)
+def _parallel(xf, gyf, src, gxb, gpos, gth, dims, isz, osz, mode, padding, align, affine, want_x, want_pos, zero,
+              nchunks):
+    units = dims[0] * dims[5]
+    nchunks = min(units, nchunks)
+    for c in prange(nchunks):
+        _units_op(xf, gyf, src, gxb, gpos, gth, dims, isz, osz, mode, padding, align, affine, want_x, want_pos,
+                  zero, c * units // nchunks, (c + 1) * units // nchunks)
+
+
+@njit(cache=True, parallel=True, nogil=True)
+def _sum_buffers(gxb, U, M):
+    """``gxb[:M] = sum of the U buffers gxb[k*M:(k+1)*M]``, added in the order k = 0, 1, ..."""
+    chunk = 1 << 14
+    for c in prange((M + chunk - 1) // chunk):
+        for i in range(c * chunk, min(M, (c + 1) * chunk)):
+            s = gxb[i]
+            for k in range(1, U):
+                s += gxb[k * M + i]
+            gxb[i] = s
+
+
+_sum_buffers_serial = njit(cache=True, nogil=True)(_sum_buffers.py_func)
+
+
+def _as_compute(a, ct):
+    """``a`` flat, C-contiguous, in the compute type ``ct`` (16-bit data upcast: a copy)."""
+    return np.ascontiguousarray(a, dtype=ct).reshape(-1)
+
+
+def _three(sizes):
+    """Spatial sizes as three axes, leading 1s first."""
+    return np.array((1,) * (3 - len(sizes)) + tuple(int(s) for s in sizes), np.int64)
+
+
+def run(x, gy, src, out_spatial, mode, padding, align, affine, want_x, want_pos):
+    """The shared launch: ``(gx, gpos)`` in the compute type, ``gpos`` the grid's
+    gradient (N, O1..Or, r) for grid_sample or theta's (N, r, r+1), float64, for
+    affine_warp; either None when not wanted."""
+    ct = compute(src.dtype)
+    N, C = int(x.shape[0]), int(x.shape[1])
+    r = x.ndim - 2
+    S = int(np.prod(x.shape[2:], dtype=np.int64))
+    P = int(np.prod(out_spatial, dtype=np.int64))
+    U = units_per_image(N, P) if want_x or affine else 1
+    gxb = np.zeros(U * N * C * S if want_x else 0, ct)
+    gpos = np.zeros(N * P * r if want_pos and not affine else 0, ct)
+    gth = np.zeros(N * U * r * (r + 1) if want_pos and affine else 0, np.float64)
+    if N * P and (want_x or want_pos):
+        dims = np.array((N, C, P, S, r, U), np.int64)
+        zero = ct.type(0)
+        work = N * P * max(C, 1) * 4 ** r
+        _runtime.run(_serial, _parallel, work, _as_compute(x, ct), _as_compute(gy, ct), _as_compute(src, ct), gxb,
+                     gpos, gth, dims, _three(x.shape[2:]), _three(out_spatial), np.int64(mode), np.int64(padding),
+                     bool(align), bool(affine), bool(want_x), bool(want_pos), zero)
+        if want_x and U > 1:
+            _runtime.call(_sum_buffers_serial, _sum_buffers, gxb, U, N * C * S)
+    gx = gxb[:N * C * S].reshape(x.shape) if want_x else None
+    if not want_pos:
+        return gx, None
+    if affine:
+        return gx, gth.reshape(N, U, r, r + 1).sum(axis=1)
+    return gx, gpos.reshape((N,) + tuple(out_spatial) + (r,))
+
+
+def launch(gy, x, grid, mode, padding, align, want_x, want_grid, stream=None):
+    """grad_y (N, C, O1..Or), x (N, C, D1..Dr), grid (N, O1..Or, r): NumPy, one float
+    dtype, validated by the front end. ``(gx, ggrid)`` in that dtype (None where not
+    wanted). ``stream`` is ignored on the CPU."""
+    gx, gg = run(x, gy, grid, tuple(grid.shape[1:-1]), mode, padding, align, False, want_x, want_grid)
+    dt = x.dtype
+    return (None if gx is None else gx.astype(dt, copy=False)), (None if gg is None else gg.astype(dt, copy=False))
+
