@@ -314,6 +314,10 @@ def warm(ops: str | Iterable[str] | None = None, dtypes: str | Iterable[Any] | N
             for args, kwargs in front.warm_calls(dtype):
                 for device in devices:
                     plan.append((op, dtype, device, public, args, kwargs))
+            backward = getattr(front, op + "_backward", None)  # the gradients, warmed with their op
+            for args, kwargs in (front.warm_backward_calls(dtype) if backward is not None else ()):
+                for device in devices:
+                    plan.append((op, dtype, device, backward, args, kwargs))
             if op == "deform_conv" and "cpu" in devices and _session_installed():
                 # the compiled task of numba_ops.onnx.session's DeformConv nodes, per rank
                 from .onnx._capi import warm_task
@@ -322,11 +326,14 @@ def warm(ops: str | Iterable[str] | None = None, dtypes: str | Iterable[Any] | N
     # the kernel modules, so that their dispatchers are counted from the start
     for op in ops:
         for device in devices:
-            importlib.import_module(LAUNCHERS[op, device])
+            for key in ((op, device), (op + "_backward", device)):
+                if key in LAUNCHERS:
+                    importlib.import_module(LAUNCHERS[key])
     found = _dispatchers()
     dirs = _cache_dirs(found)
     request = {"ops": list(ops), "dtypes": list(dtypes), "devices": list(devices)}
-    calls = [_label(op, dtype, device, args, kwargs) for op, dtype, device, _, args, kwargs in plan]
+    calls = [_label(f.__name__ if f.__name__.endswith("_backward") else op, dtype, device, args, kwargs)
+             for op, dtype, device, f, args, kwargs in plan]
     stamp = None if force else _read_stamp(dirs)
     if isinstance(stamp, dict):
         functions = stamp.pop("functions", 0)

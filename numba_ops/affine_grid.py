@@ -212,3 +212,11 @@ def warm_calls(dtype):
             theta = np.zeros((1, nd, nd + 1), dt)
             calls.append(((theta, size), {"align_corners": 0}))
     return calls
+
+
+def warm_backward_calls(dtype):
+    """``(args, kwargs)`` of ``affine_grid_backward`` calls that compile its CPU kernels
+    for float dtype ``dtype``: a tiny call (serial) and one past the pool's threshold."""
+    from .kernels.cpu._runtime import PARALLEL_MIN_WORK
+    dt = np_dtype(dtype)
+    return [((np.zeros((1, 1, w, 2), dt), (1, 1, 1, w)), {}) for w in (1, PARALLEL_MIN_WORK)]

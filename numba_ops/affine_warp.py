@@ -204,3 +204,13 @@ def warm_calls(dtype):
                 x = np.zeros((1, 1) + (2,) * r, xdt)
                 calls += every_mode((x, theta, size))
     return calls
+
+
+def warm_backward_calls(dtype):
+    """``(args, kwargs)`` of ``affine_warp_backward`` calls that compile its CPU kernels
+    for float dtype ``dtype``: a tiny call (serial) and one past the pool's threshold."""
+    from .kernels.cpu._runtime import PARALLEL_MIN_WORK
+    dt = np_dtype(dtype)
+    x = np.zeros((1, 1, 2, 2), dt)
+    theta = np.zeros((1, 2, 3), dt)
+    return [((np.zeros((1, 1, 1, w), dt), x, theta, (1, 1, 1, w)), {}) for w in (1, PARALLEL_MIN_WORK)]

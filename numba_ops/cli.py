@@ -2,7 +2,7 @@
 
     numba-ops info                         versions, devices, threads, BLAS, JIT cache
     numba-ops info --cuda                  CUDA kernels' registers, spills, occupancy (ptxas)
-    numba-ops check [--device D]           ONNX conformance cases of both ops, pass/fail
+    numba-ops check [--device D]           ONNX conformance cases and a gradient check, pass/fail
     numba-ops bench [--device D] [--dtype T] [--quick] [--json FILE] [--compare FILE] [--plot PNG]
     numba-ops bench --against REV [--quick] [--only NAMES] [--threshold F]
     numba-ops warm [--op OP ...] [--dtype T ...] [--device D ...] [--jobs N] [--force]   every kernel into the JIT cache
@@ -184,7 +184,7 @@ def cmd_check(args):
         runs += [(case, "session") for case in cases if case.node is not None]
     elif skipped is None:
         skipped = f"ONNX backend cases not run through numba_ops.onnx.session: {missing}"
-    print(f"numba-ops check: {len(runs)} conformance cases on {device}")
+    print(f"numba-ops check: {len(runs)} conformance cases and the gradient check on {device}")
     failed = 0
     for case, through in runs:
         t0 = time.perf_counter()
@@ -197,8 +197,21 @@ def cmd_check(args):
         print(line if why is None else f"{line}\n      {why}", flush=True)
     if skipped:
         print("SKIP  " + skipped)
-    passed = len(runs) - failed
-    print(f"{len(runs)} cases: {passed} passed, {failed} failed" + (" (see FAIL lines)" if failed else ""))
+    from . import gradcheck
+    grads = gradcheck.cases()
+    for case in grads:  # the gradients against central differences of the float64 forward
+        t0 = time.perf_counter()
+        try:
+            why = gradcheck.check(case, device)
+        except Exception as exc:
+            why = f"{type(exc).__name__}: {exc}"
+        ms = (time.perf_counter() - t0) * 1e3
+        failed += why is not None
+        line = f"{'PASS' if why is None else 'FAIL'}  grad  {case.op:<10}  {case.name}  ({ms:.1f} ms)"
+        print(line if why is None else f"{line}\n      {why}", flush=True)
+    total = len(runs) + len(grads)
+    passed = total - failed
+    print(f"{total} cases: {passed} passed, {failed} failed" + (" (see FAIL lines)" if failed else ""))
     return 1 if failed else 0
 
 

@@ -367,3 +367,18 @@ def warm_calls(dtype):
             calls.append(((x, w, off), {}))
             calls.append(((x, w, off, np.zeros(oC, dt), np.ones((1, K) + (o,) * nd, dt)), {}))
     return calls
+
+
+def warm_backward_calls(dtype):
+    """``(args, kwargs)`` of ``deform_conv_backward`` calls that compile its CPU kernels
+    for float dtype ``dtype`` (rank and groups are runtime values there): a tiny call
+    (serial passes) and one past the pool's threshold (parallel), with a mask."""
+    from .kernels.cpu._runtime import PARALLEL_MIN_WORK
+    dt = np_dtype(dtype)
+    calls = []
+    for o in (1, PARALLEL_MIN_WORK // 8 + 1):
+        x = np.zeros((1, 2, o + 1), dt)
+        w = np.zeros((2, 2, 2), dt)
+        off = np.zeros((1, 2, o), dt)
+        calls.append(((np.zeros((1, 2, o), dt), x, w, off, np.zeros(2, dt), np.ones((1, 2, o), dt)), {}))
+    return calls

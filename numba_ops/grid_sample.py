@@ -252,6 +252,20 @@ def warm_calls(dtype):
     return calls
 
 
+def warm_backward_calls(dtype):
+    """``(args, kwargs)`` of ``grid_sample_backward`` calls that compile its CPU kernels
+    for float dtype ``dtype`` (rank, mode and padding are runtime values there): a
+    tiny call (serial) and one past the pool's threshold (parallel)."""
+    from .kernels.cpu._runtime import PARALLEL_MIN_WORK
+    dt = np_dtype(dtype)
+    calls = []
+    for n_out in (1, PARALLEL_MIN_WORK):
+        x = np.zeros((1, 1, 2, 2), dt)
+        grid = np.zeros((1, 1, n_out, 2), dt)
+        calls.append(((np.zeros((1, 1, 1, n_out), dt), x, grid), {}))
+    return calls
+
+
 def every_mode(args):
     """``(args, kwargs)`` for each mode x padding mode (each compiles its own kernels)."""
     return [(args, {"mode": mode, "padding_mode": padding}) for mode in MODES for padding in PADDING_MODES]

@@ -96,11 +96,12 @@ def run(serial, parallel, work, *args):
 
 
 
-def call(serial, parallel, *args):
+def call(serial, parallel, work, *args):
     """``parallel(*args)`` (a kernel whose ``prange`` split does not depend on the
     thread count) under the pool lock, or ``serial(*args)``, the same function
-    compiled without ``parallel``, at one thread or where the pool cannot run."""
-    if not pool_usable() or num_threads() == 1:
+    compiled without ``parallel``, for small work, at one thread or where the pool
+    cannot run."""
+    if work < PARALLEL_MIN_WORK or not pool_usable() or num_threads() == 1:
         return serial(*args)
     with POOL_LOCK:
         return parallel(*args)

@@ -73,6 +73,8 @@ def _columns(xf, off, msk, gcol, col, gmask, goff, cidx, cw, geo, n, p0, T, want
         fr = np.empty((nd, UNIT), type(zero))  # the upper corner's weight per axis
         mval = np.empty(UNIT, type(zero))
         fin = np.empty(UNIT, np.bool_)
+        dwt = np.empty((nd, UNIT * NC), type(zero))  # per corner: d weight / d pos_a
+        dacc = np.empty(nd, type(zero))
         for q in range(q0, q1):
             j = q - q0
             p = p0 + q
@@ -112,12 +114,20 @@ def _columns(xf, off, msk, gcol, col, gmask, goff, cidx, cw, geo, n, p0, T, want
                         cidx[row + cn] = -1
             fin[j] = finite
             for cn in range(NC):
-                wt = one
-                for a in range(nd):
-                    wt *= fr[a, j] if (cn >> (nd - 1 - a)) & 1 else one - fr[a, j]
                 if not finite:
                     cidx[row + cn] = -1
-                cw[row + cn] = wt if cidx[row + cn] >= 0 else zero
+                inside = cidx[row + cn] >= 0
+                wt = one
+                for a in range(nd):
+                    up = (cn >> (nd - 1 - a)) & 1
+                    wt *= fr[a, j] if up else one - fr[a, j]
+                    # d weight / d pos_a: the other axes' weights, signed by the corner's side along a
+                    dw = one if up else -one
+                    for a2 in range(nd):
+                        if a2 != a:
+                            dw *= fr[a2, j] if (cn >> (nd - 1 - a2)) & 1 else one - fr[a2, j]
+                    dwt[a, j * NC + cn] = dw if inside else zero
+                cw[row + cn] = wt if inside else zero
         if not (want[0] or want[1] or want[2]):
             continue
         dsum = np.zeros((nd, UNIT), type(zero))
@@ -130,10 +140,17 @@ def _columns(xf, off, msk, gcol, col, gmask, goff, cidx, cw, geo, n, p0, T, want
                 j = q - q0
                 row = (gk * T + q) * NC
                 s = zero
+                if want[1]:
+                    for a in range(nd):
+                        dacc[a] = zero
                 for cn in range(NC):
                     ix = cidx[row + cn]
                     if ix >= 0:
-                        s += cw[row + cn] * xf[xb + ix]
+                        v = xf[xb + ix]
+                        s += cw[row + cn] * v
+                        if want[1]:
+                            for a in range(nd):
+                                dacc[a] += dwt[a, j * NC + cn] * v
                 if want[0]:
                     col[r + q] = mval[j] * s
                 if want[1] or want[2]:
@@ -141,20 +158,7 @@ def _columns(xf, off, msk, gcol, col, gmask, goff, cidx, cw, geo, n, p0, T, want
                     ssum[j] += gv * s
                     if want[1]:
                         for a in range(nd):
-                            # d S / d pos_a: each corner's value with the other axes' weights,
-                            # signed by its side along a
-                            dv = zero
-                            for cn in range(NC):
-                                ix = cidx[row + cn]
-                                if ix < 0:
-                                    continue
-                                wo = one
-                                for a2 in range(nd):
-                                    if a2 != a:
-                                        wo *= fr[a2, j] if (cn >> (nd - 1 - a2)) & 1 else one - fr[a2, j]
-                                v = wo * xf[xb + ix]
-                                dv += v if (cn >> (nd - 1 - a)) & 1 else -v
-                            dsum[a, j] += gv * dv
+                            dsum[a, j] += gv * dacc[a]
         for q in range(q0, q1):
             j = q - q0
             p = p0 + q
@@ -237,13 +241,13 @@ def launch(gy, x, w, offset, b, mask, p, wants, stream=None):
                     gc3 = gcol.reshape(G, (C // G) * K, Tt)
                     for g in range(G):
                         np.matmul(wT[g], gyv[n, g, :, p0:p0 + Tt], out=gc3[g])
-                _runtime.call(_columns_serial, _columns, xf, off, msk, gcol, col, gmask, goff, cidx, cw, geo, n, p0, Tt, want, ct.type(0))
+                _runtime.call(_columns_serial, _columns, C * K * Tt, xf, off, msk, gcol, col, gmask, goff, cidx, cw, geo, n, p0, Tt, want, ct.type(0))
                 if want_w:
                     c3 = col.reshape(G, (C // G) * K, Tt)
                     for g in range(G):
                         gw[g] += gyv[n, g, :, p0:p0 + Tt] @ c3[g].T
                 if want_x:
-                    _runtime.call(_scatter_serial, _scatter, gx, gcol, msk, cidx, cw, geo, n, p0, Tt)
+                    _runtime.call(_scatter_serial, _scatter, C * K * Tt, gx, gcol, msk, cidx, cw, geo, n, p0, Tt)
     gb = None
     if want_b:
         gb = gy.astype(np.float64).sum(axis=tuple(i for i in range(gy.ndim) if i != 1)).astype(dt)

@@ -76,6 +76,9 @@ def _units(xf, gyf, src, gxb, gpos, gth, dims, isz, osz, mode, padding, align, a
     td = np.zeros((3, 4), ct)
     tok = np.ones((3, 4), np.bool_)
     nt = np.ones(3, np.int64)
+    qo = np.zeros(64, np.int64)
+    qw = np.zeros(64, ct)
+    qd = np.zeros((3, 64), ct)
     scl = np.zeros(3, ct)
     gcoord = np.zeros(3, ct)
     oi = np.zeros(3, np.int64)
@@ -85,17 +88,28 @@ def _units(xf, gyf, src, gxb, gpos, gth, dims, isz, osz, mode, padding, align, a
         for a in range(3):
             for i in range(osz[a]):
                 btab[a, i] = base_coord(i, osz[a], align, one)
+    for a in range(lead, 3):
+        nt[a] = 1 if mode == NEAREST else (2 if mode == LINEAR else 4)
+        scl[a] = unnormalize_scale(isz[a], align, one)
     acc = np.zeros((3, 4), np.float64)
     deriv = want_pos and mode != NEAREST
     for u in range(u0, u1):
         n = u // U
         k = u - n * U
         acc[:] = 0.0
-        for j in range(k * P // U, (k + 1) * P // U):
-            t = j // osz[2]
-            oi[2] = j - t * osz[2]
-            oi[0] = t // osz[1]
-            oi[1] = t - oi[0] * osz[1]
+        j0 = k * P // U
+        t = j0 // osz[2]
+        oi[2] = j0 - t * osz[2] - 1  # the output index, advanced position by position (no divisions)
+        oi[0] = t // osz[1]
+        oi[1] = t - oi[0] * osz[1]
+        for j in range(j0, (k + 1) * P // U):
+            oi[2] += 1
+            if oi[2] == osz[2]:
+                oi[2] = 0
+                oi[1] += 1
+                if oi[1] == osz[1]:
+                    oi[1] = 0
+                    oi[0] += 1
             finite = True
             for a in range(lead, 3):
                 ci = 2 - a  # the grid's coordinate of this axis (innermost first)
@@ -116,52 +130,42 @@ def _units(xf, gyf, src, gxb, gpos, gth, dims, isz, osz, mode, padding, align, a
                 tw[a, 0], tw[a, 1], tw[a, 2], tw[a, 3] = w0, w1, w2, w3
                 td[a, 0], td[a, 1], td[a, 2], td[a, 3] = d0, d1, d2, d3
                 tok[a, 0], tok[a, 1], tok[a, 2], tok[a, 3] = ok0, ok1, ok2, ok3
-                nt[a] = 1 if mode == NEAREST else (2 if mode == LINEAR else 4)
-                scl[a] = unnormalize_scale(size, align, one)
             scatter = want_x and finite
+            # the position's taps as one list of inside corners: flat offset, weight, and
+            # the weight's derivative along each axis (the other axes' weights times d)
+            nq = 0
+            for tz in range(nt[0]):
+                for ty in range(nt[1]):
+                    for tx in range(nt[2]):
+                        if tok[0, tz] and tok[1, ty] and tok[2, tx]:
+                            qo[nq] = ti[0, tz] + ti[1, ty] + ti[2, tx]
+                            qw[nq] = tw[0, tz] * tw[1, ty] * tw[2, tx]
+                            qd[0, nq] = td[0, tz] * tw[1, ty] * tw[2, tx]
+                            qd[1, nq] = tw[0, tz] * td[1, ty] * tw[2, tx]
+                            qd[2, nq] = tw[0, tz] * tw[1, ty] * td[2, tx]
+                            nq += 1
             gz = zero
             gy_ = zero
             gx_ = zero
             for c in range(C):
                 gv = gyf[(n * C + c) * P + j]
                 xb = (n * C + c) * S
-                bb = ((k * N + n) * C + c) * S
-                az = zero
-                ay = zero
-                ax = zero
-                for tz in range(nt[0]):
-                    if not tok[0, tz]:
-                        continue
-                    oz = ti[0, tz]
-                    sy = zero
-                    sdy = zero
-                    sdx = zero
-                    for ty in range(nt[1]):
-                        if not tok[1, ty]:
-                            continue
-                        oy = oz + ti[1, ty]
-                        wzy = tw[0, tz] * tw[1, ty]
-                        sx = zero
-                        dx = zero
-                        for tx in range(nt[2]):
-                            if not tok[2, tx]:
-                                continue
-                            f = oy + ti[2, tx]
-                            if deriv:
-                                v = xf[xb + f]
-                                sx += tw[2, tx] * v
-                                dx += td[2, tx] * v
-                            if scatter:
-                                gxb[bb + f] += gv * (wzy * tw[2, tx])
-                        sy += tw[1, ty] * sx
-                        sdy += td[1, ty] * sx
-                        sdx += tw[1, ty] * dx
-                    az += td[0, tz] * sy
-                    ay += tw[0, tz] * sdy
-                    ax += tw[0, tz] * sdx
-                gz += gv * az
-                gy_ += gv * ay
-                gx_ += gv * ax
+                if deriv:
+                    az = zero
+                    ay = zero
+                    ax = zero
+                    for q in range(nq):
+                        v = xf[xb + qo[q]]
+                        az += qd[0, q] * v
+                        ay += qd[1, q] * v
+                        ax += qd[2, q] * v
+                    gz += gv * az
+                    gy_ += gv * ay
+                    gx_ += gv * ax
+                if scatter:
+                    bb = ((k * N + n) * C + c) * S
+                    for q in range(nq):
+                        gxb[bb + qo[q]] += gv * qw[q]
             if not want_pos:
                 continue
             gcoord[0] = gx_ * scl[2]
@@ -248,7 +252,7 @@ def run(x, gy, src, out_spatial, mode, padding, align, affine, want_x, want_pos)
                      gpos, gth, dims, _three(x.shape[2:]), _three(out_spatial), np.int64(mode), np.int64(padding),
                      bool(align), bool(affine), bool(want_x), bool(want_pos), zero)
         if want_x and U > 1:
-            _runtime.call(_sum_buffers_serial, _sum_buffers, gxb, U, N * C * S)
+            _runtime.call(_sum_buffers_serial, _sum_buffers, U * N * C * S, gxb, U, N * C * S)
     gx = gxb[:N * C * S].reshape(x.shape) if want_x else None
     if not want_pos:
         return gx, None
