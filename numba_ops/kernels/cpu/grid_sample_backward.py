@@ -41,6 +41,9 @@ from ._opaque import INTERNAL, opaque
 
 DTYPES = NAMES  # the dtypes these kernels take (the dispatcher checks them)
 
+#: a mode's or padding's token: a tuple as long as its code, so that ``len(tok)`` is a
+#: constant where numba compiles, and LLVM drops the other modes' and paddings' code
+TOKEN = ((), (0,), (0, 0))
 #: the most grad_x buffers per call (units of one image): the determinism's memory
 GX_SPLIT = 4
 #: positions a unit holds at least (fewer units for small outputs)
@@ -55,7 +58,7 @@ def units_per_image(N, P):
 
 
 @njit(**INTERNAL)
-def _units(xf, gyf, src, gxb, gpos, gth, dims, isz, osz, mode, padding, align, affine, want_x, want_pos,
+def _units(xf, gyf, src, gxb, gpos, gth, dims, isz, osz, mtok, ptok, align, affine, want_x, want_pos,
            zero, u0, u1):
     """Units ``u0:u1`` (image-major). ``dims = (N, C, P, S, r, U)``; ``isz``/``osz`` the
     input's/output's spatial sizes as 3 axes (leading 1s); ``src`` the flat grid
@@ -63,6 +66,8 @@ def _units(xf, gyf, src, gxb, gpos, gth, dims, isz, osz, mode, padding, align, a
     buffers of N*C*S), the grid gradient into ``gpos`` (N*P*r, grid_sample) or
     theta's partial sums into ``gth`` (N*U*r*(r+1), float64, affine_warp)."""
     N, C, P, S, r, U = dims[0], dims[1], dims[2], dims[3], dims[4], dims[5]
+    mode = len(mtok)  # constants where this compiles (``TOKEN``)
+    padding = len(ptok)
     one = as_compute(zero, 1)
     nan = as_compute(zero, np.nan)
     ct = type(zero)
@@ -191,18 +196,18 @@ _units_op = opaque(_units)
 
 
 @njit(cache=True, nogil=True)
-def _serial(xf, gyf, src, gxb, gpos, gth, dims, isz, osz, mode, padding, align, affine, want_x, want_pos, zero):
-    _units_op(xf, gyf, src, gxb, gpos, gth, dims, isz, osz, mode, padding, align, affine, want_x, want_pos, zero,
+def _serial(xf, gyf, src, gxb, gpos, gth, dims, isz, osz, mtok, ptok, align, affine, want_x, want_pos, zero):
+    _units_op(xf, gyf, src, gxb, gpos, gth, dims, isz, osz, mtok, ptok, align, affine, want_x, want_pos, zero,
               0, dims[0] * dims[5])
 
 
 @njit(cache=True, parallel=True, nogil=True)
-def _parallel(xf, gyf, src, gxb, gpos, gth, dims, isz, osz, mode, padding, align, affine, want_x, want_pos, zero,
+def _parallel(xf, gyf, src, gxb, gpos, gth, dims, isz, osz, mtok, ptok, align, affine, want_x, want_pos, zero,
               nchunks):
     units = dims[0] * dims[5]
     nchunks = min(units, nchunks)
     for c in prange(nchunks):
-        _units_op(xf, gyf, src, gxb, gpos, gth, dims, isz, osz, mode, padding, align, affine, want_x, want_pos,
+        _units_op(xf, gyf, src, gxb, gpos, gth, dims, isz, osz, mtok, ptok, align, affine, want_x, want_pos,
                   zero, c * units // nchunks, (c + 1) * units // nchunks)
 
 
@@ -249,7 +254,7 @@ def run(x, gy, src, out_spatial, mode, padding, align, affine, want_x, want_pos)
         zero = ct.type(0)
         work = N * P * max(C, 1) * 4 ** r
         _runtime.run(_serial, _parallel, work, _as_compute(x, ct), _as_compute(gy, ct), _as_compute(src, ct), gxb,
-                     gpos, gth, dims, _three(x.shape[2:]), _three(out_spatial), np.int64(mode), np.int64(padding),
+                     gpos, gth, dims, _three(x.shape[2:]), _three(out_spatial), TOKEN[mode], TOKEN[padding],
                      bool(align), bool(affine), bool(want_x), bool(want_pos), zero)
         if want_x and U > 1:
             _runtime.call(_sum_buffers_serial, _sum_buffers, U * N * C * S, gxb, U, N * C * S)
