@@ -25,10 +25,11 @@ unit and added in order too. The units' count is small (``GX_SPLIT`` per call at
 most): the extra memory is ``units_per_image - 1`` copies of ``x`` in the compute
 type, and none for four or more images.
 
-Every rank reaches one compiled kernel: the input is seen as 3-D with leading axes
-of size 1 (one tap of weight 1 each), and the mode and padding are runtime values,
-so the kernels compile once per compute type (16-bit inputs are computed in
-float32, their gradients rounded once).
+The input is seen as 3-D with leading axes of size 1 (one tap of weight 1 each);
+the rank, mode and padding reach the kernel as tokens (tuples whose length numba
+folds to a constant), so each combination compiles into loops of constant trip
+counts. 16-bit inputs are computed in float32 (their gradients rounded once), so
+the kernels compile for float32 and float64 only.
 """
 import numpy as np
 from numba import njit, prange
@@ -44,6 +45,8 @@ DTYPES = NAMES  # the dtypes these kernels take (the dispatcher checks them)
 #: a mode's or padding's token: a tuple as long as its code, so that ``len(tok)`` is a
 #: constant where numba compiles, and LLVM drops the other modes' and paddings' code
 TOKEN = ((), (0,), (0, 0))
+#: the rank's token likewise
+RANK = (None, (0,), (0, 0), (0, 0, 0))
 #: the most grad_x buffers per call (units of one image): the determinism's memory
 GX_SPLIT = 4
 #: positions a unit holds at least (fewer units for small outputs)
@@ -58,16 +61,20 @@ def units_per_image(N, P):
 
 
 @njit(**INTERNAL)
-def _units(xf, gyf, src, gxb, gpos, gth, dims, isz, osz, mtok, ptok, align, affine, want_x, want_pos,
+def _units(xf, gyf, src, gxb, gpos, gth, dims, isz, osz, rtok, mtok, ptok, align, affine, want_x, want_pos,
            zero, u0, u1):
     """Units ``u0:u1`` (image-major). ``dims = (N, C, P, S, r, U)``; ``isz``/``osz`` the
     input's/output's spatial sizes as 3 axes (leading 1s); ``src`` the flat grid
     (N*P*r), or theta (N*r*(r+1)) when ``affine``. Writes grad_x into ``gxb`` (U
     buffers of N*C*S), the grid gradient into ``gpos`` (N*P*r, grid_sample) or
     theta's partial sums into ``gth`` (N*U*r*(r+1), float64, affine_warp)."""
-    N, C, P, S, r, U = dims[0], dims[1], dims[2], dims[3], dims[4], dims[5]
-    mode = len(mtok)  # constants where this compiles (``TOKEN``)
+    N, C, P, S, U = dims[0], dims[1], dims[2], dims[3], dims[5]
+    r = len(rtok)  # constants where this compiles (``TOKEN``)
+    mode = len(mtok)
     padding = len(ptok)
+    T = 1 if mode == NEAREST else (2 if mode == LINEAR else 4)
+    nt0 = T if r == 3 else 1
+    nt1 = T if r >= 2 else 1
     one = as_compute(zero, 1)
     nan = as_compute(zero, np.nan)
     ct = type(zero)
@@ -80,7 +87,6 @@ def _units(xf, gyf, src, gxb, gpos, gth, dims, isz, osz, mtok, ptok, align, affi
     tw = np.ones((3, 4), ct)
     td = np.zeros((3, 4), ct)
     tok = np.ones((3, 4), np.bool_)
-    nt = np.ones(3, np.int64)
     qo = np.zeros(64, np.int64)
     qw = np.zeros(64, ct)
     qd = np.zeros((3, 64), ct)
@@ -94,7 +100,6 @@ def _units(xf, gyf, src, gxb, gpos, gth, dims, isz, osz, mtok, ptok, align, affi
             for i in range(osz[a]):
                 btab[a, i] = base_coord(i, osz[a], align, one)
     for a in range(lead, 3):
-        nt[a] = 1 if mode == NEAREST else (2 if mode == LINEAR else 4)
         scl[a] = unnormalize_scale(isz[a], align, one)
     acc = np.zeros((3, 4), np.float64)
     deriv = want_pos and mode != NEAREST
@@ -139,9 +144,9 @@ def _units(xf, gyf, src, gxb, gpos, gth, dims, isz, osz, mtok, ptok, align, affi
             # the position's taps as one list of inside corners: flat offset, weight, and
             # the weight's derivative along each axis (the other axes' weights times d)
             nq = 0
-            for tz in range(nt[0]):
-                for ty in range(nt[1]):
-                    for tx in range(nt[2]):
+            for tz in range(nt0):
+                for ty in range(nt1):
+                    for tx in range(T):
                         if tok[0, tz] and tok[1, ty] and tok[2, tx]:
                             qo[nq] = ti[0, tz] + ti[1, ty] + ti[2, tx]
                             qw[nq] = tw[0, tz] * tw[1, ty] * tw[2, tx]
@@ -196,18 +201,18 @@ _units_op = opaque(_units)
 
 
 @njit(cache=True, nogil=True)
-def _serial(xf, gyf, src, gxb, gpos, gth, dims, isz, osz, mtok, ptok, align, affine, want_x, want_pos, zero):
-    _units_op(xf, gyf, src, gxb, gpos, gth, dims, isz, osz, mtok, ptok, align, affine, want_x, want_pos, zero,
+def _serial(xf, gyf, src, gxb, gpos, gth, dims, isz, osz, rtok, mtok, ptok, align, affine, want_x, want_pos, zero):
+    _units_op(xf, gyf, src, gxb, gpos, gth, dims, isz, osz, rtok, mtok, ptok, align, affine, want_x, want_pos, zero,
               0, dims[0] * dims[5])
 
 
 @njit(cache=True, parallel=True, nogil=True)
-def _parallel(xf, gyf, src, gxb, gpos, gth, dims, isz, osz, mtok, ptok, align, affine, want_x, want_pos, zero,
+def _parallel(xf, gyf, src, gxb, gpos, gth, dims, isz, osz, rtok, mtok, ptok, align, affine, want_x, want_pos, zero,
               nchunks):
     units = dims[0] * dims[5]
     nchunks = min(units, nchunks)
     for c in prange(nchunks):
-        _units_op(xf, gyf, src, gxb, gpos, gth, dims, isz, osz, mtok, ptok, align, affine, want_x, want_pos,
+        _units_op(xf, gyf, src, gxb, gpos, gth, dims, isz, osz, rtok, mtok, ptok, align, affine, want_x, want_pos,
                   zero, c * units // nchunks, (c + 1) * units // nchunks)
 
 
@@ -254,7 +259,7 @@ def run(x, gy, src, out_spatial, mode, padding, align, affine, want_x, want_pos)
         zero = ct.type(0)
         work = N * P * max(C, 1) * 4 ** r
         _runtime.run(_serial, _parallel, work, _as_compute(x, ct), _as_compute(gy, ct), _as_compute(src, ct), gxb,
-                     gpos, gth, dims, _three(x.shape[2:]), _three(out_spatial), TOKEN[mode], TOKEN[padding],
+                     gpos, gth, dims, _three(x.shape[2:]), _three(out_spatial), RANK[r], TOKEN[mode], TOKEN[padding],
                      bool(align), bool(affine), bool(want_x), bool(want_pos), zero)
         if want_x and U > 1:
             _runtime.call(_sum_buffers_serial, _sum_buffers, U * N * C * S, gxb, U, N * C * S)

@@ -55,14 +55,28 @@ DTYPES = NAMES  # the dtypes these kernels take (the dispatcher checks them)
 COL_BYTES = 64 << 20
 #: largest n the kernel takes (as the forward CUDA kernel)
 MAX_ND = 9
-#: threads per block of every kernel here
+#: threads per block of the reductions (and of the sampling kernel for n <= 2)
 NT = _device.THREADS
 
 
-def bounds():
-    """Launch bounds: two blocks of ``NT`` threads per SM, at most 128 registers
-    per thread on a GPU (the simulator takes none)."""
-    return {} if _device.SIMULATOR else {"launch_bounds": (NT, 2)}
+def threads(nd):
+    """Threads per block of the sampling kernel for ``nd`` spatial dims: ``NT``, or 128
+    for n >= 3 on a GPU, whose 2**n corners (offsets, weights, and each axis' weights
+    of the other axes, loop-invariant over the channels) want more than 128 registers
+    per thread (at 256 threads and 128 registers float64 spilled 148 bytes)."""
+    return 128 if nd >= 3 and not _device.SIMULATOR else NT
+
+
+def bounds(nt=NT):
+    """Launch bounds: two blocks of ``nt`` threads per SM (at most 128 registers per
+    thread at 256, 255 at 128); the simulator takes none."""
+    return {} if _device.SIMULATOR else {"launch_bounds": (nt, 2)}
+
+
+def block_size(label):
+    """Threads per block the launcher uses for a ``compile_jobs`` label (benchmark/resources.py)."""
+    parts = label.split("/")  # deform_conv_backward/<n>d/<dtype>, or deform_conv_backward.<reduction>/<dtype>
+    return threads(int(parts[1][:-1])) if parts[0] == "deform_conv_backward" else NT
 
 
 @functools.lru_cache(maxsize=None)
@@ -81,7 +95,7 @@ def kernel(ct, nd):
     ND = nd
     NC = 1 << nd
 
-    @cuda.jit(**bounds())
+    @cuda.jit(**bounds(threads(nd)))
     def deform_conv_backward_kernel(x, w, off, mask, gy, gx, col, goff, gmask, geo, dims):
         C, oC, og, K, P, S, cpg, ocg, n0, nb = dims[0], dims[1], dims[2], dims[3], dims[4], dims[5], dims[6], \
             dims[7], dims[8], dims[9]
@@ -325,7 +339,8 @@ def _launch(gy, x, w, offset, b, mask, p, wants, stream):
         for n0 in range(0, N, nb):
             nbt = min(nb, N - n0)
             dims = (C, oC, og, K, P, S, cpg, ocg, n0, nbt, mask is not None, want_x, want_w, want_off, want_m)
-            sample[_device.blocks_for(nbt * og * K * P), NT, stream](
+            nt = threads(nd)
+            sample[max(1, min(_device.MAX_BLOCKS, -(-(nbt * og * K * P) // nt))), nt, stream](
                 xf, wf, of, mf, gyf, gx, col, goff, gmask, geo, tuple(int(v) for v in dims))
             if want_w and gw.shape[0]:
                 weights_kernel(ct.type)[max(1, min(gw.shape[0], _device.MAX_BLOCKS)), NT, stream](

@@ -40,7 +40,7 @@ import numpy as np
 from numba import cuda
 
 from .._dtypes import NAMES, compute, storage
-from .._sample import CUBIC, NEAREST, TAPS, grad_taps, load_sample, unnormalize, unnormalize_scale
+from .._sample import CUBIC, LINEAR, NEAREST, TAPS, grad_taps, load_sample, unnormalize, unnormalize_scale
 from .._scalar import base_coord, store
 from . import _device
 from .grid_sample import MODE_NAMES, geometry
@@ -54,25 +54,29 @@ UNITS = 4096
 MODE_CODES = {v: k for k, v in MODE_NAMES.items()}
 
 
-def threads(ct, r, mode):
-    """Threads per block of the kernels for compute type ``ct``, ``r`` axes and ``mode``:
-    ``_device.THREADS`` (256 on a GPU), 128 for cubic in 3-D or in float64 (more
-    registers per thread, see ``bounds``)."""
-    heavy = mode == CUBIC and (r == 3 or np.dtype(ct) == np.float64)
+def threads(ct, r, mode, affine):
+    """Threads per block of the kernels for compute type ``ct``, ``r`` axes, ``mode`` and
+    positions from theta (``affine``): ``_device.THREADS`` (256 on a GPU), or 128 for
+    the variants that need more than 128 registers per thread to spill nothing
+    (``bounds``): cubic in 3-D or in float64, and float64 linear in 3-D or from theta
+    (its float64 sums of theta's gradient take registers too)."""
+    f64 = np.dtype(ct) == np.float64
+    heavy = (mode == CUBIC and (r == 3 or f64)) or (f64 and mode == LINEAR and (r == 3 or affine))
     return 128 if heavy and not _device.SIMULATOR else _device.THREADS
 
 
-def bounds(ct, r, mode):
-    """``cuda.jit``'s launch bounds: two blocks of ``threads(ct, r, mode)`` per SM (at
-    most 128 registers per thread at 256, 255 at 128). The simulator takes none."""
-    return {} if _device.SIMULATOR else {"launch_bounds": (threads(ct, r, mode), 2)}
+def bounds(ct, r, mode, affine):
+    """``cuda.jit``'s launch bounds: two blocks of ``threads(ct, r, mode, affine)`` per SM
+    (at most 128 registers per thread at 256 threads, 255 at 128). The simulator takes none."""
+    return {} if _device.SIMULATOR else {"launch_bounds": (threads(ct, r, mode, affine), 2)}
 
 
 def block_size(label):
     """Threads per block the launcher uses for a ``compile_jobs`` label (benchmark/resources.py)."""
-    parts = label.split("/")  # op/<r>d/<mode>/<dtype>, or helper/<...>
+    parts = label.split("/")  # op/<r>d/<mode>/<dtype>, or backward.<helper>/...
     if parts[0] in ("grid_sample_backward", "affine_warp_backward"):
-        return threads(compute(parts[-1]), int(parts[1][0]), MODE_CODES[parts[2]])
+        return threads(compute(parts[-1]), int(parts[1][0]), MODE_CODES[parts[2]],
+                       parts[0] == "affine_warp_backward")
     return _device.THREADS
 
 
@@ -127,7 +131,7 @@ def kernel(ct, r, mode, affine):
     R = r
     MODE = mode
     AFFINE = affine
-    NT = threads(ct, r, mode)
+    NT = threads(ct, r, mode, affine)
     RR = r * (r + 1)
     LEAD = 3 - r  # leading axes of the 3-axis view: one tap of weight 1
     T = TAPS[mode]
@@ -136,7 +140,7 @@ def kernel(ct, r, mode, affine):
     SH = (NT, RR) if affine else (1, 1)
     flush = block_flush(NT, RR)
 
-    @cuda.jit(**bounds(ct, r, mode))
+    @cuda.jit(**bounds(ct, r, mode, affine))
     def grid_sample_backward_kernel(xf, gyf, src, gx, gpos, dims, geo, padding, align, want_x, want_pos):
         N, U, C, P, S, D, H, W = dims
         zero = ct(0)
@@ -199,42 +203,50 @@ def kernel(ct, r, mode, affine):
                 for c in range(C):
                     gv = load_sample(gyf, (n * C + c) * P + p, zero)
                     xb = (n * C + c) * S
-                    az = zero
-                    ay = zero
-                    ax = zero
-                    for tz in range(NZ):
-                        if not tok[tz]:
-                            continue
-                        oz = ti[tz]
-                        sy = zero
-                        sdy = zero
-                        sdx = zero
-                        for ty in range(NY):
-                            if not tok[4 + ty]:
+                    if deriv:  # the sample's derivatives, nested as the CPU kernel's sums
+                        az = zero
+                        ay = zero
+                        ax = zero
+                        for tz in range(NZ):
+                            if not tok[tz]:
                                 continue
-                            oy = oz + ti[4 + ty]
-                            wzy = tw[tz] * tw[4 + ty]
-                            sx = zero
-                            dx = zero
-                            for tx in range(T):
-                                if not tok[8 + tx]:
+                            oz = xb + ti[tz]
+                            sy = zero
+                            sdy = zero
+                            sdx = zero
+                            for ty in range(NY):
+                                if not tok[4 + ty]:
                                     continue
-                                f = xb + oy + ti[8 + tx]
-                                if deriv:
-                                    v = load_sample(xf, f, zero)
-                                    sx += tw[8 + tx] * v
-                                    dx += td[8 + tx] * v
-                                if scatter:
-                                    cuda.atomic.add(gx, f, gv * (wzy * tw[8 + tx]))
-                            sy += tw[4 + ty] * sx
-                            sdy += td[4 + ty] * sx
-                            sdx += tw[4 + ty] * dx
-                        az += td[tz] * sy
-                        ay += tw[tz] * sdy
-                        ax += tw[tz] * sdx
-                    gz += gv * az
-                    gyy += gv * ay
-                    gxx += gv * ax
+                                oy = oz + ti[4 + ty]
+                                sx = zero
+                                dx = zero
+                                for tx in range(T):
+                                    if tok[8 + tx]:
+                                        v = load_sample(xf, oy + ti[8 + tx], zero)
+                                        sx += tw[8 + tx] * v
+                                        dx += td[8 + tx] * v
+                                sy += tw[4 + ty] * sx
+                                sdy += td[4 + ty] * sx
+                                sdx += tw[4 + ty] * dx
+                            az += td[tz] * sy
+                            ay += tw[tz] * sdy
+                            ax += tw[tz] * sdx
+                        gz += gv * az
+                        gyy += gv * ay
+                        gxx += gv * ax
+                    if scatter:  # a loop of its own: each nest unrolls, the taps stay in registers
+                        for tz in range(NZ):
+                            if not tok[tz]:
+                                continue
+                            oz = xb + ti[tz]
+                            for ty in range(NY):
+                                if not tok[4 + ty]:
+                                    continue
+                                oy = oz + ti[4 + ty]
+                                wzy = tw[tz] * tw[4 + ty]
+                                for tx in range(T):
+                                    if tok[8 + tx]:
+                                        cuda.atomic.add(gx, oy + ti[8 + tx], gv * (wzy * tw[8 + tx]))
                 if want_pos:
                     gcoord[0] = gxx * scl[2]
                     gcoord[1] = gyy * scl[1]
@@ -358,7 +370,7 @@ def run(gy, x, src, out_spatial, mode, padding, align, affine, want_x, want_pos,
     else:
         gpos = cuda.device_array(N * P * r if want_pos else 0, dtype=st, stream=stream)
     if N * P and (want_x or want_pos):
-        nt = threads(ct, r, mode)
+        nt = threads(ct, r, mode, affine)
         U = units(N, P, nt)
         D, H, W = (1,) * (3 - r) + tuple(out_spatial)
         xf, gyf, sf = (_device.flat(a, stream) for a in (x, gy, src))
