@@ -37,6 +37,7 @@ from .._dtypes import NAMES, compute
 from .._sample import LINEAR, ZEROS, grad_taps_at
 from .._scalar import split_position
 from . import _runtime
+from ._blas import ONE_THREAD, gemm_tn
 
 DTYPES = NAMES  # the dtypes these kernels take (the dispatcher checks them)
 
@@ -52,18 +53,21 @@ def tile(P, rows, itemsize):
 
 
 @njit(cache=True, parallel=True, nogil=True)
-def _columns(xf, off, msk, gcol, col, gmask, goff, cidx, cw, geo, n, p0, T, want, zero):
+def _columns(xf, off, msk, gcol, col, gmask, goff, cidx, cw, geo, n, p0, T, ndt, want_w, want_off, want_m, zero):
     """Pass 2 for positions ``p0:p0+T`` of image ``n``. ``geo`` (int64): nd, C, og, K, P,
     S, then per axis (outermost first) size, stride of x, output size, conv stride,
-    pad begin, dilation, kernel size. ``want``: (w, offset, mask). Fills the corner
+    pad begin, dilation, kernel size; ``ndt`` a tuple of nd entries (nd is a constant
+    where this compiles, so the corner loops unroll). Fills the corner
     table ``cidx``/``cw`` (og*K*T rows of 2**nd: flat index or -1 outside, weight),
     ``col`` (C*K*T) and writes ``gmask`` (N*og*K*P) and ``goff`` (N*og*K*nd*P)."""
-    nd, C, og, K, P, S = geo[0], geo[1], geo[2], geo[3], geo[4], geo[5]
+    nd = len(ndt)
+    C, og, K, P, S = geo[1], geo[2], geo[3], geo[4], geo[5]
     one = zero + 1
     nan = zero + np.nan
     NC = 1 << nd
     Cg = C // og
     nu = (T + UNIT - 1) // UNIT
+    want_gcol = want_off or want_m
     for u in prange(og * K * nu):
         gk = u // nu
         q0 = (u - gk * nu) * UNIT
@@ -73,7 +77,9 @@ def _columns(xf, off, msk, gcol, col, gmask, goff, cidx, cw, geo, n, p0, T, want
         fr = np.empty((nd, UNIT), type(zero))  # the upper corner's weight per axis
         mval = np.empty(UNIT, type(zero))
         fin = np.empty(UNIT, np.bool_)
-        dwt = np.empty((nd, UNIT * NC), type(zero))  # per corner: d weight / d pos_a
+        dwt = np.empty(UNIT * NC * nd, type(zero))  # per corner: d weight / d pos_a
+        lidx = np.empty(UNIT * NC, np.int64)  # the unit's rows of the table, local
+        lw = np.empty(UNIT * NC, type(zero))
         dacc = np.empty(nd, type(zero))
         for q in range(q0, q1):
             j = q - q0
@@ -126,9 +132,11 @@ def _columns(xf, off, msk, gcol, col, gmask, goff, cidx, cw, geo, n, p0, T, want
                     for a2 in range(nd):
                         if a2 != a:
                             dw *= fr[a2, j] if (cn >> (nd - 1 - a2)) & 1 else one - fr[a2, j]
-                    dwt[a, j * NC + cn] = dw if inside else zero
+                    dwt[(j * NC + cn) * nd + a] = dw if inside else zero
                 cw[row + cn] = wt if inside else zero
-        if not (want[0] or want[1] or want[2]):
+                lidx[j * NC + cn] = cidx[row + cn]
+                lw[j * NC + cn] = cw[row + cn]
+        if not (want_w or want_gcol):
             continue
         dsum = np.zeros((nd, UNIT), type(zero))
         ssum = np.zeros(UNIT, type(zero))
@@ -138,42 +146,55 @@ def _columns(xf, off, msk, gcol, col, gmask, goff, cidx, cw, geo, n, p0, T, want
             r = (c * K + k) * T
             for q in range(q0, q1):
                 j = q - q0
-                row = (gk * T + q) * NC
                 s = zero
-                if want[1]:
-                    for a in range(nd):
-                        dacc[a] = zero
+                d0 = zero  # d S / d pos_a for the first three axes (scalars: registers) ...
+                d1 = zero
+                d2 = zero
+                for a in range(3, nd):  # ... and the rest (more than 3 spatial axes)
+                    dacc[a] = zero
                 for cn in range(NC):
-                    ix = cidx[row + cn]
-                    if ix >= 0:
-                        v = xf[xb + ix]
-                        s += cw[row + cn] * v
-                        if want[1]:
-                            for a in range(nd):
-                                dacc[a] += dwt[a, j * NC + cn] * v
-                if want[0]:
+                    e = j * NC + cn
+                    ix = lidx[e]
+                    v = xf[xb + max(ix, 0)]
+                    v = v if ix >= 0 else zero  # a corner outside counts 0 (selected, never 0 * x)
+                    s += lw[e] * v
+                    if want_off:
+                        d0 += dwt[e * nd] * v
+                        if nd > 1:
+                            d1 += dwt[e * nd + 1] * v
+                        if nd > 2:
+                            d2 += dwt[e * nd + 2] * v
+                        for a in range(3, nd):
+                            dacc[a] += dwt[e * nd + a] * v
+                if want_w:
                     col[r + q] = mval[j] * s
-                if want[1] or want[2]:
+                if want_gcol:
                     gv = gcol[r + q]
                     ssum[j] += gv * s
-                    if want[1]:
-                        for a in range(nd):
+                    if want_off:
+                        dsum[0, j] += gv * d0
+                        if nd > 1:
+                            dsum[1, j] += gv * d1
+                        if nd > 2:
+                            dsum[2, j] += gv * d2
+                        for a in range(3, nd):
                             dsum[a, j] += gv * dacc[a]
         for q in range(q0, q1):
             j = q - q0
             p = p0 + q
-            if want[2]:
+            if want_m:
                 gmask[((n * og + g) * K + k) * P + p] = ssum[j] if fin[j] else nan
-            if want[1]:
+            if want_off:
                 for a in range(nd):
                     goff[(((n * og + g) * K + k) * nd + a) * P + p] = mval[j] * dsum[a, j] if fin[j] else nan
 
 
 @njit(cache=True, parallel=True, nogil=True)
-def _scatter(gx, gcol, msk, cidx, cw, geo, n, p0, T):
+def _scatter(gx, gcol, msk, cidx, cw, geo, n, p0, T, ndt):
     """Pass 4: ``grad_x[n, c] += gcol * mask * weight`` over the table's corners, one
     channel per thread at a time."""
-    nd, C, og, K, P, S = geo[0], geo[1], geo[2], geo[3], geo[4], geo[5]
+    nd = len(ndt)
+    C, og, K, P, S = geo[1], geo[2], geo[3], geo[4], geo[5]
     NC = 1 << nd
     Cg = C // og
     for c in prange(C):
@@ -193,8 +214,43 @@ def _scatter(gx, gcol, msk, cidx, cw, geo, n, p0, T):
                         gx[xb + ix] += gv * cw[row + cn]
 
 
+@njit(cache=True, parallel=True, nogil=True)
+def _gcol(gyf, gyT, wT, gcol, dims, n, p0, T):
+    """Pass 1: ``gcol_g = W_g^T grad_y[n, g, :, p0:p0+T]`` per group (rows (c, k), T
+    columns), one BLAS call per group and 64 positions. ``dims``: oC, P, G, oCg, RW
+    (= Cg * K)."""
+    oC, P, G, oCg, RW = dims[0], dims[1], dims[2], dims[3], dims[4]
+    for q in prange(T):  # grad_y's tile with the channels innermost (the GEMM's reduction axis)
+        for oc in range(oC):
+            gyT[q * oC + oc] = gyf[(n * oC + oc) * P + p0 + q]
+    nq = (T + 63) // 64
+    for u in prange(G * nq):
+        g = u // nq
+        q0 = (u - g * nq) * 64
+        gemm_tn(gyT, q0 * oC + g * oCg, oC, wT, g * RW * oCg, oCg, gcol, g * RW * T + q0, T,
+                min(64, T - q0), RW, oCg)
+
+
+@njit(cache=True, parallel=True, nogil=True)
+def _gw(gyf, col, gw, tmp, dims, n, p0, T):
+    """Pass 3: ``grad_w_g += grad_y[n, g, :, p0:p0+T] @ col_g^T``, one BLAS call per
+    group and 16 output channels into ``tmp``, then added (a fixed order)."""
+    oC, P, G, oCg, RW = dims[0], dims[1], dims[2], dims[3], dims[4]
+    no = (oCg + 15) // 16
+    for u in prange(G * no):
+        g = u // no
+        o0 = (u - g * no) * 16
+        nn = min(16, oCg - o0)
+        base = (g * oCg + o0) * RW
+        gemm_tn(col, g * RW * T, T, gyf, (n * oC + g * oCg + o0) * P + p0, P, tmp, base, RW, RW, nn, T)
+        for i in range(base, base + nn * RW):
+            gw[i] += tmp[i]
+
+
 _columns_serial = njit(cache=True, nogil=True)(_columns.py_func)
 _scatter_serial = njit(cache=True, nogil=True)(_scatter.py_func)
+_gcol_serial = njit(cache=True, nogil=True)(_gcol.py_func)
+_gw_serial = njit(cache=True, nogil=True)(_gw.py_func)
 
 
 def launch(gy, x, w, offset, b, mask, p, wants, stream=None):
@@ -218,36 +274,38 @@ def launch(gy, x, w, offset, b, mask, p, wants, stream=None):
         flat = lambda a: np.ascontiguousarray(a, dtype=ct).reshape(-1)  # noqa: E731
         xf, off = flat(x), flat(offset)
         msk = flat(mask) if mask is not None else np.zeros(0, ct)
-        gyv = np.ascontiguousarray(gy, dtype=ct).reshape(N, G, oC // G, P)
-        wg = np.ascontiguousarray(w, dtype=ct).reshape(G, oC // G, (C // G) * K)
-        wT = np.ascontiguousarray(wg.transpose(0, 2, 1)) if need_gcol else None
+        gyf = flat(gy)
+        RW = (C // G) * K
+        wT = np.ascontiguousarray(np.ascontiguousarray(w, dtype=ct).reshape(G, oC // G, RW).transpose(0, 2, 1)
+                                  ).reshape(-1)
         geo = [nd, C, og, K, P, S]
         for a in range(nd):
             geo += [spatial[a], int(np.prod(spatial[a + 1:], dtype=np.int64)), p.out_spatial[a], p.strides[a],
                     p.pads_begin[a], p.dilations[a], p.kernel_shape[a]]
         geo = np.array(geo, np.int64)
+        dims = np.array((oC, P, G, oC // G, RW), np.int64)
         T = tile(P, C * K, ct.itemsize)
-        col_buf = np.empty(C * K * T if want_w else 0, ct)
-        gcol_buf = np.empty(C * K * T if need_gcol else 0, ct)
+        col = np.empty(C * K * T if want_w else 0, ct)
+        gcol = np.empty(C * K * T if need_gcol else 0, ct)
+        gyT = np.empty(T * oC if need_gcol else 0, ct)
+        gwf = gw.reshape(-1) if want_w else None
+        tmp = np.empty(gwf.size if want_w else 0, ct)
         cidx = np.empty(og * K * T * (1 << nd), np.int64)
         cw = np.empty(og * K * T * (1 << nd), ct)
-        want = np.array((want_w, want_off, want_m), np.bool_)
-        for n in range(N):
-            for p0 in range(0, P, T):
-                Tt = min(T, P - p0)
-                gcol = gcol_buf[:C * K * Tt]
-                col = col_buf[:C * K * Tt]
-                if need_gcol:
-                    gc3 = gcol.reshape(G, (C // G) * K, Tt)
-                    for g in range(G):
-                        np.matmul(wT[g], gyv[n, g, :, p0:p0 + Tt], out=gc3[g])
-                _runtime.call(_columns_serial, _columns, C * K * Tt, xf, off, msk, gcol, col, gmask, goff, cidx, cw, geo, n, p0, Tt, want, ct.type(0))
-                if want_w:
-                    c3 = col.reshape(G, (C // G) * K, Tt)
-                    for g in range(G):
-                        gw[g] += gyv[n, g, :, p0:p0 + Tt] @ c3[g].T
-                if want_x:
-                    _runtime.call(_scatter_serial, _scatter, C * K * Tt, gx, gcol, msk, cidx, cw, geo, n, p0, Tt)
+        ndt = (0,) * nd  # the rank as a token (see _columns)
+        work = C * K * T
+        with ONE_THREAD:
+            for n in range(N):
+                for p0 in range(0, P, T):
+                    Tt = min(T, P - p0)  # (the buffers' first C*K*Tt elements serve a shorter last tile)
+                    if need_gcol:
+                        _runtime.call(_gcol_serial, _gcol, work, gyf, gyT, wT, gcol, dims, n, p0, Tt)
+                    _runtime.call(_columns_serial, _columns, work, xf, off, msk, gcol, col, gmask, goff, cidx, cw,
+                                  geo, n, p0, Tt, ndt, want_w, want_off, want_m, ct.type(0))
+                    if want_w:
+                        _runtime.call(_gw_serial, _gw, work, gyf, col, gwf, tmp, dims, n, p0, Tt)
+                    if want_x:
+                        _runtime.call(_scatter_serial, _scatter, work, gx, gcol, msk, cidx, cw, geo, n, p0, Tt, ndt)
     gb = None
     if want_b:
         gb = gy.astype(np.float64).sum(axis=tuple(i for i in range(gy.ndim) if i != 1)).astype(dt)
