@@ -141,41 +141,82 @@ def _units(xf, gyf, src, gxb, gpos, gth, dims, isz, osz, rtok, mtok, ptok, align
                 td[a, 0], td[a, 1], td[a, 2], td[a, 3] = d0, d1, d2, d3
                 tok[a, 0], tok[a, 1], tok[a, 2], tok[a, 3] = ok0, ok1, ok2, ok3
             scatter = want_x and finite
-            # the position's taps as one list of inside corners: flat offset, weight, and
-            # the weight's derivative along each axis (the other axes' weights times d)
-            nq = 0
-            for tz in range(nt0):
-                for ty in range(nt1):
-                    for tx in range(T):
-                        if tok[0, tz] and tok[1, ty] and tok[2, tx]:
-                            qo[nq] = ti[0, tz] + ti[1, ty] + ti[2, tx]
-                            qw[nq] = tw[0, tz] * tw[1, ty] * tw[2, tx]
-                            qd[0, nq] = td[0, tz] * tw[1, ty] * tw[2, tx]
-                            qd[1, nq] = tw[0, tz] * td[1, ty] * tw[2, tx]
-                            qd[2, nq] = tw[0, tz] * tw[1, ty] * td[2, tx]
-                            nq += 1
             gz = zero
             gy_ = zero
             gx_ = zero
-            for c in range(C):
-                gv = gyf[(n * C + c) * P + j]
-                xb = (n * C + c) * S
-                if deriv:
+            if mode == LINEAR:
+                # n-linear: the taps' offsets, weights and flags as scalars, the corners
+                # in constant loops that unroll into straight-line code on registers
+                # (d weight / d pos is -1 for the lower tap, +1 for the upper one)
+                oz0, oz1, wz0, wz1, kz0, kz1 = ti[0, 0], ti[0, 1], tw[0, 0], tw[0, 1], tok[0, 0], tok[0, 1]
+                oy0, oy1, wy0, wy1, ky0, ky1 = ti[1, 0], ti[1, 1], tw[1, 0], tw[1, 1], tok[1, 0], tok[1, 1]
+                ox0, ox1, wx0, wx1, kx0, kx1 = ti[2, 0], ti[2, 1], tw[2, 0], tw[2, 1], tok[2, 0], tok[2, 1]
+                for c in range(C):
+                    gv = gyf[(n * C + c) * P + j]
+                    xb = (n * C + c) * S
+                    bb = ((k * N + n) * C + c) * S
                     az = zero
                     ay = zero
                     ax = zero
-                    for q in range(nq):
-                        v = xf[xb + qo[q]]
-                        az += qd[0, q] * v
-                        ay += qd[1, q] * v
-                        ax += qd[2, q] * v
+                    for tz in range(nt0):
+                        kz, oz, wz = (kz1, oz1, wz1) if tz else (kz0, oz0, wz0)
+                        dz = one if tz else -one
+                        if not kz:
+                            continue
+                        for ty in range(nt1):
+                            ky, oy, wy = (ky1, oy1, wy1) if ty else (ky0, oy0, wy0)
+                            dy = one if ty else -one
+                            if not ky:
+                                continue
+                            for tx in range(2):
+                                kx, ox, wx = (kx1, ox1, wx1) if tx else (kx0, ox0, wx0)
+                                dx = one if tx else -one
+                                if not kx:
+                                    continue
+                                f = oz + oy + ox
+                                if deriv:
+                                    v = xf[xb + f]
+                                    ax += (wz * wy * dx) * v
+                                    ay += (wz * dy * wx) * v
+                                    az += (dz * wy * wx) * v
+                                if scatter:
+                                    gxb[bb + f] += gv * (wz * wy * wx)
                     gz += gv * az
                     gy_ += gv * ay
                     gx_ += gv * ax
-                if scatter:
-                    bb = ((k * N + n) * C + c) * S
-                    for q in range(nq):
-                        gxb[bb + qo[q]] += gv * qw[q]
+            else:
+                # the position's taps as one list of inside corners: flat offset, weight, and
+                # the weight's derivative along each axis (the other axes' weights times d)
+                nq = 0
+                for tz in range(nt0):
+                    for ty in range(nt1):
+                        for tx in range(T):
+                            if tok[0, tz] and tok[1, ty] and tok[2, tx]:
+                                qo[nq] = ti[0, tz] + ti[1, ty] + ti[2, tx]
+                                qw[nq] = tw[0, tz] * tw[1, ty] * tw[2, tx]
+                                qd[0, nq] = td[0, tz] * tw[1, ty] * tw[2, tx]
+                                qd[1, nq] = tw[0, tz] * td[1, ty] * tw[2, tx]
+                                qd[2, nq] = tw[0, tz] * tw[1, ty] * td[2, tx]
+                                nq += 1
+                for c in range(C):
+                    gv = gyf[(n * C + c) * P + j]
+                    xb = (n * C + c) * S
+                    if deriv:
+                        az = zero
+                        ay = zero
+                        ax = zero
+                        for q in range(nq):
+                            v = xf[xb + qo[q]]
+                            az += qd[0, q] * v
+                            ay += qd[1, q] * v
+                            ax += qd[2, q] * v
+                        gz += gv * az
+                        gy_ += gv * ay
+                        gx_ += gv * ax
+                    if scatter:
+                        bb = ((k * N + n) * C + c) * S
+                        for q in range(nq):
+                            gxb[bb + qo[q]] += gv * qw[q]
             if not want_pos:
                 continue
             gcoord[0] = gx_ * scl[2]
