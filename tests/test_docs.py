@@ -22,7 +22,8 @@ DOC_MODULES = ["numba_ops", "numba_ops.affine_grid", "numba_ops.deform_conv", "n
 
 #: small arguments, so that the scripts stay quick (their defaults are a user's)
 EXAMPLE_ARGS = {"augment_batch.py": ["--n", "3", "--size", "32"],
-                "dask_volume.py": ["--n", "2", "--size", "8", "--chunk", "1"]}
+                "dask_volume.py": ["--n", "2", "--size", "8", "--chunk", "1"],
+                "register_volumes.py": ["--size", "24"]}
 
 
 @pytest.mark.parametrize("name", DOC_MODULES)
