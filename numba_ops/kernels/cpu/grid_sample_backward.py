@@ -49,6 +49,8 @@ TOKEN = ((), (0,), (0, 0))
 RANK = (None, (0,), (0, 0), (0, 0, 0))
 #: the most grad_x buffers per call (units of one image): the determinism's memory
 GX_SPLIT = 4
+#: positions whose taps are taken in one pass (per axis: 4 taps x SEG entries of 4 arrays)
+SEG = 128
 #: positions a unit holds at least (fewer units for small outputs)
 MIN_UNIT = 4096
 
@@ -67,7 +69,12 @@ def _units(xf, gyf, src, gxb, gpos, gth, dims, isz, osz, rtok, mtok, ptok, align
     input's/output's spatial sizes as 3 axes (leading 1s); ``src`` the flat grid
     (N*P*r), or theta (N*r*(r+1)) when ``affine``. Writes grad_x into ``gxb`` (U
     buffers of N*C*S), the grid gradient into ``gpos`` (N*P*r, grid_sample) or
-    theta's partial sums into ``gth`` (N*U*r*(r+1), float64, affine_warp)."""
+    theta's partial sums into ``gth`` (N*U*r*(r+1), float64, affine_warp).
+
+    A unit goes by segments of ``SEG`` positions: first, axis by axis, a loop over
+    the segment that takes every position's taps (``grad_taps``; a loop of constant
+    mode and padding, so LLVM vectorises it), then position by position the
+    channels."""
     N, C, P, S, U = dims[0], dims[1], dims[2], dims[3], dims[5]
     r = len(rtok)  # constants where this compiles (``TOKEN``)
     mode = len(mtok)
@@ -83,16 +90,20 @@ def _units(xf, gyf, src, gxb, gpos, gth, dims, isz, osz, rtok, mtok, ptok, align
     stride[2] = 1
     stride[1] = isz[2]
     stride[0] = isz[1] * isz[2]
-    ti = np.zeros((3, 4), np.int64)
-    tw = np.ones((3, 4), ct)
-    td = np.zeros((3, 4), ct)
-    tok = np.ones((3, 4), np.bool_)
+    # per axis, tap and position of the segment: flat offset, weight, d weight / d pos,
+    # inside; the leading (absent) axes keep one tap at offset 0 of weight 1
+    ti = np.zeros((3, 4, SEG), np.int64)
+    tw = np.ones((3, 4, SEG), ct)
+    td = np.zeros((3, 4, SEG), ct)
+    tk = np.ones((3, 4, SEG), np.bool_)
+    fin = np.empty(SEG, np.bool_)
+    oi = np.zeros((3, SEG), np.int64)  # output indices (affine)
+    gv_ = np.empty(SEG, ct)  # one axis' grid values
     qo = np.zeros(64, np.int64)
     qw = np.zeros(64, ct)
     qd = np.zeros((3, 64), ct)
     scl = np.zeros(3, ct)
     gcoord = np.zeros(3, ct)
-    oi = np.zeros(3, np.int64)
     bc = np.ones(4, ct)  # base coordinates (x, y, z), then 1 (affine)
     btab = np.zeros((3, max(osz[0], osz[1], osz[2])), ct)
     if affine:
@@ -108,130 +119,155 @@ def _units(xf, gyf, src, gxb, gpos, gth, dims, isz, osz, rtok, mtok, ptok, align
         k = u - n * U
         acc[:] = 0.0
         j0 = k * P // U
-        t = j0 // osz[2]
-        oi[2] = j0 - t * osz[2] - 1  # the output index, advanced position by position (no divisions)
-        oi[0] = t // osz[1]
-        oi[1] = t - oi[0] * osz[1]
-        for j in range(j0, (k + 1) * P // U):
-            oi[2] += 1
-            if oi[2] == osz[2]:
-                oi[2] = 0
-                oi[1] += 1
-                if oi[1] == osz[1]:
-                    oi[1] = 0
-                    oi[0] += 1
-            finite = True
+        j1 = (k + 1) * P // U
+        if affine:  # the output index of j0 - 1, advanced position by position (no divisions)
+            t = j0 // osz[2]
+            o2 = j0 - t * osz[2] - 1
+            o0 = t // osz[1]
+            o1 = t - o0 * osz[1]
+        for s0 in range(j0, j1, SEG):
+            m = min(SEG, j1 - s0)
+            if affine:
+                for jj in range(m):
+                    o2 += 1
+                    if o2 == osz[2]:
+                        o2 = 0
+                        o1 += 1
+                        if o1 == osz[1]:
+                            o1 = 0
+                            o0 += 1
+                    oi[0, jj] = o0
+                    oi[1, jj] = o1
+                    oi[2, jj] = o2
+            for jj in range(m):
+                fin[jj] = True
             for a in range(lead, 3):
                 ci = 2 - a  # the grid's coordinate of this axis (innermost first)
                 if affine:
-                    g = zero
-                    for q in range(r):
-                        bc[q] = btab[2 - q, oi[2 - q]]
-                        g += src[(n * r + ci) * (r + 1) + q] * bc[q]
-                    g += src[(n * r + ci) * (r + 1) + r]
+                    # in the forward's (affine_grid's) order of operations, so the
+                    # positions are the forward's bit for bit
+                    th = (n * r + ci) * (r + 1)
+                    if r == 2:
+                        for jj in range(m):
+                            gv_[jj] = (src[th] * btab[2, oi[2, jj]]
+                                       + (src[th + 1] * btab[1, oi[1, jj]] + src[th + 2]))
+                    else:
+                        for jj in range(m):
+                            gv_[jj] = ((src[th] * btab[2, oi[2, jj]] + (src[th + 2] * btab[0, oi[0, jj]] + src[th + 3]))
+                                       + btab[1, oi[1, jj]] * src[th + 1])
                 else:
-                    g = src[(n * P + j) * r + ci]
+                    for jj in range(m):
+                        gv_[jj] = src[(n * P + s0 + jj) * r + ci]
                 size = isz[a]
-                (i0, i1, i2, i3, w0, w1, w2, w3, d0, d1, d2, d3, ok0, ok1, ok2, ok3,
-                 fin) = grad_taps(mode, unnormalize(g, size, align, one), size, padding, align, zero)
-                finite &= fin
-                s = stride[a]
-                ti[a, 0], ti[a, 1], ti[a, 2], ti[a, 3] = i0 * s, i1 * s, i2 * s, i3 * s
-                tw[a, 0], tw[a, 1], tw[a, 2], tw[a, 3] = w0, w1, w2, w3
-                td[a, 0], td[a, 1], td[a, 2], td[a, 3] = d0, d1, d2, d3
-                tok[a, 0], tok[a, 1], tok[a, 2], tok[a, 3] = ok0, ok1, ok2, ok3
-            scatter = want_x and finite
-            gz = zero
-            gy_ = zero
-            gx_ = zero
-            if mode == LINEAR:
-                # n-linear: the taps' offsets, weights and flags as scalars, the corners
-                # in constant loops that unroll into straight-line code on registers
-                # (d weight / d pos is -1 for the lower tap, +1 for the upper one)
-                oz0, oz1, wz0, wz1, kz0, kz1 = ti[0, 0], ti[0, 1], tw[0, 0], tw[0, 1], tok[0, 0], tok[0, 1]
-                oy0, oy1, wy0, wy1, ky0, ky1 = ti[1, 0], ti[1, 1], tw[1, 0], tw[1, 1], tok[1, 0], tok[1, 1]
-                ox0, ox1, wx0, wx1, kx0, kx1 = ti[2, 0], ti[2, 1], tw[2, 0], tw[2, 1], tok[2, 0], tok[2, 1]
-                for c in range(C):
-                    gv = gyf[(n * C + c) * P + j]
-                    xb = (n * C + c) * S
-                    bb = ((k * N + n) * C + c) * S
-                    az = zero
-                    ay = zero
-                    ax = zero
-                    for tz in range(nt0):
-                        kz, oz, wz = (kz1, oz1, wz1) if tz else (kz0, oz0, wz0)
-                        dz = one if tz else -one
-                        if not kz:
-                            continue
-                        for ty in range(nt1):
-                            ky, oy, wy = (ky1, oy1, wy1) if ty else (ky0, oy0, wy0)
-                            dy = one if ty else -one
-                            if not ky:
-                                continue
-                            for tx in range(2):
-                                kx, ox, wx = (kx1, ox1, wx1) if tx else (kx0, ox0, wx0)
-                                dx = one if tx else -one
-                                if not kx:
-                                    continue
-                                f = oz + oy + ox
-                                if deriv:
-                                    v = xf[xb + f]
-                                    ax += (wz * wy * dx) * v
-                                    ay += (wz * dy * wx) * v
-                                    az += (dz * wy * wx) * v
-                                if scatter:
-                                    gxb[bb + f] += gv * (wz * wy * wx)
-                    gz += gv * az
-                    gy_ += gv * ay
-                    gx_ += gv * ax
-            else:
-                # the position's taps as one list of inside corners: flat offset, weight, and
-                # the weight's derivative along each axis (the other axes' weights times d)
-                nq = 0
-                for tz in range(nt0):
-                    for ty in range(nt1):
-                        for tx in range(T):
-                            if tok[0, tz] and tok[1, ty] and tok[2, tx]:
-                                qo[nq] = ti[0, tz] + ti[1, ty] + ti[2, tx]
-                                qw[nq] = tw[0, tz] * tw[1, ty] * tw[2, tx]
-                                qd[0, nq] = td[0, tz] * tw[1, ty] * tw[2, tx]
-                                qd[1, nq] = tw[0, tz] * td[1, ty] * tw[2, tx]
-                                qd[2, nq] = tw[0, tz] * tw[1, ty] * td[2, tx]
-                                nq += 1
-                for c in range(C):
-                    gv = gyf[(n * C + c) * P + j]
-                    xb = (n * C + c) * S
-                    if deriv:
+                st = stride[a]
+                for jj in range(m):
+                    (i0, i1, i2, i3, w0, w1, w2, w3, d0, d1, d2, d3, ok0, ok1, ok2, ok3,
+                     f) = grad_taps(mode, unnormalize(gv_[jj], size, align, one), size, padding, align, zero)
+                    fin[jj] &= f
+                    ti[a, 0, jj], ti[a, 1, jj], ti[a, 2, jj], ti[a, 3, jj] = i0 * st, i1 * st, i2 * st, i3 * st
+                    tw[a, 0, jj], tw[a, 1, jj], tw[a, 2, jj], tw[a, 3, jj] = w0, w1, w2, w3
+                    td[a, 0, jj], td[a, 1, jj], td[a, 2, jj], td[a, 3, jj] = d0, d1, d2, d3
+                    tk[a, 0, jj], tk[a, 1, jj], tk[a, 2, jj], tk[a, 3, jj] = ok0, ok1, ok2, ok3
+            for jj in range(m):
+                j = s0 + jj
+                finite = fin[jj]
+                scatter = want_x and finite
+                gz = zero
+                gy_ = zero
+                gx_ = zero
+                if mode == LINEAR:
+                    # n-linear: the taps' offsets, weights and flags as scalars, the corners
+                    # in constant loops that unroll into straight-line code on registers
+                    # (d weight / d pos is -1 for the lower tap, +1 for the upper one)
+                    oz0, oz1, wz0, wz1 = ti[0, 0, jj], ti[0, 1, jj], tw[0, 0, jj], tw[0, 1, jj]
+                    oy0, oy1, wy0, wy1 = ti[1, 0, jj], ti[1, 1, jj], tw[1, 0, jj], tw[1, 1, jj]
+                    ox0, ox1, wx0, wx1 = ti[2, 0, jj], ti[2, 1, jj], tw[2, 0, jj], tw[2, 1, jj]
+                    kz0, kz1, ky0, ky1 = tk[0, 0, jj], tk[0, 1, jj], tk[1, 0, jj], tk[1, 1, jj]
+                    kx0, kx1 = tk[2, 0, jj], tk[2, 1, jj]
+                    for c in range(C):
+                        gv = gyf[(n * C + c) * P + j]
+                        xb = (n * C + c) * S
+                        bb = ((k * N + n) * C + c) * S
                         az = zero
                         ay = zero
                         ax = zero
-                        for q in range(nq):
-                            v = xf[xb + qo[q]]
-                            az += qd[0, q] * v
-                            ay += qd[1, q] * v
-                            ax += qd[2, q] * v
+                        for tz in range(nt0):
+                            kz, oz, wz = (kz1, oz1, wz1) if tz else (kz0, oz0, wz0)
+                            dz = one if tz else -one
+                            if not kz:
+                                continue
+                            for ty in range(nt1):
+                                ky, oy, wy = (ky1, oy1, wy1) if ty else (ky0, oy0, wy0)
+                                dy = one if ty else -one
+                                if not ky:
+                                    continue
+                                for tx in range(2):
+                                    kx, ox, wx = (kx1, ox1, wx1) if tx else (kx0, ox0, wx0)
+                                    dx = one if tx else -one
+                                    if not kx:
+                                        continue
+                                    f = oz + oy + ox
+                                    if deriv:
+                                        v = xf[xb + f]
+                                        ax += (wz * wy * dx) * v
+                                        ay += (wz * dy * wx) * v
+                                        az += (dz * wy * wx) * v
+                                    if scatter:
+                                        gxb[bb + f] += gv * (wz * wy * wx)
                         gz += gv * az
                         gy_ += gv * ay
                         gx_ += gv * ax
-                    if scatter:
-                        bb = ((k * N + n) * C + c) * S
-                        for q in range(nq):
-                            gxb[bb + qo[q]] += gv * qw[q]
-            if not want_pos:
-                continue
-            gcoord[0] = gx_ * scl[2]
-            gcoord[1] = gy_ * scl[1]
-            gcoord[2] = gz * scl[0]
-            for ci in range(r):
-                gc = gcoord[ci] if finite else nan
-                if not deriv and finite:
-                    gc = zero
+                else:
+                    # the position's taps as one list of inside corners: flat offset, weight,
+                    # and the weight's derivative along each axis (the other axes' weights times d)
+                    nq = 0
+                    for tz in range(nt0):
+                        for ty in range(nt1):
+                            for tx in range(T):
+                                if tk[0, tz, jj] and tk[1, ty, jj] and tk[2, tx, jj]:
+                                    qo[nq] = ti[0, tz, jj] + ti[1, ty, jj] + ti[2, tx, jj]
+                                    qw[nq] = tw[0, tz, jj] * tw[1, ty, jj] * tw[2, tx, jj]
+                                    qd[0, nq] = td[0, tz, jj] * tw[1, ty, jj] * tw[2, tx, jj]
+                                    qd[1, nq] = tw[0, tz, jj] * td[1, ty, jj] * tw[2, tx, jj]
+                                    qd[2, nq] = tw[0, tz, jj] * tw[1, ty, jj] * td[2, tx, jj]
+                                    nq += 1
+                    for c in range(C):
+                        gv = gyf[(n * C + c) * P + j]
+                        xb = (n * C + c) * S
+                        if deriv:
+                            az = zero
+                            ay = zero
+                            ax = zero
+                            for q in range(nq):
+                                v = xf[xb + qo[q]]
+                                az += qd[0, q] * v
+                                ay += qd[1, q] * v
+                                ax += qd[2, q] * v
+                            gz += gv * az
+                            gy_ += gv * ay
+                            gx_ += gv * ax
+                        if scatter:
+                            bb = ((k * N + n) * C + c) * S
+                            for q in range(nq):
+                                gxb[bb + qo[q]] += gv * qw[q]
+                if not want_pos:
+                    continue
+                gcoord[0] = gx_ * scl[2]
+                gcoord[1] = gy_ * scl[1]
+                gcoord[2] = gz * scl[0]
                 if affine:
                     for q in range(r):
-                        acc[ci, q] += np.float64(gc) * np.float64(bc[q])
-                    acc[ci, r] += np.float64(gc)
-                else:
-                    gpos[(n * P + j) * r + ci] = gc
+                        bc[q] = btab[2 - q, oi[2 - q, jj]]
+                for ci in range(r):
+                    gc = gcoord[ci] if finite else nan
+                    if not deriv and finite:
+                        gc = zero
+                    if affine:
+                        for q in range(r):
+                            acc[ci, q] += np.float64(gc) * np.float64(bc[q])
+                        acc[ci, r] += np.float64(gc)
+                    else:
+                        gpos[(n * P + j) * r + ci] = gc
         if affine and want_pos:
             for ci in range(r):
                 for q in range(r + 1):
