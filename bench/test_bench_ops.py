@@ -1,5 +1,6 @@
 """Run time of each op × device × dtype × case of the shared case table
-(``numba_ops.benchmark.cases``; the same names as ``numba-ops bench`` and the peer benchmark).
+(``numba_ops.benchmark.cases``; the same names as ``numba-ops bench`` and the peer benchmark),
+the forward cases (the gradients': test_backward.py).
 
 Timed with ``pytest bench --benchmark-enable`` (``tox -e bench``); once, on
 shrunken inputs, as a smoke test otherwise. Compilation happens in a warm-up
@@ -13,7 +14,9 @@ import pytest
 from numba_ops._dtypes import NAMES as DTYPE_NAMES
 from numba_ops.benchmark import cases as _cases
 
-NAMES = [name for _, name in _cases.CASES]
+#: the forward cases; the gradient cases (``_cases.BACKWARD``) are test_backward.py's
+FORWARD = [(op, name) for op, name in _cases.CASES if not _cases.is_backward(name)]
+NAMES = [name for _, name in FORWARD]
 
 
 def _host(a):
@@ -21,7 +24,7 @@ def _host(a):
 
 
 @pytest.mark.parametrize("dtype", DTYPE_NAMES)
-@pytest.mark.parametrize("name", NAMES, ids=[f"{op}-{n}" for op, n in _cases.CASES])
+@pytest.mark.parametrize("name", NAMES, ids=[f"{op}-{n}" for op, n in FORWARD])
 def test_op(benchmark, smoke, simulated, device, dtype, name):
     small = smoke or (device == "cuda" and simulated)
     op, args, kwargs, work = _cases.inputs(name, dtype, small=small)

@@ -17,8 +17,9 @@ from numba_ops.benchmark import protocol
 
 ROOT = Path(__file__).resolve().parents[1]
 SAVED_RUN = ROOT / "tests" / "data" / "bench_run.json"  # an example saved run (bench --json), with machine metadata
-N_CHECK_CASES = 60  # 8 ONNX backend cases of AffineGrid/DeformConv, 18 of GridSample, 8 operator-page examples,
-# and the 26 backend cases once more through numba_ops.onnx.session
+N_CHECK_CASES = 82  # 8 ONNX backend cases of AffineGrid/DeformConv, 18 of GridSample, 8 operator-page examples,
+# the 26 backend cases once more through numba_ops.onnx.session, and 22 gradient checks (numba_ops.gradcheck)
+N_GRAD_CASES = 22
 
 
 def run(*args, script=None, timeout=300, stdin=None):
@@ -47,6 +48,22 @@ BROKEN_AFFINE_GRID = """
     from numba_ops import cli
     sys.exit(cli.main(sys.argv[1:]))
 """
+
+# A gradient fault: the CPU GridSample backward's grad_x off by 1e-3.
+BROKEN_GRID_SAMPLE_BACKWARD = """
+    import sys
+    import numba_ops.kernels.cpu.grid_sample_backward as k
+    real = k.launch
+    def broken(*args):
+        gx, gg = real(*args)
+        if gx is not None:
+            gx[...] += 1e-3
+        return gx, gg
+    k.launch = broken
+    from numba_ops import cli
+    sys.exit(cli.main(sys.argv[1:]))
+"""
+
 
 def test_console_script_is_declared():
     eps = importlib.metadata.entry_points(group="console_scripts")
@@ -91,6 +108,15 @@ def test_check_fails_on_a_broken_kernel(tmp_path):
     fails = [ln for ln in out.splitlines() if ln.startswith("FAIL")]
     assert len(fails) == 12 and all("AffineGrid" in ln for ln in fails), out  # 4 backend + 4 page + 4 session
     assert f"{N_CHECK_CASES - 12} passed, 12 failed" in out
+
+
+def test_check_fails_on_a_broken_gradient(tmp_path):
+    rc, out, err = run("check", script=wrapper(tmp_path, BROKEN_GRID_SAMPLE_BACKWARD))
+    assert rc == 1, out + err
+    grads = [ln for ln in out.splitlines() if ln.startswith(("PASS  grad", "FAIL  grad"))]
+    assert len(grads) == N_GRAD_CASES, out
+    fails = [ln for ln in grads if ln.startswith("FAIL")]
+    assert len(fails) == 15 and all("GridSample" in ln for ln in fails), out  # every grid_sample case
 
 
 @pytest.mark.skipif("cuda" in numba_ops.devices(), reason="checks the no-GPU message")

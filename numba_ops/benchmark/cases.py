@@ -10,7 +10,11 @@ compared across tools:
   ``dc_c256_14``, ``dc_c512_25x42``, ``dc3d_c256_8x14`` (3-D);
 * GridSample: ``gs2d_32x256``, ``gs3d_4x64``, ``gs2d_cubic_8x256``; affine_warp:
   ``aw2d_32x256``, ``aw2d_u8_16x512``; and the grids users make (``gs*_aug_*``,
-  ``gs2d_flow_*``, ``aw*_aug_*``: augmentation affines, optical-flow warps).
+  ``gs2d_flow_*``, ``aw*_aug_*``: augmentation affines, optical-flow warps);
+* gradients (``BACKWARD``, names ending ``_bwd``): ``dc_b2_c64_56_bwd`` (a ResNet-50
+  DCNv2 stage, every gradient), ``dc3d_c32_24_bwd``, ``gs2d_aug_32x256_bwd``,
+  ``gs2d_flow_c64_4x128_bwd``, ``gs3d_flow_2x96_bwd`` (3-D registration),
+  ``aw3d_reg_128_bwd`` (affine registration of a volume), ``ag3d_4x64_bwd``.
 
 Each builder returns ``(args, kwargs, work)``: the positional inputs and the
 attributes of the call (ONNX names), and the amount of work that sets the
@@ -18,6 +22,25 @@ machine's limit for the case (bytes written for AffineGrid, FLOPs of the
 equivalent dense convolution for DeformConv, bytes read and written for
 GridSample and affine_warp). ``small=True`` gives a shrunken case of the same
 structure (kernel, strides, groups, mask; mode, padding) for smoke runs.
+
+A backward case times the gradient function of its op (``op_of`` gives
+``"<op>_backward"``; ``call`` runs ``numba_ops.<op>_backward``) on the inputs of a
+forward case defined inline in the forward table's format, with ``grad_y`` (the
+forward result's shape, standard normal) first: ``(grad_y, *forward args)``, except
+AffineGrid's ``(grad_grid, size)`` (its gradient does not depend on theta). Every
+gradient the op has is computed (the ``wrt`` default: DeformConv's five, x and the
+positions for the samplers). Its work, and so its limit (``harness._Limits``):
+
+* DeformConv: 2x the FLOPs of the forward's dense convolution (the two GEMMs of a
+  convolution's backward, for the columns' and the weights' gradients, each the
+  forward's size), at the GEMM rate;
+* GridSample, affine_warp and AffineGrid: the bytes read (grad_y, x, the grid or
+  theta) and written (the gradients), at the write bandwidth.
+
+The peer of a backward case (``harness``: PyTorch autograd, torchvision's
+``deform_conv2d`` for DeformConv) runs its forward once, outside the timing, and
+times ``torch.autograd.grad`` of that result (``retain_graph=True``): the backward
+alone, with the same gradients as ours. onnxruntime has no gradients.
 
 The conformance cases of ``numba-ops check`` live here too: the examples of the
 ONNX operator pages (the "seed" examples, values copied from the pages) and the
@@ -91,14 +114,37 @@ SAMPLE = {
                           padding="border", x_dtype=None),
 }
 
+#: name -> gradient case: the op whose ``*_backward`` it times and its forward case,
+#: ``case``, in that op's table's format (a DEFORM tuple, a SAMPLE dict, an AFFINE dict;
+#: SAMPLE's theta "register": ``register_theta``, a registration's affines near the
+#: identity). Every gradient is computed.
+BACKWARD = {
+    # a ResNet-50 DCNv2 stage, batch 2: x, w, offset, b and mask
+    "dc_b2_c64_56_bwd": dict(op="deform_conv", case=(2, 64, 56, 56, 64, 3, 1, 1, 1, 1, 1, True)),
+    "dc3d_c32_24_bwd": dict(op="deform_conv", case=(1, 32, 24, 24, 24, 32, 3, 1, 1, 1, 1, 1, True)),
+    # x and grid: augmentation affines, a feature map's flow, a 3-D registration's flow
+    "gs2d_aug_32x256_bwd": dict(op="grid_sample", case=dict(x=(32, 3, 256, 256), theta="augment", mode="linear",
+                                                            padding="zeros", x_dtype=None)),
+    "gs2d_flow_c64_4x128_bwd": dict(op="grid_sample", case=dict(x=(4, 64, 128, 128), theta="flow", flow=4.0,
+                                                                mode="linear", padding="border", x_dtype=None)),
+    "gs3d_flow_2x96_bwd": dict(op="grid_sample", case=dict(x=(2, 1, 96, 96, 96), theta="flow", flow=2.0,
+                                                           mode="linear", padding="zeros", x_dtype=None)),
+    # x and theta: an affine registration of a volume
+    "aw3d_reg_128_bwd": dict(op="affine_warp", case=dict(x=(1, 1, 128, 128, 128), theta="register",
+                                                         mode="linear", padding="zeros", x_dtype=None)),
+    # theta
+    "ag3d_4x64_bwd": dict(op="affine_grid", case=AFFINE["ag3d_4x64"]),
+}
 
-def augment_theta(n, r, seed=2):
+
+def augment_theta(n, r, seed=2, angle=np.pi / 6, scale=(0.8, 1.25), shift=0.1):
     """``n`` float32 augmentation affines (n, r, r + 1) near the identity: a rotation of
-    -30..30 degrees (2-D; 3-D about a random axis), a scale of 0.8..1.25 (log-uniform)
-    and a shift of -0.1..0.1 per axis (normalised units)."""
+    -30..30 degrees (``angle``, radians; 2-D; 3-D about a random axis), a scale of
+    0.8..1.25 (``scale``, log-uniform) and a shift of -0.1..0.1 (``shift``) per axis
+    (normalised units)."""
     rng = np.random.default_rng(seed)
-    angle = rng.uniform(-np.pi / 6, np.pi / 6, n)
-    scale = np.exp(rng.uniform(np.log(0.8), np.log(1.25), n))
+    angle = rng.uniform(-angle, angle, n)
+    scale = np.exp(rng.uniform(np.log(scale[0]), np.log(scale[1]), n))
     theta = np.zeros((n, r, r + 1))
     for q in range(n):
         c, s = np.cos(angle[q]), np.sin(angle[q])
@@ -110,8 +156,14 @@ def augment_theta(n, r, seed=2):
             k = np.array([[0, -a[2], a[1]], [a[2], 0, -a[0]], [-a[1], a[0], 0]])
             rot = np.eye(3) + s * k + (1 - c) * (k @ k)
         theta[q, :, :r] = scale[q] * rot
-    theta[:, :, r] = rng.uniform(-0.1, 0.1, (n, r))
+    theta[:, :, r] = rng.uniform(-shift, shift, (n, r))
     return theta.astype(np.float32)
+
+
+def register_theta(n, r, seed=4):
+    """``n`` float32 affines near the identity, as an affine registration's iterates
+    are: a rotation of -5..5 degrees, a scale of 0.95..1.05, a shift of -0.05..0.05."""
+    return augment_theta(n, r, seed, angle=np.pi / 36, scale=(0.95, 1.05), shift=0.05)
 
 
 def flow_grid(shape, amplitude, seed=3):
@@ -129,26 +181,46 @@ def flow_grid(shape, amplitude, seed=3):
             grid[n, ..., k] += amplitude / 3 * wave * 2 / shape[2 + r - 1 - k]
     return grid
 
-#: every benchmark case as (op, name), AffineGrid first
+#: every benchmark case as (op, name), AffineGrid first, the gradients last (op
+#: ``"<op>_backward"``, the numba_ops function the case calls)
 CASES = ([("affine_grid", n) for n in AFFINE] + [("deform_conv", n) for n in DEFORM]
-         + [(c["op"], n) for n, c in SAMPLE.items()])
+         + [(c["op"], n) for n, c in SAMPLE.items()] + [(c["op"] + "_backward", n) for n, c in BACKWARD.items()])
 
 
 def op_of(name):
-    """``"affine_grid"``, ``"deform_conv"``, ``"grid_sample"`` or ``"affine_warp"`` for a case name."""
+    """The numba_ops function case ``name`` times: ``"affine_grid"``, ``"deform_conv"``,
+    ``"grid_sample"``, ``"affine_warp"``, or one of their ``"*_backward"``."""
     if name in AFFINE:
         return "affine_grid"
     if name in DEFORM:
         return "deform_conv"
     if name in SAMPLE:
         return SAMPLE[name]["op"]
-    raise KeyError(f"unknown case {name!r}; known: {', '.join(list(AFFINE) + list(DEFORM) + list(SAMPLE))}")
+    if name in BACKWARD:
+        return BACKWARD[name]["op"] + "_backward"
+    raise KeyError(f"unknown case {name!r}; known: {', '.join(n for _, n in CASES)}")
+
+
+def is_backward(name):
+    """True for a gradient case (``BACKWARD``)."""
+    return name in BACKWARD
+
+
+def forward_op(name):
+    """The forward op of case ``name``: ``op_of`` without ``"_backward"``."""
+    return op_of(name).removesuffix("_backward")
 
 
 def out_dtype(name, dtype="float32"):
-    """The result dtype of case ``name`` run with float ``dtype`` (uint8 for uint8 x)."""
+    """The result dtype of case ``name`` run with float ``dtype`` (uint8 for uint8 x);
+    for a gradient case, that of every gradient."""
     xdt = SAMPLE.get(name, {}).get("x_dtype")
     return np.dtype(xdt) if xdt else np_dtype(dtype)
+
+
+def _definition(name, table):
+    """Case ``name``'s definition: ``table``'s entry, or a gradient case's forward case."""
+    return table[name] if name in table else BACKWARD[name]["case"]
 
 
 def _cast(a, dtype):
@@ -157,7 +229,7 @@ def _cast(a, dtype):
 
 def affine_inputs(name, dtype="float32", small=False):
     """``((theta, size), {"align_corners": a}, bytes_written)`` for AffineGrid case ``name``."""
-    case = AFFINE[name]
+    case = _definition(name, AFFINE)
     size = tuple(case["size"])
     if small:
         size = size[:2] + tuple(min(s, 8) for s in size[2:])
@@ -172,7 +244,7 @@ def affine_inputs(name, dtype="float32", small=False):
 def deform_params(name, small=False):
     """``(N, C, spatial, oC, k, pad, stride, dil, group, offset_group, mask)`` of DeformConv
     case ``name``; ``spatial`` the tuple of input sizes (2 or 3 of them)."""
-    case = DEFORM[name]
+    case = _definition(name, DEFORM)
     N, C, spatial = case[0], case[1], tuple(case[2:-8])
     oC, k, pad, stride, dil, group, og, use_mask = case[-8:]
     if small:  # keep the structure (kernel, pads, strides, groups, mask), shrink the sizes
@@ -209,11 +281,13 @@ def sample_inputs(name, dtype="float32", small=False):
     positions come from AffineGrid case ``theta``'s theta and align_corners (the
     grid by ``affine_grid_f64``, rounded once to ``dtype``). ``bytes``: the bytes
     read (X, and the grid or theta) and written (the result)."""
-    case = SAMPLE[name]
+    case = _definition(name, SAMPLE)
     shape = tuple(case["x"])
     if small:
         shape = (min(shape[0], 2), shape[1]) + tuple(min(s, 8) for s in shape[2:])
-    if case["theta"] in ("augment", "flow"):
+    if case["theta"] == "register":
+        theta, align = register_theta(shape[0], len(shape) - 2), 0
+    elif case["theta"] in ("augment", "flow"):
         theta, align = augment_theta(shape[0], len(shape) - 2), 0
     else:
         (theta, _), akw, _ = affine_inputs(case["theta"], "float64")
@@ -225,7 +299,7 @@ def sample_inputs(name, dtype="float32", small=False):
     else:
         X = rng.standard_normal(shape).astype(np.float32).astype(np_dtype(dtype))
     kwargs = {"mode": case["mode"], "padding_mode": case["padding"], "align_corners": align}
-    if case["op"] == "grid_sample":
+    if forward_op(name) == "grid_sample":
         g = flow_grid(shape, case["flow"]) if case["theta"] == "flow" else affine_grid_f64(theta, shape, align)
         pos = _cast(g, dtype)
         args = (X, pos)
@@ -235,16 +309,63 @@ def sample_inputs(name, dtype="float32", small=False):
     return args, kwargs, X.nbytes + pos.nbytes + X.nbytes  # the result has X's shape and dtype
 
 
-def inputs(name, dtype="float32", small=False):
-    """``(op, args, kwargs, work)`` for any benchmark case."""
-    op = op_of(name)
+def forward_inputs(name, dtype="float32", small=False):
+    """``(op, args, kwargs, work)`` of case ``name``'s forward call (for a gradient case,
+    the forward case it differentiates: its op, inputs and work)."""
+    op = forward_op(name)
     build = {"affine_grid": affine_inputs, "deform_conv": deform_inputs}.get(op, sample_inputs)
     args, kwargs, work = build(name, dtype, small)
     return op, args, kwargs, work
 
 
+def forward_out_shape(op, args):
+    """The shape of forward ``op``'s result on inputs ``args`` (a case's)."""
+    if op == "affine_grid":
+        size = [int(s) for s in args[1]]
+        return (size[0], *size[2:], len(size) - 2)
+    if op == "affine_warp":
+        return tuple(int(s) for s in args[2])
+    if op == "grid_sample":
+        return tuple(args[0].shape[:2]) + tuple(args[1].shape[1:-1])
+    x, w, off = args[:3]  # deform_conv: offset holds the output's spatial shape
+    return (x.shape[0], w.shape[0]) + tuple(off.shape[2:])
+
+
+def backward_parts(name, dtype="float32", small=False):
+    """``(op, forward args, kwargs, grad_y, work)`` of gradient case ``name``: its forward
+    call (op, inputs, attributes), ``grad_y`` (standard normal, the forward result's
+    shape and dtype) and the work (as the module says: 2x the forward's FLOPs for
+    DeformConv, else the bytes read and written)."""
+    op, fargs, kwargs, fwork = forward_inputs(name, dtype, small)
+    rng = np.random.default_rng(5)
+    gy = rng.standard_normal(forward_out_shape(op, fargs)).astype(np.float32).astype(np_dtype(dtype))
+    if op == "deform_conv":
+        work = 2.0 * fwork
+    elif op == "affine_grid":  # read grad_grid, write grad_theta
+        work = gy.nbytes + fargs[0].nbytes
+    else:  # read grad_y, x and the grid or theta; write their gradients
+        work = gy.nbytes + 2 * (fargs[0].nbytes + fargs[1].nbytes)
+    return op, fargs, kwargs, gy, work
+
+
+def backward_inputs(name, dtype="float32", small=False):
+    """``(args, kwargs, work)`` of gradient case ``name`` (``backward_parts``): args
+    ``(grad_y, *forward args)``, AffineGrid's ``(grad_grid, size)``."""
+    op, fargs, kwargs, gy, work = backward_parts(name, dtype, small)
+    return (gy,) + (fargs[1:] if op == "affine_grid" else fargs), kwargs, work
+
+
+def inputs(name, dtype="float32", small=False):
+    """``(op, args, kwargs, work)`` for any benchmark case: ``numba_ops.<op>(*args,
+    **kwargs)`` runs it."""
+    if name in BACKWARD:
+        return (op_of(name),) + backward_inputs(name, dtype, small)
+    return forward_inputs(name, dtype, small)
+
+
 def call(name, dtype="float32", small=False, device=None):
-    """A zero-argument function that runs case ``name`` through numba_ops."""
+    """A zero-argument function that runs case ``name`` through numba_ops (a gradient
+    case: ``numba_ops.<op>_backward``)."""
     import numba_ops
     op, args, kwargs, _ = inputs(name, dtype, small)
     fn = getattr(numba_ops, op)

@@ -9,7 +9,10 @@ of back-to-back calls) and cold (median of calls made after 200 ms idle, as a
 program calls an op between other work). The machine's limits are measured in
 the same run, in a process of their own: write bandwidth (a numba ``prange``
 fill), then per case the alloc+fill floor of an AffineGrid output or the GEMM
-rate (NumPy's, or PyTorch's where faster) that bounds a DeformConv. The
+rate (NumPy's, or PyTorch's where faster) that bounds a DeformConv. The gradient
+cases (``cases.BACKWARD``, ``*_bwd``) have their limits too (DeformConv's: twice
+the forward's FLOPs at the GEMM rate; the others': bytes at the write bandwidth)
+and PyTorch autograd's backward alone as their peer (``_torch_backward``). The
 processes take turns case by case (the limit, then each implementation), so load
 from elsewhere on a shared machine falls on all of a case's figures alike. The
 table's figures (fraction of the limit, speed relative to each peer) are for
@@ -143,61 +146,103 @@ def _ort_sample(op, args, kw, device):
 _TORCH_MODE = {"linear": "bilinear", "nearest": "nearest", "cubic": "bicubic"}
 
 
+def _torch_forward(op, args, kw, dev, grad=False):
+    """``(f, leaves)``: ``f()`` runs forward ``op`` of a case's inputs ``args`` in PyTorch
+    (torchvision's ``deform_conv2d`` for DeformConv) on ``dev``; ``leaves``, the tensors
+    made of the float inputs, ``requires_grad`` when ``grad``. Or a string saying why
+    PyTorch has no such case."""
+    import torch
+    import torch.nn.functional as F
+
+    def tensor(a):
+        return None if a is None else torch.from_numpy(a).to(dev).requires_grad_(grad)
+
+    if op == "affine_grid":
+        theta = tensor(args[0])
+        shape = [int(s) for s in args[1]]
+        align = bool(kw["align_corners"])
+        return (lambda: F.affine_grid(theta, shape, align_corners=align)), [theta]
+    if op in ("grid_sample", "affine_warp"):
+        x = tensor(args[0].astype(np.float32))
+        if kw["mode"] == "cubic" and x.ndim != 4:
+            return "PyTorch has no cubic grid_sample beyond 2-D"
+        opts = dict(mode=_TORCH_MODE[kw["mode"]], padding_mode=kw["padding_mode"],
+                    align_corners=bool(kw["align_corners"]))
+        pos = tensor(args[1])  # the grid, or theta
+        if op == "grid_sample":
+            return (lambda: F.grid_sample(x, pos, **opts)), [x, pos]
+        shape = [int(s) for s in args[2]]
+        return (lambda: F.grid_sample(x, F.affine_grid(pos, shape, align_corners=opts["align_corners"]),
+                                      **opts)), [x, pos]
+    if op != "deform_conv":
+        return f"no PyTorch counterpart of {op} in the bench"
+    if args[0].ndim != 4:
+        return "torch's DeformConv is 2-D only"
+    import torchvision.ops as tvo  # infers group and offset_group from W's and offset's shapes, as ONNX does
+    X, W, off, B, mask = (tensor(a) for a in args)
+    return (lambda: tvo.deform_conv2d(X, off, W, B, stride=kw["strides"], padding=kw["pads"][:2],
+                                      dilation=kw["dilations"], mask=mask)), [X, W, off, B, mask]
+
+
+def _torch_backward(name, dev, sync):
+    """PyTorch autograd's backward of gradient case ``name``: the forward runs once,
+    here, outside the timing; the call times ``torch.autograd.grad`` of its result
+    (``retain_graph=True``, so every call walks the same graph) for every float input
+    (DeformConv's five, x and the grid or theta, AffineGrid's theta), with the case's
+    ``grad_y``: the backward alone, the gradients numba_ops computes."""
+    import torch
+    op, args, kw, gy, _ = _cases.backward_parts(name, "float32")
+    made = _torch_forward(op, args, kw, dev, grad=True)
+    if isinstance(made, str):
+        return made
+    f, leaves = made
+    leaves = [t for t in leaves if t is not None]
+    y = f()
+    g = torch.from_numpy(gy).to(dev)
+    sync()
+    return lambda: (torch.autograd.grad(y, leaves, g, retain_graph=True), sync())
+
+
 def _peer_fn(impl, name, device):
     """A zero-argument call of peer ``impl`` on case ``name`` (float32, as the peers
-    are timed), or a string saying why the peer has no such case."""
-    op, args, kw, _ = _cases.inputs(name, "float32")
-    if op == "deform_conv" and args[0].ndim != 4 and impl in ("onnxruntime", "torch"):
-        return f"{impl}'s DeformConv is 2-D only"
-    if impl == "onnxruntime":
-        if device == "cuda":
-            import onnxruntime as ort
-            if "CUDAExecutionProvider" not in ort.get_available_providers():
-                return "this onnxruntime has no CUDAExecutionProvider"
-        if op == "affine_grid":
-            theta, size = args
-            return _ort_session("AffineGrid", [("theta", theta), ("size", size)],
-                                {"align_corners": kw["align_corners"]}, 20, device)
-        if op == "deform_conv":
-            named = [(n, a) for n, a in zip(("X", "W", "offset", "B", "mask"), args) if a is not None]
-            return _ort_session("DeformConv", named, kw, 22, device)
-        if op in ("grid_sample", "affine_warp"):
-            return _ort_sample(op, args, kw, device)
-        return f"no onnxruntime counterpart of {op} in the bench"
+    are timed), or a string saying why the peer has no such case. A gradient case's
+    peer is PyTorch autograd's backward alone (``_torch_backward``)."""
+    if impl not in PEERS:
+        raise ValueError(f"unknown implementation {impl!r}")
+    backward = _cases.is_backward(name)
+    if impl == "onnxruntime" and backward:
+        return "onnxruntime has no gradients (inference only)"
     if impl == "torch":
         import torch
         dev = "cuda" if device == "cuda" else "cpu"
         if dev == "cuda" and not torch.cuda.is_available():
             return "PyTorch has no CUDA here"
         sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
-        if op == "affine_grid":
-            import torch.nn.functional as F
-            theta, size = args
-            tt = torch.from_numpy(theta).to(dev)
-            shape = [int(s) for s in size]
-            align = bool(kw["align_corners"])
-            return lambda: (F.affine_grid(tt, shape, align_corners=align), sync())
-        if op in ("grid_sample", "affine_warp"):
-            import torch.nn.functional as F
-            x = torch.from_numpy(args[0].astype(np.float32)).to(dev)
-            if kw["mode"] == "cubic" and x.ndim != 4:
-                return "PyTorch has no cubic grid_sample beyond 2-D"
-            opts = dict(mode=_TORCH_MODE[kw["mode"]], padding_mode=kw["padding_mode"],
-                        align_corners=bool(kw["align_corners"]))
-            if op == "grid_sample":
-                grid = torch.from_numpy(args[1]).to(dev)
-                return lambda: (F.grid_sample(x, grid, **opts), sync())
-            theta = torch.from_numpy(args[1]).to(dev)
-            shape = [int(s) for s in args[2]]
-            return lambda: (F.grid_sample(x, F.affine_grid(theta, shape, align_corners=opts["align_corners"]),
-                                          **opts), sync())
-        if op != "deform_conv":
-            return f"no PyTorch counterpart of {op} in the bench"
-        import torchvision.ops as tvo  # infers group and offset_group from W's and offset's shapes, as ONNX does
-        X, W, off, B, mask = (None if a is None else torch.from_numpy(a).to(dev) for a in args)
-        return lambda: (tvo.deform_conv2d(X, off, W, B, stride=kw["strides"], padding=kw["pads"][:2],
-                                          dilation=kw["dilations"], mask=mask), sync())
-    raise ValueError(f"unknown implementation {impl!r}")
+        if backward:
+            return _torch_backward(name, dev, sync)
+        op, args, kw, _ = _cases.inputs(name, "float32")
+        made = _torch_forward(op, args, kw, dev)
+        if isinstance(made, str):
+            return made
+        f = made[0]
+        return lambda: (f(), sync())
+    op, args, kw, _ = _cases.inputs(name, "float32")
+    if op == "deform_conv" and args[0].ndim != 4:
+        return f"{impl}'s DeformConv is 2-D only"
+    if device == "cuda":
+        import onnxruntime as ort
+        if "CUDAExecutionProvider" not in ort.get_available_providers():
+            return "this onnxruntime has no CUDAExecutionProvider"
+    if op == "affine_grid":
+        theta, size = args
+        return _ort_session("AffineGrid", [("theta", theta), ("size", size)],
+                            {"align_corners": kw["align_corners"]}, 20, device)
+    if op == "deform_conv":
+        named = [(n, a) for n, a in zip(("X", "W", "offset", "B", "mask"), args) if a is not None]
+        return _ort_session("DeformConv", named, kw, 22, device)
+    if op in ("grid_sample", "affine_warp"):
+        return _ort_sample(op, args, kw, device)
+    return f"no onnxruntime counterpart of {op} in the bench"
 
 
 def _ours_fn(name, dtype, device):
@@ -302,17 +347,17 @@ class _Limits:
             zero = store(0)
             ms = 1e3 * min(time_best(lambda f=f: f(self.empty(n, store), zero), r, 1, 5.0) for f in self.fills)
             return {"case": name, "bound_ms": ms, "limit": "alloc+fill floor"}
-        if op in ("grid_sample", "affine_warp"):
-            # the bytes read (x, grid or theta) and written, at the write bandwidth
+        if _LIMIT_KIND.get(op) == "bytes at write bandwidth":
+            # the bytes read (x, grid or theta; a gradient's grad_y) and written, at the write bandwidth
             nbytes = _cases.inputs(name, self.cfg["dtype"])[3]
             return {"case": name, "bound_ms": nbytes / (self.write_GBps * 1e9) * 1e3, "limit": _LIMIT_KIND[op]}
-        if op != "deform_conv":
+        if op not in ("deform_conv", "deform_conv_backward"):
             return {"case": name, "skip": f"no limit defined for {op}"}
         gemm = self.gemm()
         if not gemm:
             return {"case": name, "skip": "no GEMM to measure on this device"}
         rate = max(gemm.values())
-        flops = _cases.inputs(name, self.cfg["dtype"])[3]
+        flops = _cases.inputs(name, self.cfg["dtype"])[3]  # a gradient's: 2x its forward's
         return {"case": name, "bound_ms": flops / (rate * 1e9) * 1e3, "limit": "GEMM-bound time",
                 "gemm_GFLOPs": rate}
 
@@ -449,7 +494,10 @@ def figures(row):
 
 #: the limit of each op's cases (``_Limits.case``); an op without one has no "% of limit"
 _LIMIT_KIND = {"affine_grid": "alloc+fill floor", "deform_conv": "GEMM-bound time",
-               "grid_sample": "bytes at write bandwidth", "affine_warp": "bytes at write bandwidth"}
+               "grid_sample": "bytes at write bandwidth", "affine_warp": "bytes at write bandwidth",
+               # the gradients (cases.BACKWARD): DeformConv's at 2x its forward's FLOPs
+               "deform_conv_backward": "GEMM-bound time", "grid_sample_backward": "bytes at write bandwidth",
+               "affine_warp_backward": "bytes at write bandwidth", "affine_grid_backward": "bytes at write bandwidth"}
 
 
 def _table(results, cases):
@@ -498,6 +546,10 @@ def print_table(report, out=print):
         "% of limit: the limit's time over our fastest call (AffineGrid: alloc+fill floor; "
         "DeformConv: dense-conv FLOPs at the GEMM rate; GridSample, affine_warp: bytes read and "
         "written at the write bandwidth).")
+    if any(r.get("op", "").endswith("_backward") for r in cases.values()):
+        out("*_bwd: the gradients (every input's), against PyTorch autograd's backward alone (the forward "
+            "made outside the timing); their limit: DeformConv's 2x its forward's dense-conv FLOPs at the "
+            "GEMM rate, the others' bytes read and written at the write bandwidth.")
 
 
 def take_samples(cases, dtype, device, quick, rounds=None, log=print):
