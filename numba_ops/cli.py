@@ -197,7 +197,7 @@ def cmd_check(args):
         print(line if why is None else f"{line}\n      {why}", flush=True)
     if skipped:
         print("SKIP  " + skipped)
-    from . import gradcheck
+    from .benchmark import gradcheck
     grads = gradcheck.cases()
     for case in grads:  # the gradients against central differences of the float64 forward
         t0 = time.perf_counter()

@@ -5,7 +5,8 @@ gradients summed into theta's in float64 (per thread, per block, then one atomic
 per block and entry)."""
 from .._dtypes import NAMES, compute
 from . import _device
-from .grid_sample_backward import MODE_NAMES, block_size, kernel, run, signature  # noqa: F401 (block_size: benchmark/resources.py)
+# block_size: for benchmark/resources.py
+from .grid_sample_backward import MODE_NAMES, block_size, kernel, run, signature  # noqa: F401
 
 DTYPES = NAMES  # the dtypes these kernels take (the dispatcher checks them)
 

@@ -35,7 +35,10 @@ The sums follow the CPU kernel's nesting (corners in order, channels in order), 
 results agree with it up to the order of the atomic adds into ``grad_x`` and of the
 GEMMs' sums on the CPU. The rank is a compile-time constant of the sampling kernel
 (its corner loops unroll into registers); group counts and the wanted gradients are
-runtime values. Index arithmetic is 64-bit. 16-bit data is widened on load, its
+runtime values. Launch bounds: two blocks per SM, of 256 threads (at most 128
+registers), or 128 for n >= 3 (``threads``); no spills in any listed variant on
+sm_80 or sm_90 with ptxas or nvJitLink (``numba-ops info --cuda``). Index
+arithmetic is 64-bit. 16-bit data is widened on load, its
 gradients accumulated in float32 and rounded once; float64 runs in float64.
 """
 import functools

@@ -15,22 +15,30 @@ function, so both devices take the same taps), then for every channel, with
   ``nearest`` has none (0); a non-finite position gets NaN for all its coordinates
   and scatters nothing.
 
-The sums nest as the CPU kernel's (innermost axis first, the image seen as 3-D with
-leading axes of one tap of weight 1), so results agree with it up to the order of
-the atomic adds. affine_warp (``affine=True``) computes each position from theta as
-the CPU backward does (``g = sum_q theta[n, i, q] * b_q + theta[n, i, r]``, the base
-coordinates ``b`` by the shared ``base_coord``) and sums ``grid gradient * (b, 1)``
+Per channel the derivative sums and the scatter are two loops of their own over the
+taps (each nests axis by axis, innermost first, the image seen as 3-D with leading
+axes of one tap of weight 1): each unrolls, so the taps stay in registers. Results
+agree with the CPU kernel's up to the order of the sums and of the atomic adds.
+affine_warp (``affine=True``) computes each position from theta in the forward's
+(affine_grid's) order of operations, as the CPU backward does (2-D ``theta[n,k,0]·x
++ (theta[n,k,1]·y + theta[n,k,2])``, 3-D ``(theta[n,k,0]·x + (theta[n,k,2]·z +
+theta[n,k,3])) + y·theta[n,k,1]``, the base coordinates by the shared
+``base_coord`` in the compute type), and sums ``grid gradient * (x, y[, z], 1)``
 into theta's gradient in float64: per thread over its positions, then per block (a
 tree in shared memory, ``block_flush``), then one atomic add per block and entry,
 so the few entries of theta's gradient see few atomics.
 
 Work is cut into units of image ``n`` (``units``: a function of the shape), one
 block per unit at a time (grid-stride over the units, so any grid is correct);
-thread ``t`` of unit ``k`` takes positions ``k·NT + t + j·U·NT``. The rank and mode
-are compile-time constants of each kernel (the tap loops unroll, the taps live in
-registers); padding, ``align_corners`` and which gradients are wanted are runtime
-values (uniform branches). Index arithmetic is 64-bit. 16-bit data is widened on
-load; its gradients are accumulated in float32 buffers and rounded once at the end
+thread ``t`` of unit ``k`` takes positions ``k·NT + t + j·U·NT`` (consecutive
+threads, consecutive positions: grid and grad_y reads coalesce). The rank and mode
+are compile-time constants of each kernel; padding, ``align_corners`` and which
+gradients are wanted are runtime values (uniform branches). Launch bounds: two
+blocks per SM (``threads``: 256 threads and at most 128 registers, or 128 threads
+for the variants that need more); no spills and no stack frame in any
+specialisation on sm_80 or sm_90 with ptxas or nvJitLink (``numba-ops info
+--cuda``). Index arithmetic is 64-bit. 16-bit data is widened on load; its
+gradients are accumulated in float32 buffers and rounded once at the end
 (``narrowed``); float64 is computed in float64.
 """
 import functools
@@ -178,12 +186,15 @@ def kernel(ct, r, mode, affine):
                 finite = True
                 for a in range(LEAD, 3):
                     ci = 2 - a  # the grid's coordinate of this axis (innermost first)
-                    if AFFINE:
+                    if AFFINE:  # in the forward's order of operations: its positions, bit for bit
                         th = (n * R + ci) * (R + 1)
-                        g = zero
-                        for q in range(R):
-                            g += load_sample(src, th + q, one) * bc[q]
-                        g += load_sample(src, th + R, one)
+                        t0 = load_sample(src, th, one)
+                        t1 = load_sample(src, th + 1, one)
+                        t2 = load_sample(src, th + 2, one)
+                        if R == 2:
+                            g = t0 * bc[0] + (t1 * bc[1] + t2)
+                        else:
+                            g = (t0 * bc[0] + (t2 * bc[2] + load_sample(src, th + 3, one))) + bc[1] * t1
                     else:
                         g = load_sample(src, (n * P + p) * R + ci, one)
                     size = geo[a - LEAD]
