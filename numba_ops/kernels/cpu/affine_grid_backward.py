@@ -2,8 +2,9 @@
 grad_grid[n, p, i] * base_j(p)``, the base coordinates ``(x, y[, z], 1)`` of the
 position (``_scalar.base_coord``).
 
-``@njit(parallel=True)`` over fixed units of positions (``UNITS`` per image, a
-function of the shape alone), each summing in float64 into a partial of its own;
+``@njit(parallel=True)`` over fixed units of rows (``UNITS`` per call, a function
+of the shape alone), each summing in float64 into a partial of its own (per row
+``sum g`` and ``sum g * x``, then times the row's y and z);
 the partials are added in their order afterwards, so the result is the same bits
 whatever the thread count. The kernel is compiled once per compute type and rank
 is a runtime value (16-bit grads are computed in float32, rounded once).
@@ -18,7 +19,8 @@ from ._opaque import INTERNAL, opaque
 
 DTYPES = NAMES  # the dtypes these kernels take (the dispatcher checks them)
 
-#: units of positions per call at most (each a float64 partial of theta's gradient)
+#: units of rows per call at most (each a float64 partial of theta's gradient), and
+#: the positions a unit holds at least
 UNITS = 16
 MIN_UNIT = 4096
 
@@ -26,28 +28,37 @@ MIN_UNIT = 4096
 @njit(**INTERNAL)
 def _units(gg, part, osz, r, U, align, one, u0, u1):
     """Units ``u0:u1`` of ``gg`` (N*P*r, flat) into ``part`` (N*U*r*(r+1), float64);
-    ``osz`` the output's spatial sizes as 3 axes (leading 1s)."""
-    P = osz[0] * osz[1] * osz[2]
-    btab = np.zeros((3, max(osz[0], osz[1], osz[2])), np.float64)
-    for a in range(3):
-        for i in range(osz[a]):
-            btab[a, i] = np.float64(base_coord(i, osz[a], align, one))
+    ``osz`` the output's spatial sizes as 3 axes (leading 1s). A unit is a run of
+    rows (the positions of one (n, d, h)): along a row only x changes, so per row
+    and coordinate two sums, ``sum g`` and ``sum g * x`` (float64, a loop that
+    vectorises), then times y and z."""
+    D, H, W = osz[0], osz[1], osz[2]
+    rows = D * H
+    xs = np.empty(W, np.float64)
+    for i in range(W):
+        xs[i] = np.float64(base_coord(i, W, align, one))
     acc = np.zeros((3, 4), np.float64)
-    bc = np.ones(4, np.float64)
     for u in range(u0, u1):
         n = u // U
         k = u - n * U
         acc[:] = 0.0
-        for j in range(k * P // U, (k + 1) * P // U):
-            t = j // osz[2]
-            bc[0] = btab[2, j - t * osz[2]]
-            bc[1] = btab[1, t % osz[1]]
-            bc[2] = btab[0, t // osz[1]]
+        for row in range(k * rows // U, (k + 1) * rows // U):
+            d = row // H
+            y = np.float64(base_coord(row - d * H, H, align, one))
+            z = np.float64(base_coord(d, D, align, one))
+            b = (n * rows + row) * W * r
             for ci in range(r):
-                g = np.float64(gg[(n * P + j) * r + ci])
-                for q in range(r):
-                    acc[ci, q] += g * bc[q]
-                acc[ci, r] += g
+                s = 0.0
+                sx = 0.0
+                for i in range(W):
+                    g = np.float64(gg[b + i * r + ci])
+                    s += g
+                    sx += g * xs[i]
+                acc[ci, 0] += sx
+                acc[ci, 1] += s * y
+                if r == 3:
+                    acc[ci, 2] += s * z
+                acc[ci, r] += s
         for ci in range(r):
             for q in range(r + 1):
                 part[((n * U + k) * r + ci) * (r + 1) + q] = acc[ci, q]
@@ -80,7 +91,8 @@ def launch(gg, size, align, stream=None):
     P = int(np.prod(spatial, dtype=np.int64))
     if N == 0 or P == 0:
         return np.zeros((N, r, r + 1), dt)
-    U = max(1, min(-(-UNITS // N), -(-P // MIN_UNIT)))
+    rows = P // spatial[-1]
+    U = max(1, min(-(-UNITS // N), -(-P // MIN_UNIT), rows))
     part = np.zeros(N * U * r * (r + 1), np.float64)
     osz = np.array((1,) * (3 - r) + spatial, np.int64)
     _runtime.run(_serial, _parallel, N * P * r, np.ascontiguousarray(gg, dtype=ct).reshape(-1), part, osz,
