@@ -324,7 +324,10 @@ def grad_taps_at(mode, i, frac, finite, size, per, padding, align, zero):
         return (i0, i0, i0, i0, w0, zero, zero, zero, zero * s, zero, zero, zero, ok0, False, False, False)
     if mode == LINEAR:
         i0, i1, w0, w1, ok0, ok1 = linear_at(i, frac, finite, size, per, padding, align, zero)
-        return (i0, i1, i1, i1, w0, w1, zero, zero, -s, s, zero, zero, ok0, ok1, False, False)
+        # two taps padded onto one element (a border clamp, a reflection's edge): their
+        # derivatives cancel, exactly 0 (not -1 + 1 after rounding in the other axes' weights)
+        d = zero * s if (i0 == i1) & ok0 & ok1 else s
+        return (i0, i1, i1, i1, w0, w1, zero, zero, -d, d, zero, zero, ok0, ok1, False, False)
     i0, i1, i2, i3, w0, w1, w2, w3, ok0, ok1, ok2, ok3 = cubic_at(i, frac, finite, size, per, padding, align, zero)
     d0, d1, d2, d3 = cubic_dweights(frac, one)
     return (i0, i1, i2, i3, w0, w1, w2, w3, d0 * s, d1 * s, d2 * s, d3 * s, ok0, ok1, ok2, ok3)

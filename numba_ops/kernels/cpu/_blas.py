@@ -33,36 +33,48 @@ def _xxgemm(context, builder, dt):
     return fn, ord(get_blas_kind(dt))
 
 
-@intrinsic
-def gemm_tn(typingctx, a, ao, lda, b, bo, ldb, c, co, ldc, m, n, k):
-    """``c[co + i + j * ldc] = sum_l a[ao + i * lda + l] * b[bo + j * ldb + l]`` for i < m,
-    j < n, l < k: one BLAS GEMM (numba's own ``numba_xxgemm``, the one ``np.dot`` calls)
-    on rows of a and b that are any stride apart, so that a share of the reduction
-    axis (a column range of w's rows) needs no copy. a, b, c: 1-D arrays of one float
-    type; offsets, leading dimensions and sizes: integers."""
-    if not all(isinstance(t, types.Array) and t.dtype in (types.float32, types.float64) for t in (a, b, c)) \
-            or len({a.dtype, b.dtype, c.dtype}) != 1:
-        return None
-    sig = types.void(a, ao, lda, b, bo, ldb, c, co, ldc, m, n, k)
+def _gemm(trans_a):
+    """The codegen of a GEMM intrinsic whose A is transposed (``"t"``) or not (``"n"``)."""
 
-    def codegen(context, builder, sig, args):
-        from llvmlite import ir
-        dt = sig.args[0].dtype
-        fn, kind = _xxgemm(context, builder, dt)
-        char, vp = ir.IntType(8), ir.IntType(8).as_pointer()
-        av = [context.cast(builder, v, t, types.intp) for v, t in zip(args, sig.args)]
+    def gemm(typingctx, a, ao, lda, b, bo, ldb, c, co, ldc, m, n, k):
+        if not all(isinstance(t, types.Array) and t.dtype in (types.float32, types.float64) for t in (a, b, c)) \
+                or len({a.dtype, b.dtype, c.dtype}) != 1:
+            return None
+        sig = types.void(a, ao, lda, b, bo, ldb, c, co, ldc, m, n, k)
 
-        def ptr(i):
-            data = context.make_array(sig.args[i])(context, builder, args[i]).data
-            return builder.bitcast(builder.gep(data, [av[i + 1]]), vp)
-        one = cgutils.alloca_once_value(builder, context.get_constant(dt, 1))
-        zero = cgutils.alloca_once_value(builder, context.get_constant(dt, 0))
-        # column-major C (m x n) = A^T B, A stored (k x m) with lda, B (k x n) with ldb
-        builder.call(fn, (ir.Constant(char, kind), ir.Constant(char, ord("t")),
-                          ir.Constant(char, ord("n")), av[9], av[10], av[11], builder.bitcast(one, vp), ptr(0),
-                          av[2], ptr(3), av[5], builder.bitcast(zero, vp), ptr(6), av[8]))
-        return context.get_dummy_value()
-    return sig, codegen
+        def codegen(context, builder, sig, args):
+            from llvmlite import ir
+            dt = sig.args[0].dtype
+            fn, kind = _xxgemm(context, builder, dt)
+            char, vp = ir.IntType(8), ir.IntType(8).as_pointer()
+            av = [context.cast(builder, v, t, types.intp) for v, t in zip(args, sig.args)]
+
+            def ptr(i):
+                data = context.make_array(sig.args[i])(context, builder, args[i]).data
+                return builder.bitcast(builder.gep(data, [av[i + 1]]), vp)
+            one = cgutils.alloca_once_value(builder, context.get_constant(dt, 1))
+            zero = cgutils.alloca_once_value(builder, context.get_constant(dt, 0))
+            # column-major C (m x n) = op(A) B, B stored (k x n) with ldb; A stored (k x m)
+            # with lda for "t", (m x k) for "n"
+            builder.call(fn, (ir.Constant(char, kind), ir.Constant(char, ord(trans_a)),
+                              ir.Constant(char, ord("n")), av[9], av[10], av[11], builder.bitcast(one, vp), ptr(0),
+                              av[2], ptr(3), av[5], builder.bitcast(zero, vp), ptr(6), av[8]))
+            return context.get_dummy_value()
+        return sig, codegen
+    gemm.__name__ = gemm.__qualname__ = f"gemm_{trans_a}n"
+    return gemm
+
+
+gemm_tn = intrinsic(_gemm("t"))
+gemm_tn.__doc__ = """``c[co + i + j * ldc] = sum_l a[ao + i * lda + l] * b[bo + j * ldb + l]`` for i < m,
+j < n, l < k: one BLAS GEMM (numba's own ``numba_xxgemm``, the one ``np.dot`` calls)
+on rows of a and b that are any stride apart, so that a share of the reduction
+axis (a column range of w's rows) needs no copy. a, b, c: 1-D arrays of one float
+type; offsets, leading dimensions and sizes: integers."""
+
+gemm_nn = intrinsic(_gemm("n"))
+gemm_nn.__doc__ = """``c[co + i + j * ldc] = sum_l a[ao + i + l * lda] * b[bo + j * ldb + l]``: as
+``gemm_tn``, with A's rows (index i) contiguous instead of its reduction axis."""
 
 
 class BlasThreads:

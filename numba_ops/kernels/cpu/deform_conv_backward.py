@@ -1,34 +1,38 @@
 """DeformConv's backward on the CPU, N-D: two GEMMs per tile of output positions
-around two ``@njit(parallel=True)`` sampling passes.
+around two ``@njit(parallel=True)`` sampling passes, on a channel-last copy of x.
 
-With ``col[(c, k), o] = mask * S(x[n, c], pos(g, k, o))`` (the forward's sampled
-columns, never built for a whole layer) and ``gcol = W^T grad_y`` (per group),
-per image and per tile of ``tile(...)`` output positions:
+Rows of the GEMMs are ``(kernel point k, channel c)`` of a group, channel innermost
+(``RW = K * C/group`` per group), so that every per-sample loop runs over contiguous
+channels (it vectorises) as the forward's does. Per image, ``x`` is copied once
+channel-last (``xT``, spatial x C), and per tile of ``tile(...)`` output positions:
 
-1. ``gcol = W_g^T @ grad_y[n, g, :, tile]`` (a GEMM; only when x, offset or mask
-   is wanted);
+1. ``gcol[g, q, (k, c)] = sum over oc of grad_y[n, oc, q] W[oc, c, k]`` (a GEMM
+   per group; only when x, offset or mask is wanted);
 2. ``_columns`` (parallel over units of (offset group, kernel point, positions)):
-   each position's 2**n corners (flat index, ``mask * weight``; a corner outside
-   the input is skipped) into a table, then channel by channel: ``col`` (for W's
-   gradient), ``grad_mask += gcol * S`` and ``grad_offset_i += gcol * mask *
-   dS/dpos_i``, the derivative from ``floor`` of the position (``_sample.
-   grad_taps_at``, shared with GridSample and the CUDA kernels);
-3. ``grad_w_g += grad_y[n, g, :, tile] @ col_g^T`` (a GEMM);
-4. ``_scatter`` (parallel over channels): ``grad_x[n, c, corner] += gcol *
-   mask * weight`` from the table. Each channel's image is one thread's, so no two
+   each position's 2**n corners (spatial index, weight; a corner outside the input
+   is skipped) go into a table, then over the offset group's channels at once:
+   ``col = mask * S`` (for W's gradient), ``grad_mask = sum_c gcol * S`` and
+   ``grad_offset_i = mask * sum_c gcol * dS/dpos_i``, the derivative from ``floor``
+   of the position (``_sample.grad_taps_at``, shared with GridSample and CUDA);
+3. ``grad_W_g += grad_y[n, g, :, tile] @ col_g`` (a GEMM);
+4. ``_scatter`` (parallel over blocks of channels): ``grad_xT[corner, c] += gcol *
+   mask * weight`` from the table, each block's channels one thread's, so no two
    threads ever add to one element: no atomics, and every sum runs in one fixed
-   order (tiles, kernel points, positions, corners).
+   order (tiles, kernel points, positions, corners). ``grad_x`` is ``grad_xT``
+   transposed back.
 
-So the gradients are the same bits on every call, whatever the number of threads
-(the tiles depend on the shape alone). ``grad_b`` is ``grad_y``'s sum in float64.
-A position that is not finite gets NaN in its own ``grad_offset`` and
+So the gradients are the same bits on every call, whatever the number of threads:
+the tiles, units and blocks depend on the shape alone, and the GEMMs are BLAS calls
+on numba's workers, one per fixed block of the output (SciPy's OpenBLAS held at one
+thread: no second thread pool beside numba's). ``grad_b`` is ``grad_y``'s sum in
+float64. A position that is not finite gets NaN in its own ``grad_offset`` and
 ``grad_mask`` and adds nothing to ``grad_w`` or ``grad_x``.
 
 Working memory beyond the gradients: ``col`` and ``gcol`` of ``C * K`` rows by a
-tile of positions (``TILE_BYTES`` each), the corner table (``og * K * tile *
-2**n`` entries), and float32 copies of 16-bit inputs (computed in float32,
-rounded once). The kernels compile once per compute type (rank, group counts and
-wants are runtime values).
+tile of positions (``TILE_BYTES`` each), the corner table (``og * K * tile * 2**n``
+entries), ``x`` and ``grad_x`` of one image channel-last, and float32 copies of
+16-bit inputs (computed in float32, rounded once). The rank is a compile-time
+token; groups and wants are runtime values.
 """
 import numpy as np
 from numba import njit, prange
@@ -37,14 +41,16 @@ from .._dtypes import NAMES, compute
 from .._sample import LINEAR, ZEROS, grad_taps_at
 from .._scalar import split_position
 from . import _runtime
-from ._blas import ONE_THREAD, gemm_tn
+from ._blas import ONE_THREAD, gemm_nn, gemm_tn
 
 DTYPES = NAMES  # the dtypes these kernels take (the dispatcher checks them)
 
 #: bytes of ``col`` (and of ``gcol``) per tile: the tile's positions follow from it
 TILE_BYTES = 4 << 20
 #: positions of one unit of the sampling pass
-UNIT = 64
+UNIT = 32
+#: channels of one block of the scatter (blocks never cross a group's boundary)
+BLOCK = 16
 
 
 def tile(P, rows, itemsize):
@@ -53,19 +59,22 @@ def tile(P, rows, itemsize):
 
 
 @njit(cache=True, parallel=True, nogil=True)
-def _columns(xf, off, msk, gcol, col, gmask, goff, cidx, cw, geo, n, p0, T, ndt, want_w, want_off, want_m, zero):
-    """Pass 2 for positions ``p0:p0+T`` of image ``n``. ``geo`` (int64): nd, C, og, K, P,
-    S, then per axis (outermost first) size, stride of x, output size, conv stride,
-    pad begin, dilation, kernel size; ``ndt`` a tuple of nd entries (nd is a constant
-    where this compiles, so the corner loops unroll). Fills the corner
-    table ``cidx``/``cw`` (og*K*T rows of 2**nd: flat index or -1 outside, weight),
-    ``col`` (C*K*T) and writes ``gmask`` (N*og*K*P) and ``goff`` (N*og*K*nd*P)."""
+def _columns(xT, off, msk, gcol, col, gmask, goff, cidx, cw, geo, n, p0, T, ndt, want_w, want_off, want_m, zero):
+    """Pass 2 for positions ``p0:p0+T`` of image ``n``; ``xT`` the image channel-last
+    (S x C). ``geo`` (int64): nd, C, og, K, P, S, G, then per axis (outermost first)
+    size, stride of x, output size, conv stride, pad begin, dilation, kernel size;
+    ``ndt`` a tuple of nd entries (nd is a constant where this compiles, so the
+    corner loops unroll). Fills the corner table ``cidx``/``cw`` (og*K*T rows of
+    2**nd: spatial index or -1 outside, weight), ``col`` (G*T*RW) and writes
+    ``gmask`` (N*og*K*P) and ``goff`` (N*og*K*nd*P)."""
     nd = len(ndt)
-    C, og, K, P, S = geo[1], geo[2], geo[3], geo[4], geo[5]
+    C, og, K, P, G = geo[1], geo[2], geo[3], geo[4], geo[6]
     one = zero + 1
     nan = zero + np.nan
     NC = 1 << nd
-    Cg = C // og
+    Cog = C // og
+    Cg = C // G
+    RW = K * Cg
     nu = (T + UNIT - 1) // UNIT
     want_gcol = want_off or want_m
     for u in prange(og * K * nu):
@@ -74,33 +83,45 @@ def _columns(xf, off, msk, gcol, col, gmask, goff, cidx, cw, geo, n, p0, T, ndt,
         q1 = min(T, q0 + UNIT)
         g = gk // K
         k = gk - g * K
-        fr = np.empty((nd, UNIT), type(zero))  # the upper corner's weight per axis
-        mval = np.empty(UNIT, type(zero))
-        fin = np.empty(UNIT, np.bool_)
-        dwt = np.empty(UNIT * NC * nd, type(zero))  # per corner: d weight / d pos_a
-        lidx = np.empty(UNIT * NC, np.int64)  # the unit's rows of the table, local
-        lw = np.empty(UNIT * NC, type(zero))
-        dacc = np.empty(nd, type(zero))
+        fr = np.empty(nd, type(zero))  # the upper corner's weight per axis
+        dwt = np.empty(NC * nd, type(zero))  # per corner: d weight / d pos_a
+        s = np.empty(Cog, type(zero))  # per channel: the sample ...
+        ds = np.zeros((nd, Cog), type(zero))  # ... and its derivatives
+        gs = np.empty(nd, type(zero))  # the offsets' gradient sums
+        lo = np.empty(nd, np.int64)
+        hi = np.empty(nd, np.int64)
+        oklo = np.empty(nd, np.bool_)
+        okhi = np.empty(nd, np.bool_)
+        pre = np.empty(nd, type(zero))
+        # per axis: the kernel point's offset from the output position (its index times
+        # the dilation, less the pad), and the output index of the unit's first position,
+        # advanced position by position below (no divisions in the loop)
+        kofs = np.empty(nd, np.int64)
+        oi = np.empty(nd, np.int64)
+        rem = p0 + q0
+        kr = k
+        for a in range(nd - 1, -1, -1):
+            b = 7 + 7 * a
+            oi[a] = rem % geo[b + 2]
+            rem //= geo[b + 2]
+            kofs[a] = (kr % geo[b + 6]) * geo[b + 5] - geo[b + 4]
+            kr //= geo[b + 6]
         for q in range(q0, q1):
-            j = q - q0
             p = p0 + q
-            mval[j] = msk[((n * og + g) * K + k) * P + p] if msk.size else one
+            if q > q0:
+                a = nd - 1
+                oi[a] += 1
+                while a > 0 and oi[a] == geo[7 + 7 * a + 2]:
+                    oi[a] = 0
+                    a -= 1
+                    oi[a] += 1
+            m = msk[((n * og + g) * K + k) * P + p] if msk.size else one
             finite = True
-            rem = p
-            kr = k
             row = (gk * T + q) * NC
-            for cn in range(NC):
-                cidx[row + cn] = 0
-            # axis by axis from the innermost: output index, kernel index, position, corners
-            for a in range(nd - 1, -1, -1):
-                b = 6 + 7 * a
-                osz = geo[b + 2]
-                ks = geo[b + 6]
-                oi = rem % osz
-                rem //= osz
-                ki = kr % ks
-                kr //= ks
-                base = oi * geo[b + 3] - geo[b + 4] + ki * geo[b + 5]
+            # axis by axis: the position and its two corners' offsets (lo, hi), flags, fraction
+            for a in range(nd):
+                b = 7 + 7 * a
+                base = oi[a] * geo[b + 3] + kofs[a]
                 i, frac, near, fa = split_position(base, off[(((n * og + g) * K + k) * nd + a) * P + p], zero)
                 if not near:  # huge: outside, every corner 0
                     i = np.int64(-2)
@@ -108,117 +129,125 @@ def _columns(xf, off, msk, gcol, col, gmask, goff, cidx, cw, geo, n, p0, T, ndt,
                 t0, t1, _, _, _, _, _, _, _, _, _, _, ok0, ok1, _, _ = grad_taps_at(
                     LINEAR, i, frac, fa, geo[b], np.int64(0), ZEROS, False, zero)
                 finite &= fa
-                fr[a, j] = frac
-                st = geo[b + 1]
-                for cn in range(NC):
-                    if cidx[row + cn] < 0:
-                        continue
-                    up = (cn >> (nd - 1 - a)) & 1
-                    if (ok1 if up else ok0):
-                        cidx[row + cn] += (t1 if up else t0) * st
-                    else:
-                        cidx[row + cn] = -1
-            fin[j] = finite
+                fr[a] = frac
+                lo[a] = t0 * geo[b + 1]
+                hi[a] = t1 * geo[b + 1]
+                oklo[a] = ok0
+                okhi[a] = ok1
+            # corner by corner (bit a of cn: the upper corner along axis a): spatial index or
+            # -1 outside, weight, and d weight / d pos_a = the other axes' weights, signed
             for cn in range(NC):
-                if not finite:
-                    cidx[row + cn] = -1
-                inside = cidx[row + cn] >= 0
+                idx = np.int64(0)
+                inside = finite
                 wt = one
                 for a in range(nd):
                     up = (cn >> (nd - 1 - a)) & 1
-                    wt *= fr[a, j] if up else one - fr[a, j]
-                    # d weight / d pos_a: the other axes' weights, signed by the corner's side along a
-                    dw = one if up else -one
-                    for a2 in range(nd):
-                        if a2 != a:
-                            dw *= fr[a2, j] if (cn >> (nd - 1 - a2)) & 1 else one - fr[a2, j]
-                    dwt[(j * NC + cn) * nd + a] = dw if inside else zero
+                    f = fr[a] if up else one - fr[a]
+                    pre[a] = wt  # the product of the axes before a
+                    wt *= f
+                    idx += hi[a] if up else lo[a]
+                    inside &= okhi[a] if up else oklo[a]
+                post = one  # the product of the axes after a
+                for a in range(nd - 1, -1, -1):
+                    up = (cn >> (nd - 1 - a)) & 1
+                    dw = pre[a] * post
+                    dwt[cn * nd + a] = (dw if up else -dw) if inside else zero
+                    post *= fr[a] if up else one - fr[a]
+                cidx[row + cn] = idx if inside else -1
                 cw[row + cn] = wt if inside else zero
-                lidx[j * NC + cn] = cidx[row + cn]
-                lw[j * NC + cn] = cw[row + cn]
-        if not (want_w or want_gcol):
-            continue
-        dsum = np.zeros((nd, UNIT), type(zero))
-        ssum = np.zeros(UNIT, type(zero))
-        for cg in range(Cg):
-            c = g * Cg + cg
-            xb = (n * C + c) * S
-            r = (c * K + k) * T
-            for q in range(q0, q1):
-                j = q - q0
-                s = zero
-                d0 = zero  # d S / d pos_a for the first three axes (scalars: registers) ...
-                d1 = zero
-                d2 = zero
-                for a in range(3, nd):  # ... and the rest (more than 3 spatial axes)
-                    dacc[a] = zero
-                for cn in range(NC):
-                    e = j * NC + cn
-                    ix = lidx[e]
-                    v = xf[xb + max(ix, 0)]
-                    v = v if ix >= 0 else zero  # a corner outside counts 0 (selected, never 0 * x)
-                    s += lw[e] * v
-                    if want_off:
-                        d0 += dwt[e * nd] * v
-                        if nd > 1:
-                            d1 += dwt[e * nd + 1] * v
-                        if nd > 2:
-                            d2 += dwt[e * nd + 2] * v
-                        for a in range(3, nd):
-                            dacc[a] += dwt[e * nd + a] * v
-                if want_w:
-                    col[r + q] = mval[j] * s
-                if want_gcol:
-                    gv = gcol[r + q]
-                    ssum[j] += gv * s
-                    if want_off:
-                        dsum[0, j] += gv * d0
-                        if nd > 1:
-                            dsum[1, j] += gv * d1
-                        if nd > 2:
-                            dsum[2, j] += gv * d2
-                        for a in range(3, nd):
-                            dsum[a, j] += gv * dacc[a]
-        for q in range(q0, q1):
-            j = q - q0
-            p = p0 + q
-            if want_m:
-                gmask[((n * og + g) * K + k) * P + p] = ssum[j] if fin[j] else nan
+            if not (want_w or want_gcol):
+                continue
+            # the sample and its derivatives for every channel of the offset group at once
+            for c in range(Cog):
+                s[c] = zero
             if want_off:
                 for a in range(nd):
-                    goff[(((n * og + g) * K + k) * nd + a) * P + p] = mval[j] * dsum[a, j] if fin[j] else nan
+                    for c in range(Cog):
+                        ds[a, c] = zero
+            for cn in range(NC):
+                ix = cidx[row + cn]
+                if ix < 0:
+                    continue
+                xb = np.uint64(ix * C + g * Cog)  # unsigned: no index pays for negative wraparound (vectorises)
+                wv = cw[row + cn]
+                for c in range(np.uint64(Cog)):
+                    s[c] += wv * xT[xb + c]
+                if want_off:
+                    for a in range(nd):
+                        dv = dwt[cn * nd + a]
+                        for c in range(np.uint64(Cog)):
+                            ds[a, c] += dv * xT[xb + c]
+            sm = zero
+            for a in range(nd):
+                gs[a] = zero
+            c0 = 0
+            while c0 < Cog:  # runs of channels within one conv group: contiguous in col and gcol
+                cc = g * Cog + c0
+                gc = cc // Cg
+                c1 = min(Cog, c0 + (gc + 1) * Cg - cc)
+                rb = np.uint64((gc * T + q) * RW + k * Cg + (cc - gc * Cg) - c0)
+                u0, u1 = np.uint64(c0), np.uint64(c1)
+                if want_w:
+                    for c in range(u0, u1):
+                        col[rb + c] = m * s[c]
+                if want_gcol:
+                    for c in range(u0, u1):
+                        sm += gcol[rb + c] * s[c]
+                    if want_off:
+                        for a in range(nd):
+                            acc = zero
+                            for c in range(u0, u1):
+                                acc += gcol[rb + c] * ds[a, c]
+                            gs[a] += acc
+                c0 = c1
+            if want_m:
+                gmask[((n * og + g) * K + k) * P + p] = sm if finite else nan
+            if want_off:
+                for a in range(nd):
+                    goff[(((n * og + g) * K + k) * nd + a) * P + p] = m * gs[a] if finite else nan
 
 
 @njit(cache=True, parallel=True, nogil=True)
-def _scatter(gx, gcol, msk, cidx, cw, geo, n, p0, T, ndt):
-    """Pass 4: ``grad_x[n, c] += gcol * mask * weight`` over the table's corners, one
-    channel per thread at a time."""
+def _scatter(gxT, gcol, msk, cidx, cw, blocks, geo, n, p0, T, ndt, one):
+    """Pass 4: ``grad_xT[corner, c] += gcol * mask * weight`` over the table's corners,
+    a block of channels (``blocks``: starts and ends, within one conv group and one
+    offset group) per thread at a time."""
     nd = len(ndt)
-    C, og, K, P, S = geo[1], geo[2], geo[3], geo[4], geo[5]
+    C, og, K, P, G = geo[1], geo[2], geo[3], geo[4], geo[6]
     NC = 1 << nd
-    Cg = C // og
-    for c in prange(C):
-        g = c // Cg
-        xb = (n * C + c) * S
+    Cog = C // og
+    Cg = C // G
+    RW = K * Cg
+    nb = blocks.size // 2
+    for bi in prange(nb):
+        c0 = blocks[2 * bi]
+        c1 = blocks[2 * bi + 1]
+        g = c0 // Cog
+        gc = c0 // Cg
+        gv = np.empty(c1 - c0, gcol.dtype)
+        nbc = np.uint64(c1 - c0)
         for k in range(K):
             gk = g * K + k
-            r = (c * K + k) * T
             for q in range(T):
-                gv = gcol[r + q]
-                if msk.size:
-                    gv *= msk[((n * og + g) * K + k) * P + p0 + q]
+                m = msk[((n * og + g) * K + k) * P + p0 + q] if msk.size else one
+                rb = np.uint64((gc * T + q) * RW + k * Cg + c0 - gc * Cg)
+                for c in range(nbc):
+                    gv[c] = gcol[rb + c] * m
                 row = (gk * T + q) * NC
                 for cn in range(NC):
                     ix = cidx[row + cn]
-                    if ix >= 0:
-                        gx[xb + ix] += gv * cw[row + cn]
+                    if ix < 0:
+                        continue
+                    wv = cw[row + cn]
+                    xb = np.uint64(ix * C + c0)
+                    for c in range(nbc):
+                        gxT[xb + c] += wv * gv[c]
 
 
 @njit(cache=True, parallel=True, nogil=True)
-def _gcol(gyf, gyT, wT, gcol, dims, n, p0, T):
-    """Pass 1: ``gcol_g = W_g^T grad_y[n, g, :, p0:p0+T]`` per group (rows (c, k), T
-    columns), one BLAS call per group and 64 positions. ``dims``: oC, P, G, oCg, RW
-    (= Cg * K)."""
+def _gcol(gyf, gyT, wTT, gcol, dims, n, p0, T):
+    """Pass 1: ``gcol[g, q, (k, c)] = sum_oc grad_y[n, g, oc, p0 + q] W[g, oc, c, k]``,
+    one BLAS call per group and 64 positions. ``dims``: oC, P, G, oCg, RW."""
     oC, P, G, oCg, RW = dims[0], dims[1], dims[2], dims[3], dims[4]
     for q in prange(T):  # grad_y's tile with the channels innermost (the GEMM's reduction axis)
         for oc in range(oC):
@@ -227,14 +256,14 @@ def _gcol(gyf, gyT, wT, gcol, dims, n, p0, T):
     for u in prange(G * nq):
         g = u // nq
         q0 = (u - g * nq) * 64
-        gemm_tn(gyT, q0 * oC + g * oCg, oC, wT, g * RW * oCg, oCg, gcol, g * RW * T + q0, T,
-                min(64, T - q0), RW, oCg)
+        gemm_tn(wTT, g * RW * oCg, oCg, gyT, q0 * oC + g * oCg, oC, gcol, (g * T + q0) * RW, RW,
+                RW, min(64, T - q0), oCg)
 
 
 @njit(cache=True, parallel=True, nogil=True)
 def _gw(gyf, col, gw, tmp, dims, n, p0, T):
-    """Pass 3: ``grad_w_g += grad_y[n, g, :, p0:p0+T] @ col_g^T``, one BLAS call per
-    group and 16 output channels into ``tmp``, then added (a fixed order)."""
+    """Pass 3: ``grad_W[g, oc, (k, c)] += sum_q grad_y[n, g, oc, p0 + q] col[g, q, (k, c)]``,
+    one BLAS call per group and 16 output channels into ``tmp``, then added (a fixed order)."""
     oC, P, G, oCg, RW = dims[0], dims[1], dims[2], dims[3], dims[4]
     no = (oCg + 15) // 16
     for u in prange(G * no):
@@ -242,7 +271,7 @@ def _gw(gyf, col, gw, tmp, dims, n, p0, T):
         o0 = (u - g * no) * 16
         nn = min(16, oCg - o0)
         base = (g * oCg + o0) * RW
-        gemm_tn(col, g * RW * T, T, gyf, (n * oC + g * oCg + o0) * P + p0, P, tmp, base, RW, RW, nn, T)
+        gemm_nn(col, g * T * RW, RW, gyf, (n * oC + g * oCg + o0) * P + p0, P, tmp, base, RW, RW, nn, T)
         for i in range(base, base + nn * RW):
             gw[i] += tmp[i]
 
@@ -251,6 +280,13 @@ _columns_serial = njit(cache=True, nogil=True)(_columns.py_func)
 _scatter_serial = njit(cache=True, nogil=True)(_scatter.py_func)
 _gcol_serial = njit(cache=True, nogil=True)(_gcol.py_func)
 _gw_serial = njit(cache=True, nogil=True)(_gw.py_func)
+
+
+def _blocks(C, Cg, Cog):
+    """The scatter's channel blocks: at most ``BLOCK`` channels, never across a conv
+    group's or an offset group's boundary (flat starts and ends)."""
+    cuts = sorted(set(range(0, C, Cg)) | set(range(0, C, Cog)) | set(range(0, C, BLOCK)) | {C})
+    return np.array([v for a, b in zip(cuts, cuts[1:]) for v in (a, b)], np.int64)
 
 
 def launch(gy, x, w, offset, b, mask, p, wants, stream=None):
@@ -262,53 +298,63 @@ def launch(gy, x, w, offset, b, mask, p, wants, stream=None):
     nd, K, og, G = p.nd, p.K, p.offset_group, p.group
     N, C = int(x.shape[0]), int(x.shape[1])
     oC = int(w.shape[0])
+    Cg, oCg = C // G, oC // G
+    RW = K * Cg
     spatial = tuple(int(s) for s in x.shape[2:])
     S = int(np.prod(spatial, dtype=np.int64))
     P = int(np.prod(p.out_spatial, dtype=np.int64))
-    gx = np.zeros(N * C * S if want_x else 0, ct)
-    gw = np.zeros((G, oC // G, (C // G) * K), ct) if want_w else None
+    gx = np.zeros((N, C) + spatial if want_x else 0, ct)
+    gw = np.zeros(G * oCg * RW if want_w else 0, ct)  # (G, oCg, K, Cg): rows (k, c)
     goff = np.zeros(N * og * K * nd * P if want_off else 0, ct)
     gmask = np.zeros(N * og * K * P if want_m else 0, ct)
     need_gcol = want_x or want_off or want_m
-    if N and (need_gcol or want_w):
+    if N * C * oC and (need_gcol or want_w):  # (no channels in or out: every gradient 0)
         flat = lambda a: np.ascontiguousarray(a, dtype=ct).reshape(-1)  # noqa: E731
-        xf, off = flat(x), flat(offset)
+        off = flat(offset)
         msk = flat(mask) if mask is not None else np.zeros(0, ct)
         gyf = flat(gy)
-        RW = (C // G) * K
-        wT = np.ascontiguousarray(np.ascontiguousarray(w, dtype=ct).reshape(G, oC // G, RW).transpose(0, 2, 1)
-                                  ).reshape(-1)
-        geo = [nd, C, og, K, P, S]
+        # W as the GEMM's B: (G, K, Cg, oCg), rows (k, c), output channels innermost
+        wTT = flat(np.asarray(w, dtype=ct).reshape(G, oCg, Cg, K).transpose(0, 3, 2, 1))
+        geo = [nd, C, og, K, P, S, G]
         for a in range(nd):
             geo += [spatial[a], int(np.prod(spatial[a + 1:], dtype=np.int64)), p.out_spatial[a], p.strides[a],
                     p.pads_begin[a], p.dilations[a], p.kernel_shape[a]]
         geo = np.array(geo, np.int64)
-        dims = np.array((oC, P, G, oC // G, RW), np.int64)
+        dims = np.array((oC, P, G, oCg, RW), np.int64)
         T = tile(P, C * K, ct.itemsize)
         col = np.empty(C * K * T if want_w else 0, ct)
         gcol = np.empty(C * K * T if need_gcol else 0, ct)
         gyT = np.empty(T * oC if need_gcol else 0, ct)
-        gwf = gw.reshape(-1) if want_w else None
-        tmp = np.empty(gwf.size if want_w else 0, ct)
+        tmp = np.empty(gw.size, ct)
         cidx = np.empty(og * K * T * (1 << nd), np.int64)
         cw = np.empty(og * K * T * (1 << nd), ct)
+        blocks = _blocks(C, Cg, C // og)
+        gxT = np.empty(S * C if want_x else 0, ct)
         ndt = (0,) * nd  # the rank as a token (see _columns)
         work = C * K * T
         with ONE_THREAD:
             for n in range(N):
+                xT = flat(np.asarray(x[n], dtype=ct).reshape(C, S).T)  # channel-last
+                if want_x:
+                    gxT[:] = 0
                 for p0 in range(0, P, T):
                     Tt = min(T, P - p0)  # (the buffers' first C*K*Tt elements serve a shorter last tile)
                     if need_gcol:
-                        _runtime.call(_gcol_serial, _gcol, work, gyf, gyT, wT, gcol, dims, n, p0, Tt)
-                    _runtime.call(_columns_serial, _columns, work, xf, off, msk, gcol, col, gmask, goff, cidx, cw,
+                        _runtime.call(_gcol_serial, _gcol, work, gyf, gyT, wTT, gcol, dims, n, p0, Tt)
+                    _runtime.call(_columns_serial, _columns, work, xT, off, msk, gcol, col, gmask, goff, cidx, cw,
                                   geo, n, p0, Tt, ndt, want_w, want_off, want_m, ct.type(0))
                     if want_w:
-                        _runtime.call(_gw_serial, _gw, work, gyf, col, gwf, tmp, dims, n, p0, Tt)
+                        _runtime.call(_gw_serial, _gw, work, gyf, col, gw, tmp, dims, n, p0, Tt)
                     if want_x:
-                        _runtime.call(_scatter_serial, _scatter, work, gx, gcol, msk, cidx, cw, geo, n, p0, Tt, ndt)
+                        _runtime.call(_scatter_serial, _scatter, work, gxT, gcol, msk, cidx, cw, blocks, geo, n,
+                                      p0, Tt, ndt, ct.type(1))
+                if want_x:
+                    gx[n] = gxT.reshape(S, C).T.reshape((C,) + spatial)
     gb = None
     if want_b:
         gb = gy.astype(np.float64).sum(axis=tuple(i for i in range(gy.ndim) if i != 1)).astype(dt)
     cast = lambda a, shape: None if a is None else a.reshape(shape).astype(dt, copy=False)  # noqa: E731
-    return (cast(gx if want_x else None, x.shape), cast(gw, w.shape), cast(goff if want_off else None, offset.shape),
-            gb, cast(gmask if want_m else None, None if mask is None else mask.shape))
+    gw_out = gw.reshape(G, oCg, K, Cg).transpose(0, 1, 3, 2).reshape(w.shape) if want_w else None
+    return (cast(gx if want_x else None, x.shape), cast(gw_out, w.shape),
+            cast(goff if want_off else None, offset.shape), gb,
+            cast(gmask if want_m else None, None if mask is None else mask.shape))

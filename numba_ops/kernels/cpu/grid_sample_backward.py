@@ -178,12 +178,15 @@ def _units(xf, gyf, src, gxb, gpos, gth, dims, isz, osz, rtok, mtok, ptok, align
                 if mode == LINEAR:
                     # n-linear: the taps' offsets, weights and flags as scalars, the corners
                     # in constant loops that unroll into straight-line code on registers
-                    # (d weight / d pos is -1 for the lower tap, +1 for the upper one)
+                    # (d weight / d pos: -1 for the lower tap, +1 for the upper one; 0 for both
+                    # where they are padded onto one element)
                     oz0, oz1, wz0, wz1 = ti[0, 0, jj], ti[0, 1, jj], tw[0, 0, jj], tw[0, 1, jj]
                     oy0, oy1, wy0, wy1 = ti[1, 0, jj], ti[1, 1, jj], tw[1, 0, jj], tw[1, 1, jj]
                     ox0, ox1, wx0, wx1 = ti[2, 0, jj], ti[2, 1, jj], tw[2, 0, jj], tw[2, 1, jj]
                     kz0, kz1, ky0, ky1 = tk[0, 0, jj], tk[0, 1, jj], tk[1, 0, jj], tk[1, 1, jj]
                     kx0, kx1 = tk[2, 0, jj], tk[2, 1, jj]
+                    dz0, dz1, dy0, dy1 = td[0, 0, jj], td[0, 1, jj], td[1, 0, jj], td[1, 1, jj]
+                    dx0, dx1 = td[2, 0, jj], td[2, 1, jj]
                     for c in range(C):
                         gv = gyf[(n * C + c) * P + j]
                         xb = (n * C + c) * S
@@ -193,17 +196,17 @@ def _units(xf, gyf, src, gxb, gpos, gth, dims, isz, osz, rtok, mtok, ptok, align
                         ax = zero
                         for tz in range(nt0):
                             kz, oz, wz = (kz1, oz1, wz1) if tz else (kz0, oz0, wz0)
-                            dz = one if tz else -one
+                            dz = dz1 if tz else dz0
                             if not kz:
                                 continue
                             for ty in range(nt1):
                                 ky, oy, wy = (ky1, oy1, wy1) if ty else (ky0, oy0, wy0)
-                                dy = one if ty else -one
+                                dy = dy1 if ty else dy0
                                 if not ky:
                                     continue
                                 for tx in range(2):
                                     kx, ox, wx = (kx1, ox1, wx1) if tx else (kx0, ox0, wx0)
-                                    dx = one if tx else -one
+                                    dx = dx1 if tx else dx0
                                     if not kx:
                                         continue
                                     f = oz + oy + ox
