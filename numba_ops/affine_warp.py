@@ -208,9 +208,15 @@ def warm_calls(dtype):
 
 def warm_backward_calls(dtype):
     """``(args, kwargs)`` of ``affine_warp_backward`` calls that compile its CPU kernels
-    for float dtype ``dtype``: a tiny call (serial) and one past the pool's threshold."""
+    for float dtype ``dtype``: 2-D and 3-D, each mode and padding mode, a tiny call
+    (serial) and one past the pool's threshold (parallel)."""
     from .kernels.cpu._runtime import PARALLEL_MIN_WORK
     dt = np_dtype(dtype)
-    x = np.zeros((1, 1, 2, 2), dt)
-    theta = np.zeros((1, 2, 3), dt)
-    return [((np.zeros((1, 1, 1, w), dt), x, theta, (1, 1, 1, w)), {}) for w in (1, PARALLEL_MIN_WORK)]
+    calls = []
+    for r in (2, 3):
+        x = np.zeros((1, 1) + (2,) * r, dt)
+        theta = np.zeros((1, r, r + 1), dt)
+        for w in (1, PARALLEL_MIN_WORK):
+            size = (1, 1) + (1,) * (r - 1) + (w,)
+            calls += every_mode((np.zeros(size, dt), x, theta, size))
+    return calls

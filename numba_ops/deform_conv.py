@@ -371,14 +371,21 @@ def warm_calls(dtype):
 
 def warm_backward_calls(dtype):
     """``(args, kwargs)`` of ``deform_conv_backward`` calls that compile its CPU kernels
-    for float dtype ``dtype`` (rank and groups are runtime values there): a tiny call
-    (serial passes) and one past the pool's threshold (parallel), with a mask."""
+    for float dtype ``dtype``: n = 1, 2, 3 spatial dims (a compile-time constant
+    there), each a tiny call (serial passes) and one past the pool's threshold
+    (parallel), with a mask."""
     from .kernels.cpu._runtime import PARALLEL_MIN_WORK
     dt = np_dtype(dtype)
     calls = []
-    for o in (1, PARALLEL_MIN_WORK // 8 + 1):
-        x = np.zeros((1, 2, o + 1), dt)
-        w = np.zeros((2, 2, 2), dt)
-        off = np.zeros((1, 2, o), dt)
-        calls.append(((np.zeros((1, 2, o), dt), x, w, off, np.zeros(2, dt), np.ones((1, 2, o), dt)), {}))
+    for nd in (1, 2, 3):
+        K = 2 ** nd
+        for big in (False, True):
+            o = 1
+            while big and 2 * K * o ** nd < PARALLEL_MIN_WORK:  # C * K * positions: the passes' work
+                o += 1
+            x = np.zeros((1, 2) + (o + 1,) * nd, dt)
+            w = np.zeros((2, 2) + (2,) * nd, dt)
+            off = np.zeros((1, K * nd) + (o,) * nd, dt)
+            mask = np.ones((1, K) + (o,) * nd, dt)
+            calls.append(((np.zeros((1, 2) + (o,) * nd, dt), x, w, off, np.zeros(2, dt), mask), {}))
     return calls

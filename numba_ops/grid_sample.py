@@ -254,15 +254,17 @@ def warm_calls(dtype):
 
 def warm_backward_calls(dtype):
     """``(args, kwargs)`` of ``grid_sample_backward`` calls that compile its CPU kernels
-    for float dtype ``dtype`` (rank, mode and padding are runtime values there): a
-    tiny call (serial) and one past the pool's threshold (parallel)."""
+    for float dtype ``dtype``: each r = 1, 2, 3, mode and padding mode (compile-time
+    constants there), a tiny call (serial) and one past the pool's threshold (parallel)."""
     from .kernels.cpu._runtime import PARALLEL_MIN_WORK
     dt = np_dtype(dtype)
     calls = []
-    for n_out in (1, PARALLEL_MIN_WORK):
-        x = np.zeros((1, 1, 2, 2), dt)
-        grid = np.zeros((1, 1, n_out, 2), dt)
-        calls.append(((np.zeros((1, 1, 1, n_out), dt), x, grid), {}))
+    for r in (1, 2, 3):
+        for n_out in (1, PARALLEL_MIN_WORK):
+            x = np.zeros((1, 1) + (2,) * r, dt)
+            grid = np.zeros((1, n_out) + (1,) * (r - 1) + (r,), dt)
+            gy = np.zeros((1, 1, n_out) + (1,) * (r - 1), dt)
+            calls += every_mode((gy, x, grid))
     return calls
 
 
