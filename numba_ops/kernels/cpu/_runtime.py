@@ -25,6 +25,7 @@ started every CPU kernel runs serially on the calling thread, with one warning.
 """
 import os
 import threading
+import types
 import warnings
 
 import numba
@@ -94,6 +95,20 @@ def run(serial, parallel, work, *args):
     with POOL_LOCK:
         return parallel(*args, 4 * nth)
 
+
+
+def serial_twin(parallel):
+    """``parallel``'s function compiled without ``parallel=True`` (its ``prange`` loops run
+    in order), for ``call``. A function of its own name: numba's disk cache keys a
+    function's code by its qualified name and signature, not by its options, so the
+    same name would hand one dispatcher the other's cached code."""
+    fn = parallel.py_func
+    twin = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__ + "_serial", fn.__defaults__,
+                              fn.__closure__)
+    twin.__qualname__ = fn.__qualname__ + "_serial"
+    twin.__module__ = fn.__module__
+    twin.__doc__ = fn.__doc__
+    return numba.njit(cache=True, nogil=True)(twin)
 
 
 def call(serial, parallel, work, *args):

@@ -276,10 +276,10 @@ def _gw(gyf, col, gw, tmp, dims, n, p0, T):
             gw[i] += tmp[i]
 
 
-_columns_serial = njit(cache=True, nogil=True)(_columns.py_func)
-_scatter_serial = njit(cache=True, nogil=True)(_scatter.py_func)
-_gcol_serial = njit(cache=True, nogil=True)(_gcol.py_func)
-_gw_serial = njit(cache=True, nogil=True)(_gw.py_func)
+_columns_serial = _runtime.serial_twin(_columns)
+_scatter_serial = _runtime.serial_twin(_scatter)
+_gcol_serial = _runtime.serial_twin(_gcol)
+_gw_serial = _runtime.serial_twin(_gw)
 
 
 def _blocks(C, Cg, Cog):

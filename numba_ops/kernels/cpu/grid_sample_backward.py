@@ -308,7 +308,7 @@ def _sum_buffers(gxb, U, M):
             gxb[i] = s
 
 
-_sum_buffers_serial = njit(cache=True, nogil=True)(_sum_buffers.py_func)
+_sum_buffers_serial = _runtime.serial_twin(_sum_buffers)
 
 
 def _as_compute(a, ct):
