@@ -18,18 +18,21 @@ EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
 
 #: modules whose docstrings hold the examples of the public API
 DOC_MODULES = ["numba_ops", "numba_ops.affine_grid", "numba_ops.deform_conv", "numba_ops.grid_sample",
-               "numba_ops.affine_warp", "numba_ops._dispatch", "numba_ops._warm", "numba_ops.dask"]
+               "numba_ops.affine_warp", "numba_ops._dispatch", "numba_ops._warm", "numba_ops.dask", "numba_ops.torch"]
 
 #: small arguments, so that the scripts stay quick (their defaults are a user's)
 EXAMPLE_ARGS = {"augment_batch.py": ["--n", "3", "--size", "32"],
                 "dask_volume.py": ["--n", "2", "--size", "8", "--chunk", "1"],
-                "register_volumes.py": ["--size", "24"]}
+                "register_volumes.py": ["--size", "24"],
+                "train_deformable_3d.py": ["--steps", "20", "--size", "10"]}
 
 
 @pytest.mark.parametrize("name", DOC_MODULES)
 def test_docstring_examples(name):
     if name == "numba_ops.dask":
         pytest.importorskip("dask.array")
+    if name == "numba_ops.torch":
+        pytest.importorskip("torch")
     module = importlib.import_module(name)
     finder = doctest.DocTestFinder()
     runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)

@@ -190,6 +190,7 @@ if sys.argv[1] == "warm":  # the warm-up calls of one mode and padding, 1-D, of 
     calls = front.warm_calls("float32")
     front.warm_calls = lambda dtype: [(a, k) for a, k in calls if a[0].ndim == 3 and a[0].dtype.name in xdts
                                       and k == {"mode": "nearest", "padding_mode": "reflection"}]
+    front.warm_backward_calls = lambda dtype: []  # (the forward's sample alone)
     r = numba_ops.warm("grid_sample", "float32", "cpu", quiet=True)
     print(json.dumps({"calls": r["calls"], "failures": r["failures"]}))
 else:  # a user's calls of that mode and padding: shapes, layouts, align, both paths, uint8 x
@@ -226,7 +227,8 @@ def test_warm_grid_sample_sample(xdts, tmp_path):
 
 
 def test_warm_result(capsys):
-    calls = len(__import__("numba_ops.affine_grid", fromlist=["warm_calls"]).warm_calls(DTYPE))
+    front = __import__("numba_ops.affine_grid", fromlist=["warm_calls"])
+    calls = len(front.warm_calls(DTYPE)) + len(front.warm_backward_calls(DTYPE))  # the gradients' too
     seen = []
     r = numba_ops.warm("affine_grid", [np.float32], "cpu", progress=lambda *a: seen.append(a), force=True)
     printed = capsys.readouterr().out  # documented: warm returns and prints what it did
@@ -265,7 +267,8 @@ def test_warm_in_worker_processes(tmp_path):
 
     got = run()
     r, seen = got["r"], got["seen"]
-    calls = 2 * len(__import__("numba_ops.affine_grid", fromlist=["warm_calls"]).warm_calls(DTYPE))
+    front = __import__("numba_ops.affine_grid", fromlist=["warm_calls"])
+    calls = 2 * (len(front.warm_calls(DTYPE)) + len(front.warm_backward_calls(DTYPE)))
     assert r["failures"] == [] and r["calls"] == calls and r["compiled"] > 0
     done = sorted(x for x in seen if ": done (" in x)
     assert [x.split(":")[0] for x in done] == ["affine_grid float32 cpu", "affine_grid float64 cpu"]

@@ -354,7 +354,7 @@ def launch(gy, x, w, offset, b, mask, p, wants, stream=None):
     if want_b:
         gb = gy.astype(np.float64).sum(axis=tuple(i for i in range(gy.ndim) if i != 1)).astype(dt)
     cast = lambda a, shape: None if a is None else a.reshape(shape).astype(dt, copy=False)  # noqa: E731
-    gw_out = gw.reshape(G, oCg, K, Cg).transpose(0, 1, 3, 2).reshape(w.shape) if want_w else None
+    gw_out = np.ascontiguousarray(gw.reshape(G, oCg, K, Cg).transpose(0, 1, 3, 2)).reshape(w.shape) if want_w else None
     return (cast(gx if want_x else None, x.shape), cast(gw_out, w.shape),
             cast(goff if want_off else None, offset.shape), gb,
             cast(gmask if want_m else None, None if mask is None else mask.shape))
