@@ -190,10 +190,7 @@ def affine_grid_backward(grad_grid: ArrayLike, size: Sequence[int] | ArrayLike, 
     if tuple(gg.shape) != want:
         raise ValueError(f"grad_grid must have the grid's shape {want} for size {list(size)}; "
                          f"got {tuple(gg.shape)}")
-    if device == "cuda":
-        out = launcher("affine_grid_backward", device, dtype)(gg, size, align, stream=stream)
-    else:
-        out = launcher("affine_grid_backward", device, dtype)(gg, size, align)
+    out = launcher("affine_grid_backward", device, dtype)(gg, size, align, stream=stream)  # (the CPU ignores stream)
     return result_for(out, back)
 
 

@@ -180,10 +180,7 @@ def affine_warp_backward(grad_y: ArrayLike, x: ArrayLike, theta: ArrayLike,
     grad_y = as_array(grad_y, "grad_y", device)
     check_grad_y(grad_y, size, dtype)
     args = (grad_y, x, theta, size, mode, padding, align, want["x"], want["theta"])
-    if device == "cuda":
-        gx, gt = launcher("affine_warp_backward", "cuda", dtype)(*args, stream=stream)
-    else:
-        gx, gt = launcher("affine_warp_backward", "cpu", dtype)(*args)
+    gx, gt = launcher("affine_warp_backward", device, dtype)(*args, stream=stream)  # (the CPU ignores stream)
     return result_for(gx, back), result_for(gt, back)
 
 

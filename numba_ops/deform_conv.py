@@ -329,11 +329,8 @@ def deform_conv_backward(grad_y: ArrayLike, x: ArrayLike, w: ArrayLike, offset: 
     grad_y = as_array(grad_y, "grad_y", device)
     check_grad_y(grad_y, (x.shape[0], w.shape[0]) + p.out_spatial, x.dtype)
     wants = tuple(want[n] for n in ("x", "w", "offset", "b", "mask"))
-    if device == "cuda":
-        grads = launcher("deform_conv_backward", device, x.dtype)(grad_y, x, w, offset, b, mask, p, wants,
-                                                                  stream=stream)
-    else:
-        grads = launcher("deform_conv_backward", device, x.dtype)(grad_y, x, w, offset, b, mask, p, wants)
+    grads = launcher("deform_conv_backward", device, x.dtype)(grad_y, x, w, offset, b, mask, p, wants,
+                                                              stream=stream)  # (the CPU ignores stream)
     return tuple(result_for(g, back) for g in grads)
 
 

@@ -219,10 +219,7 @@ def grid_sample_backward(grad_y: ArrayLike, x: ArrayLike, grid: ArrayLike, *, mo
     grad_y = as_array(grad_y, "grad_y", device)
     check_grad_y(grad_y, out_shape, dtype)
     args = (grad_y, x, grid, mode, padding, align, want["x"], want["grid"])
-    if device == "cuda":
-        gx, gg = launcher("grid_sample_backward", "cuda", dtype)(*args, stream=stream)
-    else:
-        gx, gg = launcher("grid_sample_backward", "cpu", dtype)(*args)
+    gx, gg = launcher("grid_sample_backward", device, dtype)(*args, stream=stream)  # (the CPU ignores stream)
     return result_for(gx, back), result_for(gg, back)
 
 
