@@ -66,10 +66,12 @@ def threads(ct, r, mode, affine):
     """Threads per block of the kernels for compute type ``ct``, ``r`` axes, ``mode`` and
     positions from theta (``affine``): ``_device.THREADS`` (256 on a GPU), or 128 for
     the variants that need more than 128 registers per thread to spill nothing
-    (``bounds``): cubic in 3-D or in float64, float64 linear in 3-D, and float64 from
-    theta (the float64 sums of theta's gradient take registers too)."""
+    (``bounds``): cubic in 3-D or in float64, float64 linear in 3-D, and from theta in
+    3-D, cubic or float64 (the float64 sums of theta's gradient take registers too;
+    nvJitLink 13.5 spilled 3-D linear from theta at 256 threads)."""
     f64 = np.dtype(ct) == np.float64
-    heavy = (mode == CUBIC and (r == 3 or f64)) or (f64 and (affine or (r == 3 and mode == LINEAR)))
+    heavy = ((mode == CUBIC and (r == 3 or f64)) or (f64 and r == 3 and mode == LINEAR)
+             or (affine and (f64 or r == 3 or mode == CUBIC)))
     return 128 if heavy and not _device.SIMULATOR else _device.THREADS
 
 
