@@ -112,10 +112,23 @@ def affine_grid(theta: ArrayLike, size: Sequence[int] | ArrayLike, align_corners
     if arr is not theta:
         key = None  # converted (byte order, device copy): such calls never take the fast path
     theta = arr
-    common_float_dtype({"theta": theta})
-    align = as_bool(align_corners, "align_corners")
     if size_on_device:
         size = as_array(size, "size", "cpu")  # its values, read on the host
+    theta, size, align = checked(theta, size, align_corners)
+    if key is not None and device == "cpu":
+        remember(_SEEN, key, (size, align))
+    if device == "cuda":
+        out = launcher("affine_grid", device, theta.dtype)(theta, size, align, stream=stream)
+    else:
+        out = launcher("affine_grid", device, theta.dtype)(theta, size, align)
+    return result_for(out, back)
+
+
+def checked(theta, size, align_corners):
+    """The call's checks (``theta`` an array, ``size`` on the host): ``(theta, size as a
+    tuple, align_corners as a bool)`` or the function's ValueError/TypeError."""
+    common_float_dtype({"theta": theta})
+    align = as_bool(align_corners, "align_corners")
     size = int_tuple(size, "size", length=(4, 5), minimum=0)
     nd = len(size) - 2
     want = (size[0], nd, nd + 1)
@@ -127,13 +140,7 @@ def affine_grid(theta: ArrayLike, size: Sequence[int] | ArrayLike, align_corners
     shape = (size[0],) + size[2:] + (nd,)
     if math.prod(max(1, s) for s in shape) * theta.dtype.itemsize > np.iinfo(np.intp).max:
         raise ValueError(f"size {list(size)} asks for a grid of shape {shape}: too large to allocate")
-    if key is not None and device == "cpu":
-        remember(_SEEN, key, (size, align))
-    if device == "cuda":
-        out = launcher("affine_grid", device, theta.dtype)(theta, size, align, stream=stream)
-    else:
-        out = launcher("affine_grid", device, theta.dtype)(theta, size, align)
-    return result_for(out, back)
+    return theta, size, align
 
 
 def affine_grid_backward(grad_grid: ArrayLike, size: Sequence[int] | ArrayLike, align_corners: bool | int = False, *,

@@ -42,7 +42,8 @@ from ..affine_warp import affine_warp
 from ..deform_conv import deform_conv
 from ..grid_sample import grid_sample
 
-__all__ = ["AffineGrid", "AffineWarp", "DeformConv", "GridSample", "evaluator", "fuse", "ops", "session"]
+__all__ = ["AffineGrid", "AffineWarp", "DeformConv", "GridSample", "MMCVModulatedDeformConv2d", "evaluator", "fuse",
+           "grid_sampler", "mmdeploy_as_onnx", "ops", "session"]
 
 #: the domain of AffineWarp, and its opset version
 DOMAIN = "numba_ops"
@@ -156,18 +157,117 @@ class AffineWarp(_Op):
                           padding_mode=padding_mode)
 
 
-_CLASSES = (AffineGrid, DeformConv, GridSample, AffineWarp)
+# --- MMDeploy's nodes ---------------------------------------------------------------------
+
+#: the domains of the custom nodes that OpenMMLab's MMDeploy (and mmcv) export for onnxruntime
+MMDEPLOY_DOMAINS = ("mmdeploy", "mmcv")
+#: MMDeploy's op types, and the ONNX op each runs as
+MMDEPLOY_OPS = {"MMCVModulatedDeformConv2d": "DeformConv", "grid_sampler": "GridSample"}
+_MM_MODES = {0: "linear", 1: "nearest", 2: "cubic"}
+_MM_PADDING = {0: "zeros", 1: "border", 2: "reflection"}
+_MM_ATTRS = {"MMCVModulatedDeformConv2d": ("stride", "padding", "dilation", "groups", "deform_groups",
+                                           "deformable_groups"),
+             "grid_sampler": ("interpolation_mode", "padding_mode", "align_corners")}
+
+
+def _pair(value, name, default):
+    """An MMDeploy (h, w) attribute: two ints (one int stands for both)."""
+    if value is None:
+        return [default, default]
+    v = [value] if isinstance(value, (int, np.integer)) else list(value)
+    if len(v) == 1:
+        v = v * 2
+    if len(v) != 2 or not all(isinstance(e, (int, np.integer)) for e in v):
+        raise ValueError(f"attribute {name} must be one or two integers (h, w); got {value!r}")
+    return [int(e) for e in v]
+
+
+def _code(value, name, names):
+    try:
+        return names[int(value)]
+    except (KeyError, TypeError, ValueError):
+        raise ValueError(f"attribute {name} must be one of {sorted(names)} "
+                         f"({', '.join(f'{k}: {v}' for k, v in names.items())}); got {value!r}") from None
+
+
+def mmdeploy_as_onnx(op_type, inputs, attrs):
+    """An MMDeploy node as the ONNX node with its semantics: ``(ONNX op type, inputs in
+    ONNX order (None where absent), ONNX attributes)``.
+
+    ``MMCVModulatedDeformConv2d`` (inputs input, offset, mask, weight[, bias];
+    attributes ``stride``, ``padding`` (symmetric, (h, w)), ``dilation``, ``groups``,
+    ``deform_groups`` (``deformable_groups`` in older exports)) is a 2-D DeformConv
+    with a mask: mmcv's offsets (dy, dx per kernel point, per offset group) and
+    bilinear sampling (zero outside the image) are ONNX's. ``grid_sampler`` (inputs
+    input, grid; attributes ``interpolation_mode`` 0/1/2 = bilinear, nearest, bicubic,
+    ``padding_mode`` 0/1/2 = zeros, border, reflection, ``align_corners``) is
+    PyTorch's ``grid_sample``, which ONNX GridSample follows. Absent attributes take
+    PyTorch's defaults.
+    """
+    a = dict(attrs)
+    unknown = sorted(set(a) - set(_MM_ATTRS[op_type]))
+    if unknown:
+        raise ValueError(f"{op_type} has no attribute {unknown[0]!r} (it takes {', '.join(_MM_ATTRS[op_type])})")
+    ins = list(inputs) + [None] * (5 - len(inputs))
+    if op_type == "MMCVModulatedDeformConv2d":
+        x, offset, mask, w, b = ins[:5]
+        ph, pw = _pair(a.get("padding"), "padding", 0)
+        groups = a.get("deform_groups", a.get("deformable_groups"))
+        return "DeformConv", [x, w, offset, b, mask], dict(
+            strides=_pair(a.get("stride"), "stride", 1), pads=[ph, pw, ph, pw],
+            dilations=_pair(a.get("dilation"), "dilation", 1), group=int(a.get("groups", 1)),
+            offset_group=1 if groups is None else int(groups))
+    return "GridSample", ins[:2], dict(
+        mode=_code(a.get("interpolation_mode", 0), "interpolation_mode", _MM_MODES),
+        padding_mode=_code(a.get("padding_mode", 0), "padding_mode", _MM_PADDING),
+        align_corners=int(a.get("align_corners", 0)))
+
+
+class MMCVModulatedDeformConv2d(_Op):
+    """MMDeploy's (and mmcv's) ``MMCVModulatedDeformConv2d`` node (domain ``mmdeploy``;
+    ``ops()`` adds its ``mmcv`` twin) on numba_ops' DeformConv (``mmdeploy_as_onnx``)."""
+    op_domain = MMDEPLOY_DOMAINS[0]
+
+    def _run(self, input, offset, mask, weight, bias=None, **attrs):  # noqa: A002 (MMDeploy's names)
+        try:
+            op, ins, a = mmdeploy_as_onnx("MMCVModulatedDeformConv2d", [input, offset, mask, weight, bias], attrs)
+        except ValueError as exc:
+            raise ValueError(f"MMCVModulatedDeformConv2d: {exc}") from None
+        return self._call(_deform_conv, *ins, **a)
+
+
+class grid_sampler(_Op):  # noqa: N801 (MMDeploy's op type)
+    """MMDeploy's ``grid_sampler`` node (domain ``mmdeploy``; ``ops()`` adds its ``mmcv``
+    twin) on numba_ops' GridSample (``mmdeploy_as_onnx``)."""
+    op_domain = MMDEPLOY_DOMAINS[0]
+
+    def _run(self, input, grid, **attrs):  # noqa: A002 (MMDeploy's names)
+        try:
+            op, ins, a = mmdeploy_as_onnx("grid_sampler", [input, grid], attrs)
+        except ValueError as exc:
+            raise ValueError(f"grid_sampler: {exc}") from None
+        return self._call(_grid_sample, *ins, **a)
+
+
+def _in_domain(cls, domain):
+    return type(cls.__name__, (cls,), {"op_domain": domain, "__module__": __name__, "__doc__": cls.__doc__})
+
+
+_CLASSES = (AffineGrid, DeformConv, GridSample, AffineWarp, MMCVModulatedDeformConv2d, grid_sampler,
+            _in_domain(MMCVModulatedDeformConv2d, "mmcv"), _in_domain(grid_sampler, "mmcv"))
 
 
 def ops(device=None):
-    """``[AffineGrid, DeformConv, GridSample, AffineWarp]`` bound to ``device`` (None,
-    "cpu" or "cuda"), for ``new_ops``.
+    """``[AffineGrid, DeformConv, GridSample, AffineWarp]`` and MMDeploy's nodes
+    (``MMCVModulatedDeformConv2d``, ``grid_sampler``, in domains ``mmdeploy`` and
+    ``mmcv``) bound to ``device`` (None, "cpu" or "cuda"), for ``new_ops``.
 
     The classes keep their ONNX names, which is how the evaluator matches them to nodes.
     """
     if check_device(device) is None:
         return list(_CLASSES)
-    return [type(cls.__name__, (cls,), {"device": device, "__module__": __name__}) for cls in _CLASSES]
+    return [type(cls.__name__, (cls,), {"device": device, "__module__": __name__, "op_domain": cls.op_domain})
+            for cls in _CLASSES]
 
 
 # --- fuse: AffineGrid -> GridSample as AffineWarp ----------------------------------------

@@ -1,34 +1,42 @@
-"""DeformConv inside onnxruntime through its C custom-op API, on onnxruntime's own pool.
+"""numba_ops' nodes inside onnxruntime as compiled code on onnxruntime's own pool.
 
-``session``'s other route, onnxruntime-extensions' Python operators, runs a node in
-Python on the thread that reached it: its inputs and output are copied, the GIL
-taken, and numba_ops' parallel kernels would need numba's pool beside onnxruntime's,
-which contend for the cores (see ``_ort.SPINNING``). Here a float32 or float64
-DeformConv node of any rank is an ``OrtCustomOp`` whose compute is compiled code
-(a numba ``cfunc``): it reads the node's inputs where onnxruntime holds them,
-writes the output into onnxruntime's buffer, and runs the tiled kernel's pool
-rounds (``kernels.cpu.deform_conv.task``) through ``KernelContext_ParallelFor`` on
-onnxruntime's intra-op threads, the ones its own nodes use. Python runs only when
-a node's input shapes change (``_Node.plan``: the function's checks, the tiling,
-the workspaces), under the GIL.
+``session``'s compiled route (the other one, onnxruntime-extensions' Python
+operators in ``_ort``, is the fallback). Every taken node (DeformConv, GridSample,
+AffineGrid, AffineWarp; MMDeploy's nodes run as the first two) is an
+``OrtCustomOp`` whose compute is compiled code (a numba ``cfunc``): it reads the
+node's inputs where onnxruntime holds them, writes the output into onnxruntime's
+buffer, and deals the kernel's units of work (GridSample's segments, AffineGrid's
+rows, DeformConv's tiled rounds) onto onnxruntime's intra-op threads through
+``KernelContext_ParallelFor``: the threads its own nodes use, no second pool, no
+GIL, no copies. Python runs only when a node's input shapes change (``_Node.plan``:
+the function's own checks, and the kernel's launch plan, the one its launcher runs
+by: ``launch_plan``/``plan`` in ``kernels/cpu``), under the GIL.
 
 How the pieces meet:
 
 - onnxruntime registers custom operators from a shared library's
   ``RegisterCustomOps``. ``SHIM`` is that library, seven lines of C compiled
-  once per machine with the C compiler (``cc``) into numba_ops' cache; it hands
-  the call to ``_register``, a ctypes callback, which declares the operators.
-  Without a compiler ``library()`` is None, and where the registration fails
-  (onnxruntime older than API version 17) ``reason()`` says why: DeformConv
-  nodes then take the Python route.
+  once per machine with the C compiler (``cc``) into numba_ops' cache (``numba-ops
+  warm`` builds it); it hands the call to ``_register``, a ctypes callback, which
+  adds the one domain of operators (made once per process) to the options.
+  Without a compiler ``library()`` is None and ``reason()`` says why; nodes then
+  take the Python route, and ``session`` warns.
 - The C API is a table of function pointers (``OrtApi``); ``API`` names the
   positions used here, which onnxruntime never moves (new functions are appended).
   The compiled compute calls them through ``_call`` (an indirect call), so it
   holds no address of this process and numba caches it on disk.
 - Each node is a ``_Node`` whose int64 array ``S`` is the kernel object onnxruntime
-  passes back: the input shapes seen last, pointers, the tiling's schedule and the
-  workspaces. A node's compute holds the array's lock (concurrent ``run`` calls
-  take turns on a node).
+  passes back: the input shapes planned for and the plan (thread items, rounds,
+  the kernel's packed parameters, a workspace). A run copies what it needs into an
+  array of its own (``L``: its inputs' and output's addresses, its round), under
+  ``S``'s lock for the few instructions of the copy (and the plan, when the shapes
+  changed), then computes without any lock: concurrent ``run`` calls of one session
+  compute in parallel. The first run takes the node's workspace, a concurrent one
+  allocates its own. Plans that a run in flight may still read are kept until
+  none is.
+- Each (op, dtypes, rank, mode, padding) variant is a compiled task (``_task_fn``)
+  made when the first session needs it, from numba's disk cache after the first
+  time.
 - A run-time error (an input shape the op refuses) is raised by ``plan`` inside
   a callback: it is recorded as the Python route records its errors
   (``_ort.record``) and an ``OrtStatus`` fails the node, so ``run`` raises the
@@ -48,11 +56,17 @@ import numpy as np
 from llvmlite import ir
 from numba import carray, cfunc, njit, types
 from numba.extending import intrinsic, overload
+from numba.np.numpy_support import as_dtype
 
+from ..affine_grid import checked as affine_grid_checked
+from ..affine_warp import _prepared as affine_warp_checked
+from ..grid_sample import _prepared as grid_sample_checked, parse_attrs
 from ..deform_conv import checked_params
-from ..kernels.cpu import deform_conv as dc
+from ..kernels._sample import as_compute
+from ..kernels.cpu import affine_grid as ag, affine_warp as aw, deform_conv as dc, grid_sample as gs
 from ..kernels.cpu._deform_plan import state
 from ..kernels.cpu._opaque import INTERNAL, opaque
+from ..kernels.cpu._runtime import pool_items
 
 #: the custom-op domain of the nodes that run here
 DOMAIN = "numba_ops.capi"
@@ -80,20 +94,31 @@ _DIMS_COUNT, _GET_DIMS, _RELEASE_INFO = API["GetDimensionsCount"], API["GetDimen
     API["ReleaseTensorTypeAndShapeInfo"]
 _DATA, _PARALLEL_FOR = API["GetTensorMutableData"], API["KernelContext_ParallelFor"]
 _FAIL = 1  # OrtErrorCode ORT_FAIL
-_FLOAT, _DOUBLE = 1, 11  # ONNXTensorElementDataType
+_FLOAT, _UINT8, _INT64, _DOUBLE = 1, 2, 7, 11  # ONNXTensorElementDataType
 _REQUIRED, _OPTIONAL = 0, 1  # OrtCustomOpInputOutputCharacteristic
 
-# --- a node's state array ``S`` (int64) ---------------------------------------------------
-LOCK, READY, TABLE, MODE, RD, N0, FN, NTH, REPLAN, NSCHED, SCHED, TMP, TMP2 = range(13)
-PTR = 16  # + i: input i's data (X, W, offset, B, mask), + 5: Y's
-META, NMETA, FWS, NFWS, IWS, NIWS, NOB = range(24, 31)
-DIMS = 32  # + 8 * i: input i's rank (-1: absent) and sizes; i = 5: Y's
-TDIMS = 80  # sizes read from onnxruntime, to compare
-NS = 96
-#: MODE: the tiled rounds on onnxruntime's pool, the tiled path on the caller's thread,
-#: the direct loops (tiny calls; see ``deform_conv.launch``), nothing (an empty output)
-TILED, SERIAL, DIRECT, EMPTY = range(4)
-
+# --- a node's state ``S`` and a run's ``L`` (int64 arrays of one layout) -------------------
+# S only: the lock, the runs in flight, the plan's validity, the OrtApi table, the planner
+# callback, the input count, the input whose values key the plan (AffineGrid's and
+# AffineWarp's size; 0: none, else its index + 1), the node's workspace (busy?, addresses)
+LOCK, INFLIGHT, READY, TABLE, REPLAN, NIN, KEYED, WSBUSY, CFWS, CIWS = range(10)
+# the plan, copied into L by each run: the task, how it runs (``MODE``), items per pool
+# round, DeformConv's rounds and packed vector, workspace words, op-specific integers
+PLAN0 = 10
+FN, MODE, ITEMS, NSCHED, SCHED, META, NMETA, NFWS, NIWS, A0, A1, A2, A3, A4, A5, A6 = range(PLAN0, PLAN0 + 16)
+PLAN1 = PLAN0 + 16
+# L only: the round under way, the workspaces' addresses, scratch for the C API's outputs
+N0, RD, FWS, IWS, TMP, TMP2 = range(PLAN1, PLAN1 + 6)
+MAXIN = 5
+PTR = 32  # + i: input i's data; + MAXIN: the output's
+DIMS = 40  # + 8 * i: input i's rank (-1: absent) and sizes (a keyed input: rank, length, values)
+YD = DIMS + 8 * MAXIN  # the output's rank and sizes (part of the plan)
+TDIMS = YD + 8  # sizes read from onnxruntime
+NS = TDIMS + 8
+#: MODE: nothing (an empty output), one item on the calling thread, items on the pool
+EMPTY, ONE, POOL = range(3)
+#: a keyed input's most values
+KEY_MAX = 6
 
 @intrinsic
 def _vp(typingctx, a):
@@ -136,66 +161,111 @@ def _swap(typingctx, p, v):
     return types.int64(types.int64, types.int64), codegen
 
 
+@intrinsic
+def _add(typingctx, p, v):
+    """Atomically add ``v`` to the int64 at address ``p``."""
+    def codegen(context, builder, sig, args):
+        ptr = builder.inttoptr(args[0], ir.IntType(64).as_pointer())
+        return builder.atomic_rmw("add", ptr, args[1], "seq_cst")
+    return types.int64(types.int64, types.int64), codegen
+
+
 @njit(cache=True)
-def _inputs(S, base, table, ctx):
-    """Read the five inputs' pointers and sizes into ``S``; 0, or an error status.
-    Marks ``S`` not READY where a shape changed."""
-    for i in range(5):
+def _inputs(L, base, nin, keyed, table, ctx):
+    """Read the inputs' addresses and sizes (a keyed input's values) into ``L``; 0 or
+    an error status."""
+    for i in range(nin):
         st = _call(table[_GET_INPUT], (ctx, np.int64(i), base + 8 * TMP))
         if st:
             return st
-        v = S[TMP]
+        v = L[TMP]
         d0 = DIMS + 8 * i
         if v == 0:  # an absent optional input
-            if S[d0] != -1:
-                S[d0], S[READY] = -1, 0
-            S[PTR + i] = 0
+            L[d0], L[PTR + i] = -1, 0
             continue
         st = _call(table[_TYPE_AND_SHAPE], (v, base + 8 * TMP2))
         if st:
             return st
-        info = S[TMP2]
+        info = L[TMP2]
         _call(table[_DIMS_COUNT], (info, base + 8 * TMP))
-        nd = S[TMP]
-        if nd > 7:  # no DeformConv input: ``plan`` says so
-            S[d0], S[READY] = 8, 0
+        nd = L[TMP]
+        if nd > 7:  # no input of these ops: ``plan`` says so
+            L[d0] = 8
         else:
             _call(table[_GET_DIMS], (info, base + 8 * TDIMS, nd))
-            if S[d0] != nd:
-                S[d0], S[READY] = nd, 0
+            L[d0] = nd
             for k in range(nd):
-                if S[d0 + 1 + k] != S[TDIMS + k]:
-                    S[d0 + 1 + k], S[READY] = S[TDIMS + k], 0
+                L[d0 + 1 + k] = L[TDIMS + k]
         _call(table[_RELEASE_INFO], (info,))
         st = _call(table[_DATA], (v, base + 8 * (PTR + i)))
         if st:
             return st
+        if i + 1 == keyed:  # the values decide the output's shape: they key the plan
+            if nd != 1 or L[d0 + 1] > KEY_MAX:
+                L[d0] = 9  # (``plan`` says what is wrong)
+            else:
+                vals = carray(_vp(L[PTR + i]), (L[d0 + 1],), np.int64)
+                for k in range(L[d0 + 1]):
+                    L[d0 + 2 + k] = vals[k]
     return np.int64(0)
 
 
 @njit(cache=True)
-def _run(S, base, table, ctx):
-    st = _inputs(S, base, table, ctx)
+def _begin(S, sbase, L, lbase, table, ctx):
+    """A run's inputs, and the plan for their shapes (made where they changed) copied
+    into ``L``, under ``S``'s lock; counts the run in flight. 0 or an error status."""
+    nin = S[NIN]
+    st = _inputs(L, lbase, nin, S[KEYED], table, ctx)
     if st:
         return st
-    if not S[READY]:
-        st = _call(S[REPLAN], (base,))
+    while _swap(sbase + 8 * LOCK, np.int64(1)):  # held for a copy (or a new plan)
+        pass
+    same = S[READY] != 0
+    for k in range(DIMS, DIMS + 8 * nin):
+        if S[k] != L[k]:
+            S[k] = L[k]
+            same = False
+    if not same:
+        S[READY] = 0
+        st = _call(S[REPLAN], (sbase,))
         if st:
+            _swap(sbase + 8 * LOCK, np.int64(0))
             return st
-    y = DIMS + 8 * 5
-    st = _call(table[_GET_OUTPUT], (ctx, np.int64(0), base + 8 * (y + 1), S[y], base + 8 * TMP))
+        S[READY] = 1
+    for k in range(PLAN0, PLAN1):
+        L[k] = S[k]
+    for k in range(YD, YD + 8):
+        L[k] = S[k]
+    L[FWS] = L[IWS] = 0
+    if L[NFWS] + L[NIWS] > 0 and S[WSBUSY] == 0:  # the node's workspace, else the run's own
+        S[WSBUSY] = 1
+        L[FWS], L[IWS] = S[CFWS], S[CIWS]
+    S[INFLIGHT] += 1
+    _swap(sbase + 8 * LOCK, np.int64(0))
+    return np.int64(0)
+
+
+@njit(cache=True)
+def _exec(L, lbase, table, ctx, fw, iw):
+    """The output, then the plan's items on onnxruntime's pool; 0 or an error status.
+    ``fw``/``iw``: the run's own workspaces where it has not the node's."""
+    st = _call(table[_GET_OUTPUT], (ctx, np.int64(0), lbase + 8 * (YD + 1), L[YD], lbase + 8 * TMP))
     if st:
         return st
-    st = _call(table[_DATA], (S[TMP], base + 8 * (PTR + 5)))
-    if st or S[MODE] == EMPTY:
+    st = _call(table[_DATA], (L[TMP], lbase + 8 * (PTR + MAXIN)))
+    if st or L[MODE] == EMPTY:
         return st
+    if L[FWS] == 0 and L[NFWS] + L[NIWS] > 0:
+        L[FWS], L[IWS] = fw.ctypes.data, iw.ctypes.data
     pf = table[_PARALLEL_FOR]
-    if S[MODE] != TILED:  # on this thread (ParallelFor runs a single item in place)
-        return _call(pf, (ctx, S[FN], np.int64(1), np.int64(0), base))
-    sched = carray(_vp(S[SCHED]), (2 * S[NSCHED],), np.int64)
-    for k in range(S[NSCHED]):
-        S[N0], S[RD] = sched[2 * k], sched[2 * k + 1]
-        st = _call(pf, (ctx, S[FN], S[NTH], np.int64(0), base))
+    if L[MODE] == ONE:  # (ParallelFor runs a single item in place)
+        return _call(pf, (ctx, L[FN], np.int64(1), np.int64(0), lbase))
+    if L[NSCHED] == 0:
+        return _call(pf, (ctx, L[FN], L[ITEMS], np.int64(0), lbase))
+    sched = carray(_vp(L[SCHED]), (2 * L[NSCHED],), np.int64)
+    for k in range(L[NSCHED]):  # DeformConv's rounds, in order
+        L[N0], L[RD] = sched[2 * k], sched[2 * k + 1]
+        st = _call(pf, (ctx, L[FN], L[ITEMS], np.int64(0), lbase))
         if st:
             return st
     return np.int64(0)
@@ -203,204 +273,271 @@ def _run(S, base, table, ctx):
 
 @cfunc(types.int64(types.voidptr, types.voidptr), cache=True)
 def _compute(kernel, ctx):
-    """The node's ``KernelComputeV2``: 0 or an ``OrtStatus``."""
+    """A node's ``KernelComputeV2``: 0 or an ``OrtStatus``."""
     S = carray(kernel, (NS,), np.int64)
-    base = _addr(kernel)
-    while _swap(base + 8 * LOCK, np.int64(1)):  # another run is in this node
-        pass
-    st = _run(S, base, carray(_vp(S[TABLE]), (API_LEN,), np.int64), _addr(ctx))
-    _swap(base + 8 * LOCK, np.int64(0))
+    sbase = _addr(kernel)
+    L = np.zeros(NS, np.int64)
+    lbase = np.int64(L.ctypes.data)
+    table = carray(_vp(S[TABLE]), (API_LEN,), np.int64)
+    c = _addr(ctx)
+    st = _begin(S, sbase, L, lbase, table, c)
+    if st:
+        return st
+    took = L[FWS] != 0
+    own = L[NFWS] + L[NIWS] > 0 and not took
+    fw = np.empty(L[NFWS] if own else 0, np.int64)  # (8-byte words: enough for either float)
+    iw = np.empty(L[NIWS] if own else 0, np.int64)
+    st = _exec(L, lbase, table, c, fw, iw)
+    if took:
+        _swap(sbase + 8 * WSBUSY, np.int64(0))
+    _add(sbase + 8 * INFLIGHT, np.int64(-1))
     return st
 
 
+# --- the tasks: one pool item of a node's run, its arrays from ``L`` ------------------------
 
-# --- a node's compiled task: its arrays from ``S``, one pool item --------------------------
-
-@njit(cache=True, inline="always")
-def _t1(S, a):
-    return (S[a],)
+def _dims(L, a, tok):
+    """``(L[a], ..., L[a + n - 1])``, ``n = len(tok)``."""
 
 
-@njit(cache=True, inline="always")
-def _t3(S, a):
-    return (S[a], S[a + 1], S[a + 2])
+@overload(_dims, inline="always")
+def _dims_ol(L, a, tok):
+    n = len(tok)
+    src = "def f(L, a, tok):\n    return (" + "".join(f"L[a + {k}], " for k in range(n)) + ")\n"
+    ns = {}
+    exec(src, ns)  # noqa: S102 (a tuple of n loads, n known when the overload types)
+    return ns["f"]
 
 
-@njit(cache=True, inline="always")
-def _t4(S, a):
-    return (S[a], S[a + 1], S[a + 2], S[a + 3])
+def _arr(p, shape, z):
+    """The array of ``shape`` at address ``p``, of ``z``'s dtype."""
 
 
-@njit(cache=True, inline="always")
-def _t5(S, a):
-    return (S[a], S[a + 1], S[a + 2], S[a + 3], S[a + 4])
-
-
-def _shape(S, a, n):
-    """``(S[a], ..., S[a + n - 1])`` for a literal ``n``."""
-
-
-@overload(_shape, prefer_literal=True, inline="always")
-def _shape_ol(S, a, n):
-    f = {1: _t1, 3: _t3, 4: _t4, 5: _t5}[n.literal_value]
-    return lambda S, a, n: f(S, a)
-
-
-def _task(S, th, dt, nd):
-    """Pool item ``th`` of the node: its arrays (``nd`` dims, dtype ``dt``) from ``S``."""
-
-
-@overload(_task, prefer_literal=True, inline="always")
-def _task_ol(S, th, dt, nd):
-    n = nd.literal_value
-
-    def impl(S, th, dt, nd):
-        x = carray(_vp(S[PTR]), _shape(S, DIMS + 1, n), dt)
-        w = carray(_vp(S[PTR + 1]), _shape(S, DIMS + 9, n), dt)
-        off = carray(_vp(S[PTR + 2]), _shape(S, DIMS + 17, n), dt)
-        b = carray(_vp(S[PTR + 3] if S[PTR + 3] else S[NOB]), (S[DIMS + 25] if S[PTR + 3] else 0,), dt)
-        m = off  # (never read without a mask)
-        if S[PTR + 4]:
-            m = carray(_vp(S[PTR + 4]), _shape(S, DIMS + 33, n), dt)
-        y = carray(_vp(S[PTR + 5]), _shape(S, DIMS + 41, n), dt)
-        meta = carray(_vp(S[META]), (S[NMETA],), np.int64)
-        mode = S[MODE]
-        if mode == TILED:
-            fws = carray(_vp(S[FWS]), (S[NFWS],), dt)
-            iws = carray(_vp(S[IWS]), (S[NIWS],), np.int64)
-            dc.task(x, w, off, m, b, y, meta, fws, iws, np.int64(th), S[RD], S[N0])
-        else:
-            dc.on_caller(x, w, off, m, b, y, meta, mode == DIRECT)
-    return impl
-
-
-# one compiled task per dtype and rank, each a module-level function of its own (numba's
-# disk cache keeps them apart); ``_task_fn`` wraps one in a small C callback on first use,
-# compiled in the process and calling the task through its own code (``_opaque``: numba
-# loads a cached callback without publishing the symbols it calls)
-@njit(**INTERNAL)
-def _f1(usr, th):
-    _task(carray(usr, (NS,), np.int64), th, np.float32, 3)
+@overload(_arr, inline="always")
+def _arr_ol(p, shape, z):
+    dt = as_dtype(z).type
+    return lambda p, shape, z: carray(_vp(p), shape, dt)
 
 
 @njit(**INTERNAL)
-def _f2(usr, th):
-    _task(carray(usr, (NS,), np.int64), th, np.float32, 4)
+def _grid_sample_task(usr, th, xz, gz, xtok, mtok, ptok):
+    L = carray(usr, (NS,), np.int64)
+    x = _arr(L[PTR], _dims(L, DIMS + 1, xtok), xz)
+    xf = _arr(L[PTR], (x.size,), xz)
+    gf = _arr(L[PTR + 1], (L[A2],), gz)
+    out = _arr(L[PTR + MAXIN], (L[A3],), xz)
+    gs.units_task(x, xf, gf, out, mtok, ptok, L[A1] != 0, gz, th, L[ITEMS], L[A0])
 
 
 @njit(**INTERNAL)
-def _f3(usr, th):
-    _task(carray(usr, (NS,), np.int64), th, np.float32, 5)
+def _affine_warp_task(usr, th, xz, tz, xtok, mtok, ptok):
+    L = carray(usr, (NS,), np.int64)
+    x = _arr(L[PTR], _dims(L, DIMS + 1, xtok), xz)
+    xf = _arr(L[PTR], (x.size,), xz)
+    r = x.ndim - 2
+    theta = _arr(L[PTR + 1], (x.shape[0], r, r + 1), tz)
+    out = _arr(L[PTR + MAXIN], (L[A3],), xz)
+    aw.units_task(x, xf, theta, out, L[A2], L[A4], L[A5], mtok, ptok, L[A1] != 0, tz, th, L[ITEMS], L[A0])
 
 
 @njit(**INTERNAL)
-def _d1(usr, th):
-    _task(carray(usr, (NS,), np.int64), th, np.float64, 3)
+def _affine_grid_2d_task(usr, th, tz):
+    L = carray(usr, (NS,), np.int64)
+    theta = _arr(L[PTR], (L[DIMS + 1], 2, 3), tz)
+    grid = _arr(L[PTR + MAXIN], (L[YD + 1], L[YD + 2], L[YD + 3], 2), tz)
+    ag.rows_task(theta, grid, 1, L[YD + 2], L[YD + 3], L[A1] != 0, as_compute(tz, 1), th, L[ITEMS], L[A0])
 
 
 @njit(**INTERNAL)
-def _d2(usr, th):
-    _task(carray(usr, (NS,), np.int64), th, np.float64, 4)
+def _affine_grid_3d_task(usr, th, tz):
+    L = carray(usr, (NS,), np.int64)
+    theta = _arr(L[PTR], (L[DIMS + 1], 3, 4), tz)
+    grid = _arr(L[PTR + MAXIN], (L[A3],), tz)
+    ag.rows_task(theta, grid, L[YD + 2], L[YD + 3], L[YD + 4], L[A1] != 0, as_compute(tz, 1), th, L[ITEMS], L[A0])
 
 
 @njit(**INTERNAL)
-def _d3(usr, th):
-    _task(carray(usr, (NS,), np.int64), th, np.float64, 5)
+def _deform_conv_task(usr, th, z, xtok):
+    L = carray(usr, (NS,), np.int64)
+    x = _arr(L[PTR], _dims(L, DIMS + 1, xtok), z)
+    w = _arr(L[PTR + 1], _dims(L, DIMS + 9, xtok), z)
+    off = _arr(L[PTR + 2], _dims(L, DIMS + 17, xtok), z)
+    b = _arr(L[PTR + 3] if L[PTR + 3] else L[A2], (L[DIMS + 25] if L[PTR + 3] else 0,), z)
+    m = off  # (never read without a mask)
+    if L[PTR + 4]:
+        m = _arr(L[PTR + 4], _dims(L, DIMS + 33, xtok), z)
+    y = _arr(L[PTR + MAXIN], _dims(L, YD + 1, xtok), z)
+    meta = carray(_vp(L[META]), (L[NMETA],), np.int64)
+    how = L[A0]
+    if how == dc.TILED:
+        fws = _arr(L[FWS], (L[A1],), z)
+        iws = carray(_vp(L[IWS]), (L[NIWS],), np.int64)
+        dc.task(x, w, off, m, b, y, meta, fws, iws, th, L[RD], L[N0])
+    else:
+        dc.on_caller(x, w, off, m, b, y, meta, how == dc.DIRECT)
 
 
-_TASKS = {(np.float32, 1): _f1, (np.float32, 2): _f2, (np.float32, 3): _f3, (np.float64, 1): _d1,
-          (np.float64, 2): _d2, (np.float64, 3): _d3}
 _TASK_FNS = {}
 _TASK_LOCK = threading.Lock()
 
 
-def _callback_of(task):
-    call = opaque(task)
-
-    @cfunc(types.void(types.voidptr, types.uintp))
-    def fn(usr, th):
-        call(usr, np.int64(th))
-    return fn
-
-
-def warm_task(kind, dtype, rank, device="cpu"):
-    """Compile (or load from numba's disk cache) the task that a ``session``'s DeformConv
-    node of float dtype name ``dtype`` (16-bit ones run the float32 kernel) and ``rank``
-    runs (``numba_ops.warm`` calls it, ``kind`` naming it in its report)."""
-    dt = np.float64 if dtype == "float64" else np.float32
-    _TASKS[(dt, rank)].compile((types.voidptr, types.int64))
+def _variant(op, elems, rank, attrs):
+    """The compiled task of a node (``op``, its inputs' element types, X's rank, its
+    attributes): ``(task, its constant arguments)``."""
+    z = {_FLOAT: np.float32(0), _DOUBLE: np.float64(0), _UINT8: np.uint8(0)}
+    if op == "AffineGrid":
+        return (_affine_grid_2d_task if rank == 2 else _affine_grid_3d_task), (z[elems[0]],)
+    tok = (0,) * (rank + 2)
+    if op == "DeformConv":
+        return _deform_conv_task, (z[elems[0]], tok)
+    mode, padding, _ = parse_attrs(*_sample_attrs(attrs))
+    task = _grid_sample_task if op == "GridSample" else _affine_warp_task
+    return task, (z[elems[0]], z[elems[1]], tok, gs.TOKEN[mode], gs.TOKEN[padding])
 
 
-def _task_fn(dtype, rank):
-    """The address of the C callback running pool item ``th`` of a node of ``dtype``
-    and ``rank`` (``fn(S's address, th)``, as ``KernelContext_ParallelFor`` calls it)."""
-    key = (dtype, rank)
+def _sample_attrs(attrs):
+    """(mode, padding_mode, align_corners) of a GridSample or AffineWarp node's attributes."""
+    from . import _mode
+    return (_mode(attrs.get("mode")), attrs.get("padding_mode") or "zeros",
+            0 if attrs.get("align_corners") is None else attrs["align_corners"])
+
+
+def _task_fn(op, elems, rank, attrs):
+    """The address of the C callback running one pool item of a node's run
+    (``fn(L's address, item)``, as ``KernelContext_ParallelFor`` calls it): compiled
+    (or loaded from numba's disk cache) on first use in the process."""
+    task, extra = _variant(op, elems, rank, attrs)
+    key = (task.py_func.__name__, tuple(type(e).__name__ if np.isscalar(e) else e for e in extra))
     with _TASK_LOCK:
         f = _TASK_FNS.get(key)
         if f is None:
-            f = _TASK_FNS[key] = _callback_of(_TASKS[key])
+            call = opaque(task)
+
+            @cfunc(types.void(types.voidptr, types.uintp))
+            def fn(usr, th):
+                call(usr, np.int64(th), *extra)
+            f = _TASK_FNS[key] = fn
     return f.address
+
+
+def warm_task(kind, op, elems, rank, attrs):
+    """Compile (or load from numba's disk cache) the task that a ``session``'s node of
+    ``op`` (its inputs' ONNX element types, X's rank, its attributes) runs, and build
+    the shim (``numba_ops.warm`` calls it, ``kind`` naming it in its report)."""
+    library()
+    _task_fn(op, elems, rank, attrs)
 
 
 # --- the nodes ------------------------------------------------------------------------------
 
-class _Node:
-    """A DeformConv node's kernel object: its state array ``S`` (whose address
-    onnxruntime holds) and what ``S`` points into."""
+def _dummy(shape, dtype):
+    """A read-only array of ``shape`` and ``dtype`` that takes no memory (the checks read
+    shapes and dtypes only)."""
+    return np.lib.stride_tricks.as_strided(np.zeros(1, dtype), shape, (0,) * len(shape), writeable=False)
 
-    def __init__(self, spec, text, dtype, threads):
-        self.spec, self.text, self.dtype, self.threads = spec, text, np.dtype(dtype), threads
+
+class _Node:
+    """A node's kernel object: its state array ``S`` (whose address onnxruntime holds)
+    and what ``S`` points into."""
+
+    def __init__(self, spec, text, op_info):
+        self.spec, self.text = spec, text
+        self.op, self.elems = op_info
+        self.dtypes = [None if e is None else np.dtype(_NP[e]) for e in self.elems]
         self.S = np.zeros(NS, np.int64)
         self.S[TABLE] = _STATE["table"]
         self.S[REPLAN] = _REPLAN_ADDR
-        self.S[DIMS:DIMS + 48:8] = -2  # nothing seen yet
-        self.nob = np.empty(0, self.dtype)
-        self.S[NOB] = self.nob.ctypes.data
-        self.keep = ()
+        self.S[NIN] = len(self.elems)
+        self.S[KEYED] = {"AffineGrid": 2, "AffineWarp": 3}.get(self.op, 0)
+        self.S[DIMS:YD:8] = -2  # nothing seen yet
+        self.nob = np.empty(0, self.dtypes[0])
+        self.keep = []  # what the plans that runs may still read point into
+        self.fn = {}  # X's rank -> the task's address
+
+    def _shapes(self):
+        S, out = self.S, []
+        for i in range(len(self.elems)):
+            d0 = DIMS + 8 * i
+            nd = int(S[d0])
+            if nd == 8:
+                raise ValueError(f"input {i} of {self.op} has more than 7 dimensions")
+            if nd == 9:
+                raise ValueError(f"size of {self.op} must be a 1-D tensor of at most {KEY_MAX} integers")
+            if nd < 0:
+                out.append(None)
+            elif i + 1 == S[KEYED]:
+                out.append(tuple(int(v) for v in S[d0 + 2:d0 + 2 + int(S[d0 + 1])]))
+            else:
+                out.append(tuple(int(v) for v in S[d0 + 1:d0 + 1 + nd]))
+        return out
 
     def plan(self):
-        """The node's checks and tiling for the input shapes in ``S`` (see ``deform_conv``)."""
-        S, dt = self.S, self.dtype
-        shapes = []
-        for i in range(5):
-            nd = int(S[DIMS + 8 * i])
-            if nd > 7:
-                raise ValueError(f"input {i} of DeformConv has more than 7 dimensions")
-            shapes.append(None if nd < 0 else tuple(int(v) for v in S[DIMS + 8 * i + 1:DIMS + 8 * i + 1 + nd]))
-        x, w, off, b, m = (None if s is None else np.lib.stride_tricks.as_strided(np.zeros(1, dt), s, (0,) * len(s))
-                           for s in shapes)
-        p = checked_params(x, w, off, b, m, **_attrs(self.spec.attrs))
-        if x.ndim - 2 not in (1, 2, 3):
-            raise ValueError(f"X must have 1 to 3 spatial dims; got shape {x.shape}")
-        st = state(x, w, p)
-        y = DIMS + 40
-        S[y] = len(st.yshape)
-        S[y + 1:y + 1 + len(st.yshape)] = st.yshape
-        i = (2 if m is not None else 0) + (1 if b is not None else 0)
+        """The node's checks and launch plan for the input shapes in ``S``; called with
+        ``S``'s lock held, from the compiled compute."""
+        S = self.S
+        shapes = self._shapes()
+        a = self.spec.attrs
         keep = []
-        if st.empty:
-            S[MODE] = EMPTY
-        elif st.small:
-            S[MODE] = DIRECT if st.direct else SERIAL
-            meta = st.tilings[1].metas[i]
-            keep.append(meta)
+        S[PLAN0:PLAN1] = 0
+        if self.op == "DeformConv":
+            x, w, off, b, m = (None if s is None else _dummy(s, dt) for s, dt in zip(shapes, self.dtypes))
+            p = checked_params(x, w, off, b, m, **_deform_attrs(a))
+            if x.ndim - 2 not in (1, 2, 3):
+                raise ValueError(f"X must have 1 to 3 spatial dims; got shape {x.shape}")
+            st = state(x, w, p)
+            lp = dc.plan(st, x, w, m is not None, b is not None, self.spec.pool)
+            yshape, rank, S[A0], S[A2] = st.yshape, x.ndim - 2, lp.mode, self.nob.ctypes.data
+            S[MODE] = EMPTY if lp.mode == dc.EMPTY else POOL if lp.mode == dc.TILED else ONE
+            if lp.meta is not None:
+                keep.append(lp.meta)
+                S[META], S[NMETA] = lp.meta.ctypes.data, lp.meta.size
+            if lp.mode == dc.TILED:
+                t = lp.tiling
+                sched = np.asarray(dc.schedule(st, t), np.int64).reshape(-1)
+                fws, iws = np.empty(max(1, t.nf), np.int64), np.empty(max(1, t.ni), np.int64)
+                keep += [sched, fws, iws]
+                S[SCHED], S[NSCHED], S[ITEMS] = sched.ctypes.data, sched.size // 2, t.plan.nth
+                S[A1], S[NFWS], S[NIWS] = t.nf, fws.size, iws.size
+                S[CFWS], S[CIWS] = fws.ctypes.data, iws.ctypes.data
+        elif self.op == "AffineGrid":
+            theta, size = shapes
+            mode_args = affine_grid_checked(_dummy(theta, self.dtypes[0]), list(size), a.get("align_corners") or 0)
+            yshape, work, rows = ag.launch_plan(mode_args[1])
+            rank = len(yshape) - 2
+            S[ITEMS] = pool_items(work, rows, self.spec.pool)
+            S[A0], S[A1], S[A3] = rows, mode_args[2], int(np.prod(yshape))
+            S[MODE] = EMPTY if not work else ONE if S[ITEMS] == 1 else POOL
         else:
-            t = st.tiling(self.threads, x, w)
-            S[MODE] = TILED
-            meta = t.metas[i]
-            fws, iws = np.empty(max(1, t.nf), dt), np.empty(max(1, t.ni), np.int64)
-            sched = np.asarray(dc.schedule(st, t), np.int64).reshape(-1)
-            keep += [meta, fws, iws, sched]
-            S[FWS], S[NFWS], S[IWS], S[NIWS] = fws.ctypes.data, fws.size, iws.ctypes.data, iws.size
-            S[SCHED], S[NSCHED], S[NTH] = sched.ctypes.data, sched.size // 2, t.plan.nth
-        if not st.empty:
-            S[META], S[NMETA] = meta.ctypes.data, meta.size
-            S[FN] = _task_fn(dt.type, x.ndim - 2)
-        self.keep = keep  # (the previous shapes' buffers are no longer pointed to)
-        S[READY] = 1
+            mode, padding, align = _sample_attrs(a)
+            x, other = _dummy(shapes[0], self.dtypes[0]), _dummy(shapes[1], self.dtypes[1])
+            if self.op == "GridSample":
+                *_, (mcode, _, align), yshape = grid_sample_checked(x, other, mode, padding, align, "cpu")
+                yshape, work, units = gs.launch_plan(x.shape, other.shape, mcode)
+                S[A2] = other.size
+            else:
+                size = list(shapes[2])
+                if len(size) >= 2 and x.ndim >= 2:
+                    size[1] = x.shape[1]  # (AffineGrid's C is ignored: X's)
+                *_, (mcode, _, align), yshape = affine_warp_checked(x, other, size, mode, padding, align, "cpu")
+                work, units = aw.launch_plan(x.shape, yshape, mcode)
+                S[A2], S[A4], S[A5] = yshape[2] if len(yshape) == 5 else 1, yshape[-2], yshape[-1]
+            rank = x.ndim - 2
+            S[ITEMS] = pool_items(work, units, self.spec.pool)
+            S[A0], S[A1], S[A3] = units, align, int(np.prod(yshape))
+            S[MODE] = EMPTY if not S[A3] else ONE if S[ITEMS] == 1 else POOL
+        S[YD] = len(yshape)
+        S[YD + 1:YD + 1 + len(yshape)] = yshape
+        if S[MODE] != EMPTY:
+            fn = self.fn.get(rank)
+            if fn is None:
+                fn = self.fn[rank] = _task_fn(self.op, self.elems, rank, a)
+            S[FN] = fn
+        if S[INFLIGHT] == 0:
+            self.keep = []
+        self.keep.append(keep)
 
 
-def _attrs(attrs):
+def _deform_attrs(attrs):
     """The function's keyword arguments from a DeformConv node's attributes."""
     a = dict(attrs)
     return dict(kernel_shape=a.get("kernel_shape"), strides=a.get("strides"), pads=a.get("pads"),
@@ -408,6 +545,7 @@ def _attrs(attrs):
                 offset_group=1 if a.get("offset_group") is None else a["offset_group"])
 
 
+_NP = {_FLOAT: np.float32, _DOUBLE: np.float64, _UINT8: np.uint8, _INT64: np.int64}
 _NODES = {}  # S's address -> _Node
 _STATE = {}  # "table": the OrtApi table's address, "lib": the shim's path, "error": why not available
 _KEEP = []  # ctypes callbacks and structs that must outlive every session
@@ -453,7 +591,6 @@ def _replan(addr):
 
 _REPLAN_ADDR = _replan
 
-
 class _OrtCustomOp(ctypes.Structure):
     _fields_ = [("version", ctypes.c_uint32)] + [(f, ctypes.c_void_p) for f in (
         "CreateKernel", "GetName", "GetExecutionProviderType", "GetInputType", "GetInputTypeCount", "GetOutputType",
@@ -463,19 +600,41 @@ class _OrtCustomOp(ctypes.Structure):
         "GetEndVersion", "GetMayInplace", "ReleaseMayInplace", "GetAliasMap", "ReleaseAliasMap")]
 
 
-def op_type(dtype):
-    """The custom op's type name for a DeformConv node computing in ``dtype``."""
-    return f"DeformConv_{np.dtype(dtype).name}"
+#: the compiled route's operators: type name -> (op, its inputs' element types, required
+#: inputs, the output's element type); 16-bit nodes run in float32 between Casts
+OPS = {}
+for _t, _n in ((_FLOAT, "float"), (_DOUBLE, "double")):
+    OPS[f"DeformConv_{_n}"] = ("DeformConv", (_t,) * 5, 3, _t)
+    OPS[f"AffineGrid_{_n}"] = ("AffineGrid", (_t, _INT64), 2, _t)
+    for _x, _xn in ((_t, _n), (_UINT8, "uint8")):
+        OPS[f"GridSample_{_xn}_{_n}"] = ("GridSample", (_x, _t), 2, _x)
+        OPS[f"AffineWarp_{_xn}_{_n}"] = ("AffineWarp", (_x, _t, _INT64), 3, _x)
+_ONNX_NAMES = {_FLOAT: "float", _DOUBLE: "double", _UINT8: "uint8"}
 
 
-def _make_op(dtype):
-    elem = _FLOAT if dtype == np.float32 else _DOUBLE
-    name = ctypes.create_string_buffer(op_type(dtype).encode())
+def op_type(op, elems):
+    """The compiled route's op type for a node of ``op`` whose inputs have the ONNX
+    element types ``elems`` (None: absent), or None where it has none."""
+    try:
+        if op in ("DeformConv", "AffineGrid"):
+            name = f"{op}_{_ONNX_NAMES[elems[0]]}"
+        else:
+            name = f"{op}_{_ONNX_NAMES[elems[0]]}_{_ONNX_NAMES[elems[1]]}"
+    except KeyError:
+        return None
+    if name not in OPS or any(e not in (None, t) for e, t in zip(elems, OPS[name][1])):
+        return None
+    return name
+
+
+def _make_op(name):
+    op, ins, required, out = OPS[name]
+    cname = ctypes.create_string_buffer(name.encode())
     ep = ctypes.create_string_buffer(b"CPUExecutionProvider")
-    _KEEP.extend([name, ep])
+    _KEEP.extend([cname, ep])
 
     @_callback(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64))
-    def create(op, api, info, out):
+    def create(_, api, info, out_kernel):
         try:
             size = ctypes.c_size_t(0)
             get = _fn("KernelInfoGetAttribute_string", ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p,
@@ -487,45 +646,46 @@ def _make_op(dtype):
                 return st
             from ._ort import spec_of
             text = buf.value.decode()
-            spec = spec_of(text)
-            node = _Node(spec, text, dtype, spec.pool)
+            node = _Node(spec_of(text), text, (op, ins))
             addr = node.S.ctypes.data
             with _LOCK:
                 _NODES[addr] = node
-            out[0] = addr
+            out_kernel[0] = addr
             return None
         except BaseException as exc:  # noqa: B036
             return _status(exc)
 
-    @_callback(None, ctypes.c_int64)
-    def destroy(kernel):
-        with _LOCK:
-            _NODES.pop(kernel, None)
-
     c = ctypes.c_void_p
-    op = _OrtCustomOp(
-        version=16, CreateKernelV2=create, KernelComputeV2=_compute.address, KernelDestroy=destroy,
-        GetName=_callback(c, c)(lambda op: ctypes.addressof(name)),
-        GetExecutionProviderType=_callback(c, c)(lambda op: ctypes.addressof(ep)),
-        GetInputType=_callback(ctypes.c_int, c, ctypes.c_size_t)(lambda op, i: elem),
-        GetInputTypeCount=_callback(ctypes.c_size_t, c)(lambda op: 5),
-        GetOutputType=_callback(ctypes.c_int, c, ctypes.c_size_t)(lambda op, i: elem),
-        GetOutputTypeCount=_callback(ctypes.c_size_t, c)(lambda op: 1),
-        GetInputCharacteristic=_callback(ctypes.c_int, c, ctypes.c_size_t)(lambda op, i: _OPTIONAL if i >= 3
-                                                                            else _REQUIRED),
-        GetOutputCharacteristic=_callback(ctypes.c_int, c, ctypes.c_size_t)(lambda op, i: _REQUIRED),
-        GetInputMemoryType=_callback(ctypes.c_int, c, ctypes.c_size_t)(lambda op, i: 0),
-        GetVariadicInputMinArity=_callback(ctypes.c_int, c)(lambda op: 1),
-        GetVariadicInputHomogeneity=_callback(ctypes.c_int, c)(lambda op: 1),
-        GetVariadicOutputMinArity=_callback(ctypes.c_int, c)(lambda op: 1),
-        GetVariadicOutputHomogeneity=_callback(ctypes.c_int, c)(lambda op: 1))
-    _KEEP.append(op)
-    return op
+    st = _OrtCustomOp(
+        version=16, CreateKernelV2=create, KernelComputeV2=_compute.address, KernelDestroy=_destroy,
+        GetName=_callback(c, c)(lambda _: ctypes.addressof(cname)),
+        GetExecutionProviderType=_callback(c, c)(lambda _: ctypes.addressof(ep)),
+        GetInputType=_callback(ctypes.c_int, c, ctypes.c_size_t)(lambda _, i: ins[i]),
+        GetInputTypeCount=_callback(ctypes.c_size_t, c)(lambda _: len(ins)),
+        GetOutputType=_callback(ctypes.c_int, c, ctypes.c_size_t)(lambda _, i: out),
+        GetOutputTypeCount=_callback(ctypes.c_size_t, c)(lambda _: 1),
+        GetInputCharacteristic=_callback(ctypes.c_int, c, ctypes.c_size_t)(
+            lambda _, i: _OPTIONAL if i >= required else _REQUIRED),
+        GetOutputCharacteristic=_callback(ctypes.c_int, c, ctypes.c_size_t)(lambda _, i: _REQUIRED),
+        GetInputMemoryType=_callback(ctypes.c_int, c, ctypes.c_size_t)(lambda _, i: 0),
+        GetVariadicInputMinArity=_callback(ctypes.c_int, c)(lambda _: 1),
+        GetVariadicInputHomogeneity=_callback(ctypes.c_int, c)(lambda _: 1),
+        GetVariadicOutputMinArity=_callback(ctypes.c_int, c)(lambda _: 1),
+        GetVariadicOutputHomogeneity=_callback(ctypes.c_int, c)(lambda _: 1))
+    _KEEP.append(st)
+    return st
+
+
+@_callback(None, ctypes.c_int64)
+def _destroy(kernel):
+    with _LOCK:
+        _NODES.pop(kernel, None)
 
 
 @_callback(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
 def _register(options, api_base):
-    """``RegisterCustomOps``: the domain and its ops into ``options``."""
+    """``RegisterCustomOps``: numba_ops' domain (made once per process: a session's
+    options hold it, never own it) into ``options``."""
     try:
         get_api = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_uint32)(
             ctypes.cast(api_base, ctypes.POINTER(ctypes.c_void_p))[0])
@@ -536,16 +696,20 @@ def _register(options, api_base):
             raise RuntimeError("a second onnxruntime in this process")
         _STATE["table"] = table
         c = ctypes.c_void_p
-        domain = c()
-        st = _fn("CreateCustomOpDomain", c, ctypes.c_char_p, ctypes.POINTER(c))(DOMAIN.encode(), ctypes.byref(domain))
-        if st:
-            return st
-        ops = _STATE.setdefault("ops", [_make_op(np.float32), _make_op(np.float64)])
-        for op in ops:
-            st = _fn("CustomOpDomain_Add", c, c, c)(domain, ctypes.addressof(op))
-            if st:
-                return st
-        return _fn("AddCustomOpDomain", c, c, c)(options, domain)
+        with _LOCK:
+            if "domain" not in _STATE:
+                domain = c()
+                st = _fn("CreateCustomOpDomain", c, ctypes.c_char_p, ctypes.POINTER(c))(
+                    DOMAIN.encode(), ctypes.byref(domain))
+                if st:
+                    return st
+                for name in OPS:
+                    op = _make_op(name)
+                    st = _fn("CustomOpDomain_Add", c, c, c)(domain, ctypes.addressof(op))
+                    if st:
+                        return st
+                _STATE["domain"] = domain.value
+        return _fn("AddCustomOpDomain", c, c, c)(options, _STATE["domain"])
     except BaseException as exc:  # noqa: B036
         _STATE["error"] = f"{type(exc).__name__}: {exc}"
         return _status(exc) if _STATE.get("table") else None
@@ -601,5 +765,5 @@ def library():
 
 
 def reason():
-    """Why DeformConv nodes take the Python route in this process (None if they do not)."""
+    """Why nodes take the Python route in this process (None if they do not)."""
     return _STATE.get("error")

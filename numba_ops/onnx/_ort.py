@@ -38,6 +38,7 @@ import inspect
 import json
 import os
 import threading
+import warnings
 import weakref
 
 import numba
@@ -52,7 +53,7 @@ from .. import _dtypes
 from ..kernels._compat import set_pool_thread_count
 from ..kernels.cpu._blas import ONE_THREAD
 from ..kernels.cpu._runtime import num_threads
-from . import CALLS, DOMAIN as FUSED_DOMAIN, _capi, fuse as fuse_model
+from . import CALLS, DOMAIN as FUSED_DOMAIN, MMDEPLOY_DOMAINS, MMDEPLOY_OPS, _capi, fuse as fuse_model, mmdeploy_as_onnx
 
 #: the custom-op domain of the nodes that run on numba_ops
 ORT_DOMAIN = "numba_ops.ort"
@@ -86,6 +87,10 @@ def _signatures():
 
 def _op_name(op, types):
     return "_".join([op] + ["none" if t is None else TensorProto.DataType.Name(t).lower() for t in types])
+
+
+#: the Python route's op type names (one per type signature)
+_KERNEL_NAMES = {_op_name(op, types) for op, types, _ in _signatures()}
 
 
 class _Kernel:
@@ -250,8 +255,11 @@ class NumbaOpsSession(ort.InferenceSession):
 
     Attributes
     ----------
-    numba_ops_nodes : tuple of (str, str)
-        (op type, node name) of every node of the model that runs on numba_ops.
+    numba_ops_nodes : tuple of Route
+        ``(op, node, route, reason)`` of every node of the model that runs on
+        numba_ops: its op type, its name, how it runs ("compiled": compiled code on
+        onnxruntime's own threads; "python": onnxruntime-extensions' Python operator)
+        and, for the Python route, why.
 
     Notes
     -----
@@ -265,8 +273,8 @@ class NumbaOpsSession(ort.InferenceSession):
         self._numba_ops_token = token
         self._numba_ops_threads = threads
         # DeformConv nodes on onnxruntime's threads call SciPy's OpenBLAS: held at one thread
-        # while a run is under way (``_blas.ONE_THREAD``)
-        self._numba_ops_blas = blas and any(op == "DeformConv" for op, _ in nodes)
+        # while a run of such a session is under way (``_blas.ONE_THREAD``)
+        self._numba_ops_blas = blas
         self.numba_ops_nodes = tuple(nodes)
         weakref.finalize(self, _drop, token)
         super().__init__(model_bytes, sess_options, providers=providers, **kwargs)
@@ -474,7 +482,7 @@ def _fill(op, shapes, attrs, consts):
     return [made_x, made_theta, size]
 
 
-def _check(op, call, node_name, elems, shapes, attrs, consts):
+def _check(op, call, node_name, elems, shapes, attrs, consts, kind):
     """The function's own checks of a node, at session creation: a dry call on zeros
     of the node's dtypes and known shapes (``_fill``). Its errors name the node.
     Returns the dry result's shape (None if not run)."""
@@ -496,20 +504,61 @@ def _check(op, call, node_name, elems, shapes, attrs, consts):
     try:
         return call(*args, **attrs).shape
     except (TypeError, ValueError) as exc:
-        raise type(exc)(f"{op} node {node_name!r}: {exc}") from exc
+        raise type(exc)(f"{kind} node {node_name!r}: {exc}") from exc
 
 
 def _op_key(node, wanted):
+    """The op a node runs as (ONNX's, or MMDeploy's node's ONNX twin), or None where
+    ``session`` does not take it."""
     domain = "" if node.domain in ("", "ai.onnx") else node.domain
-    if (domain, node.op_type) not in CALLS or node.op_type not in wanted:
+    op = node.op_type
+    if domain in MMDEPLOY_DOMAINS and op in MMDEPLOY_OPS:
+        op = MMDEPLOY_OPS[op]
+    elif (domain, op) not in CALLS:
         return None
-    return node.op_type
+    return op if op in wanted else None
 
 
-def prepare(model, ops=None, fuse=False, token=0, threads=None, pool=None):
-    """The rewritten model for ``session`` (see the module docstring) and the
-    (op type, node name) of every node taken. ``pool``: onnxruntime's intra-op thread
-    count where float DeformConv nodes take the C API route (``_capi``), else None."""
+class Route(tuple):
+    """How a node of the model runs in a ``session`` (``session.numba_ops_nodes``): the
+    pair ``(op, node)`` (its op type, its name: ``<op>_<index>`` where it has none)
+    with ``route``, "compiled" (compiled code on onnxruntime's own threads) or
+    "python" (onnxruntime-extensions' Python operator, the GIL, one numba thread),
+    and ``reason``, why a node takes the Python route ("" otherwise)."""
+
+    def __new__(cls, op, node, route, reason=""):
+        self = super().__new__(cls, (op, node))
+        self.op, self.node, self.route, self.reason = op, node, route, reason
+        return self
+
+    def __repr__(self):
+        why = f", reason={self.reason!r}" if self.reason else ""
+        return f"Route(op={self.op!r}, node={self.node!r}, route={self.route!r}{why})"
+
+
+#: the routes' names
+COMPILED, PYTHON = "compiled", "python"
+
+
+def _node_inputs(node, op):
+    """A node's inputs (names, "" where absent) in ONNX order, and its attributes, of
+    ``op`` (an MMDeploy node's translated: ``mmdeploy_as_onnx``)."""
+    if node.op_type in MMDEPLOY_OPS and node.domain in MMDEPLOY_DOMAINS:
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        n_in = {"MMCVModulatedDeformConv2d": (3, 5), "grid_sampler": (2, 2)}[node.op_type]
+        if not n_in[0] <= len(node.input) <= n_in[1] or not all(node.input[:n_in[0]]):
+            raise ValueError(f"takes {n_in[0]} to {n_in[1]} inputs, the first {n_in[0]} given; got "
+                             f"{list(node.input)}")
+        _, ins, attrs = mmdeploy_as_onnx(node.op_type, [v or None for v in node.input], attrs)
+        return [v or "" for v in ins], attrs
+    call = CALLS[FUSED_DOMAIN if op == "AffineWarp" else "", op]
+    return list(node.input), _attr_values(node, op, call)
+
+
+def prepare(model, ops=None, fuse=False, token=0, threads=None, pool=None, why=None):
+    """The rewritten model for ``session`` (see the module docstring) and the ``Route``
+    of every node taken. ``pool``: onnxruntime's intra-op thread count where the
+    compiled route is available (``_capi``), else None and ``why`` says why not."""
     if ops is None:
         wanted = set(OPS)
     else:
@@ -540,36 +589,39 @@ def prepare(model, ops=None, fuse=False, token=0, threads=None, pool=None):
         if op is None:
             new_nodes.append(node)
             continue
-        node_name = node.name or f"{op}_{idx}"
+        kind = node.op_type
+        node_name = node.name or f"{kind}_{idx}"
         call = CALLS[FUSED_DOMAIN if op == "AffineWarp" else "", op]
         in_names, required = INPUTS[op]
-        inputs = list(node.input) + [""] * (len(in_names) - len(node.input))
-        if len(node.input) > len(in_names) or len(node.output) != 1:
-            raise ValueError(f"{op} node {node_name!r}: takes at most {len(in_names)} inputs and makes one output; "
-                             f"got {len(node.input)} inputs, {len(node.output)} outputs")
+        if len(node.output) != 1:
+            raise ValueError(f"{kind} node {node_name!r}: makes one output; got {len(node.output)}")
+        try:
+            inputs, attrs = _node_inputs(node, op)
+        except ValueError as exc:
+            raise ValueError(f"{kind} node {node_name!r}: {exc}") from None
+        if len(inputs) > len(in_names):
+            raise ValueError(f"{kind} node {node_name!r}: takes at most {len(in_names)} inputs; "
+                             f"got {len(inputs)}")
+        inputs += [""] * (len(in_names) - len(inputs))
         for i in range(required):
             if not inputs[i]:
-                raise ValueError(f"{op} node {node_name!r}: input {in_names[i]} is required")
+                raise ValueError(f"{kind} node {node_name!r}: input {in_names[i]} is required")
         elems = []
         for nm, v in zip(in_names, inputs):
             if not v:
                 elems.append(None)
             elif v not in types:
-                raise ValueError(f"{op} node {node_name!r}: the type of input {nm} ({v!r}) is not known "
+                raise ValueError(f"{kind} node {node_name!r}: the type of input {nm} ({v!r}) is not known "
                                  "(declare it in the model's value_info)")
             else:
                 elems.append(types[v].elem_type)
-        try:
-            attrs = _attr_values(node, op, call)
-        except ValueError as exc:
-            raise ValueError(f"{op} node {node_name!r}: {exc}") from None
         shapes = [_dims(types.get(v)) if v else None for v in inputs]
         size_const = consts.get(inputs[-1]) if op in ("AffineGrid", "AffineWarp") else None
-        dry = _check(op, call, node_name, elems, shapes, attrs, size_const)
+        dry = _check(op, call, node_name, elems, shapes, attrs, size_const, kind)
         compute = tuple(None if e is None else _F if e in _HALF else e for e in elems)
         kernel = _op_name(op, compute)
-        if kernel not in _KERNELS:
-            raise TypeError(f"{op} node {node_name!r}: numba_ops has no kernel for inputs of types "
+        if kernel not in _KERNEL_NAMES:
+            raise TypeError(f"{kind} node {node_name!r}: numba_ops has no kernel for inputs of types "
                             + ", ".join(TensorProto.DataType.Name(e) if e else "absent" for e in elems))
         out = node.output[0]
         out_elem = elems[0]  # X's (uint8 included) or theta's
@@ -580,6 +632,17 @@ def prepare(model, ops=None, fuse=False, token=0, threads=None, pool=None):
             out_dims = [batch] + list(dry[1:]) if None not in (shapes[0] or [None]) else [None] * len(dry)
         if out not in declared and out_dims is not None:
             new_vi.append(helper.make_tensor_value_info(out, out_elem, out_dims))
+        if out not in types:  # (what onnx could not infer: an MMDeploy node's output, for the nodes after it)
+            types[out] = helper.make_tensor_type_proto(out_elem, out_dims).tensor_type
+        capi_type = _capi.op_type(op, compute)
+        reason = why or ""
+        if pool and op == "DeformConv":
+            rank = next((len(sh) - 2 for sh in (shapes[0], shapes[1]) if sh is not None), None)
+            if rank is not None and rank not in (1, 2, 3):
+                capi_type, reason = None, f"a DeformConv of {rank} spatial axes (the compiled route takes 1 to 3)"
+        if pool and capi_type is None and not reason:
+            reason = "no compiled operator for its input types"
+        route = COMPILED if pool and capi_type else PYTHON
         text = json.dumps({"op": op, "attrs": attrs, "node": node_name, "session": token, "shape": out_dims,
                            "threads": threads, "pool": pool}, separators=(",", ":"))
         ins, casts = [], []
@@ -597,18 +660,18 @@ def prepare(model, ops=None, fuse=False, token=0, threads=None, pool=None):
             y = _unique(f"{out}/numba_ops_float32", names)
             new_vi.append(helper.make_tensor_value_info(y, _F, out_dims))
         new_nodes += casts
-        if pool and op == "DeformConv":  # compiled, on onnxruntime's pool; inputs in their places ("": absent)
+        if route == COMPILED:  # on onnxruntime's pool; inputs in their places ("": absent)
             it = iter(ins)
             ins = [next(it) if e is not None else "" for e in elems]
             while not ins[-1]:
                 ins.pop()
-            new_nodes.append(helper.make_node(_capi.op_type(_np_dtype(compute[0])), ins, [y], name=node_name,
-                                              domain=_capi.DOMAIN, numba_ops=text))
+            new_nodes.append(helper.make_node(capi_type, ins, [y], name=node_name, domain=_capi.DOMAIN,
+                                              numba_ops=text))
         else:
             new_nodes.append(helper.make_node(kernel, ins, [y], name=node_name, domain=ORT_DOMAIN, numba_ops=text))
         if y != out:
             new_nodes.append(helper.make_node("Cast", [y], [out], to=out_elem, name=f"{y}/cast"))
-        taken.append((op, node_name))
+        taken.append(Route(kind, node_name, route, "" if route == COMPILED else reason))
     if taken:
         del graph.node[:]
         graph.node.extend(new_nodes)
@@ -629,31 +692,38 @@ def _unique(name, names):
 
 
 def options(sess_options):
-    """``sess_options`` (or new SessionOptions) with numba_ops' custom-op libraries
-    registered, once per options object, and the threading defaults where the
-    options do not set them; returns it, numba's thread count in the Python route's
-    nodes (``node_threads``) and, where float DeformConv nodes take the C API route
-    (``_capi``; session config entry ``numba_ops.capi`` "0" turns it off), the
-    intra-op thread count their tilings are cut for (else None)."""
+    """``sess_options`` (or new SessionOptions) with the compiled route's library
+    (``_capi``) registered once per options object where it is available, and the
+    threading defaults where the options do not set them. Returns it, numba's thread
+    count in the Python route's nodes (``node_threads``), onnxruntime's intra-op
+    thread count that the compiled route's nodes deal their work onto (None where
+    that route is not available) and why not (None where it is; session config
+    entry ``numba_ops.capi`` "0" turns it off)."""
     so = ort.SessionOptions() if sess_options is None else sess_options
     threads = node_threads(so)
+    if _entry(so, CAPI) == "0":
+        return so, threads, None, f"session option {CAPI} is \"0\""
+    if _capi.library() is not None and _entry(so, _MARK_CAPI) is None:
+        try:
+            so.register_custom_ops_library(_capi.library())
+            so.add_session_config_entry(_MARK_CAPI, "1")
+        except Exception as exc:  # (reason() says why, where _capi saw it)
+            why = _capi.reason() or f"onnxruntime could not register numba_ops' operators ({exc})"
+            return so, threads, None, why
+    if _entry(so, _MARK_CAPI) is None or _capi.reason() is not None:
+        return so, threads, None, _capi.reason() or "numba_ops' operators are not registered"
+    return so, threads, so.intra_op_num_threads or numba.config.NUMBA_DEFAULT_NUM_THREADS, None
+
+
+def _python_route(so, threads):
+    """Make ``so`` ready for nodes on the Python route: onnxruntime-extensions' library
+    registered (once per options object), numba_ops' Python operators declared."""
+    _register()
     if _entry(so, _MARK) is None:
         so.register_custom_ops_library(get_library_path())
         so.add_session_config_entry(_MARK, "1")
     if threads != 1 and _entry(so, SPINNING) is None:
         so.add_session_config_entry(SPINNING, "0")
-    pool = None
-    lib = _capi.library() if _entry(so, CAPI) != "0" else None
-    if lib is not None:
-        if _entry(so, _MARK_CAPI) is None:
-            try:
-                so.register_custom_ops_library(lib)
-                so.add_session_config_entry(_MARK_CAPI, "1")
-            except Exception:  # (reason() says why)
-                pass
-        if _entry(so, _MARK_CAPI) is not None and _capi.reason() is None:
-            pool = so.intra_op_num_threads or numba.config.NUMBA_DEFAULT_NUM_THREADS
-    return so, threads, pool
 
 
 #: onnxruntime's switch for its intra-op pool's spinning, which numba_ops turns off where
@@ -692,13 +762,23 @@ def node_threads(so):
 
 
 def session(model, sess_options=None, *, providers=None, ops=None, fuse=False, **kwargs):
-    _register()
     token = _new_token()
     try:
-        so, threads, pool = options(sess_options)
-        m, taken = prepare(model, ops=ops, fuse=fuse, token=token, threads=threads, pool=pool)
+        so, threads, pool, why = options(sess_options)
+        m, taken = prepare(model, ops=ops, fuse=fuse, token=token, threads=threads, pool=pool, why=why)
+        slow = [r for r in taken if r.route == PYTHON]
+        if slow:
+            _python_route(so, threads)
+            if _entry(so, CAPI) != "0":  # (not when the options asked for it)
+                warnings.warn("numba_ops.onnx.session: " + "; ".join(
+                    f"{r.op} node {r.node!r} runs on the slower Python route: {r.reason}" for r in slow),
+                    RuntimeWarning, stacklevel=3)
         return NumbaOpsSession(m.SerializeToString(), so, ["CPUExecutionProvider"] if providers is None else providers,
-                               token, taken, threads, blas=pool is not None, **kwargs)
+                               token, taken, threads, blas=any(r.route == COMPILED and _dc(r.op) for r in taken), **kwargs)
     except BaseException:
         _drop(token)
         raise
+
+
+def _dc(op):
+    return op in ("DeformConv", "MMCVModulatedDeformConv2d")

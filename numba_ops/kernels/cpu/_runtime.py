@@ -42,6 +42,9 @@ os.environ.setdefault("GOMP_SPINCOUNT", "3000000")
 #: waking the pool costs more than the work.
 PARALLEL_MIN_WORK = 1 << 16
 
+#: pool items per thread: a few, so that uneven items still balance
+ITEMS_PER_THREAD = 4
+
 #: held by every parallel launch (affine_grid via ``run``, deform_conv directly)
 POOL_LOCK = threading.Lock()
 
@@ -93,7 +96,17 @@ def run(serial, parallel, work, *args):
     if nth == 1:
         return serial(*args)
     with POOL_LOCK:
-        return parallel(*args, 4 * nth)
+        return parallel(*args, ITEMS_PER_THREAD * nth)
+
+
+def pool_items(work, units, nth):
+    """How many pool items a kernel's ``units`` (segments, rows) are dealt into on a
+    pool of ``nth`` threads, as ``run`` deals them: 1 (the caller's thread alone) for
+    small work or one thread, else a few per thread (numba_ops.onnx's session deals
+    them onto onnxruntime's pool)."""
+    if work < PARALLEL_MIN_WORK or nth <= 1:
+        return 1
+    return max(1, min(units, ITEMS_PER_THREAD * nth))
 
 
 

@@ -138,13 +138,33 @@ def _parallel(theta, grid, D, H, W, align, one, nchunks):
 _ONE = {np.dtype(t): t(1) for t in (np.float32, np.float64)}
 
 
+def launch_plan(size):
+    """``(grid shape, work, rows)`` of a call for output ``size``: the work that decides
+    serial or parallel (``_runtime``) and the rows (``_rows``' units) that a pool
+    shares out; ``launch`` and numba_ops.onnx's session run by it."""
+    nd = len(size) - 2
+    shape = (size[0],) + tuple(size[2:]) + (nd,)
+    n = 1
+    for s in shape:
+        n *= s
+    return shape, n, n // (shape[-2] * nd) if n else 0
+
+
+@njit(cache=True, inline="always")
+def rows_task(theta, grid, D, H, W, align, one, th, items, rows):
+    """Pool item ``th`` of ``items``: its share of the grid's ``rows`` (a pool other
+    than numba's, as ``_parallel`` deals them)."""
+    _rows_op(theta, grid, D, H, W, align, one, th * rows // items, (th + 1) * rows // items)
+
+
 def launch(theta, size, align):
     """theta: NumPy (N, nd, nd+1), validated; size: (N, C, [D,] H, W)."""
     dtype = theta.dtype
     nd = len(size) - 2
-    shape = (size[0],) + tuple(size[2:])
+    gshape, _, _ = launch_plan(size)
+    shape = gshape[:-1]
     st = storage(dtype)
-    out = np.empty(shape + (nd,), dtype=st)
+    out = np.empty(gshape, dtype=st)
     if out.size:
         th = np.ascontiguousarray(theta, dtype=compute(dtype))
         D = shape[1] if nd == 3 else 1

@@ -94,19 +94,35 @@ def _parallel(x, xf, theta, out, D, H, W, mtok, ptok, align, zero, nchunks):
                   c * units // nchunks, (c + 1) * units // nchunks)
 
 
+def launch_plan(xshape, size, mode):
+    """``(work, units)`` of a call on X of shape ``xshape`` with output ``size``: the
+    work that decides serial or parallel (``_runtime``) and the segments (``_units``'
+    units) that a pool shares out; ``launch`` and numba_ops.onnx's session run by it."""
+    P = 1
+    for o in size[2:]:
+        P *= o
+    return P * size[0] * size[1] * TAPS[mode] ** (len(xshape) - 2), size[0] * ((P + SEG - 1) // SEG)
+
+
+@njit(cache=True, inline="always")
+def units_task(x, xf, theta, out, D, H, W, mtok, ptok, align, zero, th, items, units):
+    """Pool item ``th`` of ``items``: its share of the ``units`` segments (a pool
+    other than numba's, as ``_parallel`` deals them)."""
+    _units_op(x, xf, theta, out, D, H, W, mtok, ptok, align, zero, th * units // items, (th + 1) * units // items)
+
+
 def launch(x, theta, size, mode, padding, align, stream=None):
     """x: NumPy (N, C, [D,] H, W), float or uint8; theta: NumPy (N, r, r+1), float;
     size: the output size (N, C, [D,] H, W); validated by the front end
     (``mode``/``padding`` are ``_sample`` codes, ``align`` a bool). ``stream`` is
     ignored on the CPU."""
-    r = x.ndim - 2
+    work, _ = launch_plan(x.shape, size, mode)
     out = output_for(x, tuple(size))
     if out.size:
         ct = compute(theta.dtype)
         th = np.ascontiguousarray(theta, dtype=ct)
         xs = kernel_view(x)
-        D = size[2] if r == 3 else 1
-        work = out.size * TAPS[mode] ** r
+        D = size[2] if len(size) == 5 else 1
         _runtime.run(_serial, _parallel, work, xs, xs.reshape(-1), th, out.reshape(-1), D, size[-2], size[-1],
                      TOKEN[mode], TOKEN[padding], bool(align), ZERO[ct])
     return public(out, x)

@@ -75,6 +75,8 @@ bias, output), ``pad`` (padded images, corner offsets, channel runs), ``bufs`` (
 thread's tile buffers: columns, GEMM tile, plan indices, weights and masks), ``at``
 (image and positions of a tile), ``chunk`` (first image, images).
 """
+from typing import NamedTuple
+
 import numpy as np
 from numba import njit, prange, types
 from numba.extending import intrinsic, overload
@@ -1016,6 +1018,33 @@ def schedule(st, t):
 
 # --- launch -------------------------------------------------------------------------------
 
+#: how a call runs (``plan``): nothing (an empty output), the direct loops or the tiled
+#: path on the caller's thread, the tiled rounds on a pool
+EMPTY, DIRECT, SERIAL, TILED = range(4)
+
+
+class LaunchPlan(NamedTuple):
+    """How a call of a ``State`` runs on a pool of ``nth`` threads (``plan``): its
+    ``mode``, the packed vector the kernels read (``meta``; None when EMPTY) and, when
+    TILED, the ``Tiling`` (its thread count, workspace sizes; ``schedule`` gives its
+    rounds for a pool other than numba's)."""
+    mode: int
+    meta: object
+    tiling: object
+
+
+def plan(st, x, w, has_mask, has_b, nth):
+    """The ``LaunchPlan`` of a call of state ``st`` (inputs ``x``, ``w``; with or without
+    mask and bias) on ``nth`` threads: what ``launch`` runs, and numba_ops.onnx's
+    session on onnxruntime's pool (``task``, ``on_caller``)."""
+    i = 2 * bool(has_mask) + bool(has_b)
+    if st.empty:
+        return LaunchPlan(EMPTY, None, None)
+    if st.small:
+        return LaunchPlan(DIRECT if st.direct else SERIAL, st.tilings[1].metas[i], None)
+    t = st.tiling(nth, x, w)
+    return LaunchPlan(SERIAL if nth == 1 else TILED, t.metas[i], t)
+
 def launch(x, w, offset, b, mask, p, origin=None):
     """Compute DeformConv for validated inputs (see numba_ops.deform_conv).
 
@@ -1024,31 +1053,27 @@ def launch(x, w, offset, b, mask, p, origin=None):
     the whole output (``offset``/``mask`` hold that region only, ``x`` the whole image)."""
     st = state(x, w, p, origin)
     y = np.empty(st.yshape, x.dtype)
-    if st.empty:
+    nth = _runtime.num_threads() if _runtime.pool_usable() else 1
+    lp = plan(st, x, w, mask is not None, b is not None, nth)
+    if lp.mode == EMPTY:
         return y
-    i = 0
     if mask is None:
         mask = offset  # never read
-    else:
-        i = 2
     if b is None:
         b = st.nob
-    else:
-        i += 1
     # the kernels take C-contiguous arrays only (one layout to compile; ``_views``)
     c = np.ascontiguousarray
     args = (c(x), c(w), c(offset), c(mask), c(b), y)
     if st.view is not None:  # 16-bit data as its bit patterns
         args = tuple(a.view(st.view) for a in args)
-    if st.small:
-        (_direct if st.direct else _serial)(*args, st.tilings[1].metas[i])
-        return y
-    nth = _runtime.num_threads() if _runtime.pool_usable() else 1
-    t = st.tiling(nth, x, w)
-    if nth == 1:  # the caller's thread alone: no pool, so no pool lock (Dask tasks run side by side)
+    if lp.mode == DIRECT:
+        _direct(*args, lp.meta)
+    elif st.small:
+        _serial(*args, lp.meta)
+    elif lp.mode == SERIAL:  # the caller's thread alone: no pool, so no pool lock (Dask tasks run side by side)
         with ONE_THREAD:
-            _serial(*args, t.metas[i])
-        return y
-    with _runtime.POOL_LOCK, ONE_THREAD:
-        _parallel(*args, t.metas[i], workspace(st.ctype, t.nf), workspace(np.int64, t.ni))
+            _serial(*args, lp.meta)
+    else:
+        with _runtime.POOL_LOCK, ONE_THREAD:
+            _parallel(*args, lp.meta, workspace(st.ctype, lp.tiling.nf), workspace(np.int64, lp.tiling.ni))
     return y

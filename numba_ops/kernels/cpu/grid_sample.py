@@ -639,17 +639,36 @@ def public(out, x):
     return out if out.dtype == x.dtype else out.view(x.dtype)
 
 
+def launch_plan(xshape, gshape, mode):
+    """``(output shape, work, units)`` of a call on X of shape ``xshape`` and a grid of
+    ``gshape``: the work that decides serial or parallel (``_runtime``), and the
+    segments (``_units``' units: SEG positions of one image) that a pool shares out.
+    ``launch`` and numba_ops.onnx's session both run by it."""
+    r = len(xshape) - 2
+    shape = tuple(xshape[:2]) + tuple(gshape[1:-1])
+    P = 1
+    for o in shape[2:]:
+        P *= o
+    work = P * shape[0] * shape[1] * TAPS[mode] ** r
+    return shape, work, shape[0] * ((P + SEG - 1) // SEG)
+
+
+@njit(cache=True, inline="always")
+def units_task(x, xf, gf, out, mtok, ptok, align, zero, th, items, units):
+    """Pool item ``th`` of ``items``: its share of the ``units`` segments (a pool
+    other than numba's, as ``_parallel`` deals them)."""
+    _units_op(x, xf, gf, out, mtok, ptok, align, zero, th * units // items, (th + 1) * units // items)
+
+
 def launch(x, grid, mode, padding, align, stream=None):
     """x: NumPy (N, C, D1..Dr), float or uint8; grid: NumPy (N, O1..Or, r), float;
     validated by the front end (``mode``/``padding`` are ``_sample`` codes, ``align``
     a bool). ``stream`` is ignored on the CPU."""
-    r = x.ndim - 2
-    shape = tuple(x.shape[:2]) + tuple(grid.shape[1:-1])
+    shape, work, _ = launch_plan(x.shape, grid.shape, mode)
     out = output_for(x, shape)
     if out.size:
         xs = kernel_view(x)
         gs = kernel_view(grid)
-        work = out.size * TAPS[mode] ** r
         _runtime.run(_serial, _parallel, work, xs, xs.reshape(-1), gs.reshape(-1), out.reshape(-1),
                      TOKEN[mode], TOKEN[padding], bool(align), ZERO[compute(grid.dtype)])
     return public(out, x)
