@@ -86,7 +86,7 @@ def affine_warp(x: ArrayLike, theta: ArrayLike, size: Sequence[int] | ArrayLike 
            [ 7.,  6.,  5.,  4.],
            [11., 10.,  9.,  8.]], dtype=float32)
     """
-    device, back, x, theta, dtype, (mode, padding, align), size = _prepared(
+    device, back, x, theta, dtype, (mode, padding, align), size = checked_call(
         x, theta, size, mode, padding_mode, align_corners, device)
     if device == "cuda":
         y = launcher("affine_warp", "cuda", dtype)(x, theta, size, mode, padding, align, stream=stream)
@@ -95,7 +95,7 @@ def affine_warp(x: ArrayLike, theta: ArrayLike, size: Sequence[int] | ArrayLike 
     return result_for(y, back)
 
 
-def _prepared(x, theta, size, mode, padding_mode, align_corners, device, extra=()):
+def checked_call(x, theta, size, mode, padding_mode, align_corners, device, extra=()):
     """The checked call: ``(device, device inputs?, x, theta, dtype, (mode, padding,
     align), size)``; ``extra`` (name, array) pairs (grad_y) count for the device."""
     inputs = {"X": x, "theta": theta}
@@ -173,7 +173,7 @@ def affine_warp_backward(grad_y: ArrayLike, x: ArrayLike, theta: ArrayLike,
     """
     if grad_y is None:
         raise ValueError("grad_y is required")
-    device, back, x, theta, dtype, (mode, padding, align), size = _prepared(
+    device, back, x, theta, dtype, (mode, padding, align), size = checked_call(
         x, theta, size, mode, padding_mode, align_corners, device, (("grad_y", grad_y),))
     no_uint8(x)
     want = parse_wrt(wrt, ("x", "theta"), (True, True))

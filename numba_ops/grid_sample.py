@@ -126,7 +126,7 @@ def grid_sample(x: ArrayLike, grid: ArrayLike, *, mode: str = "linear", padding_
     >>> numba_ops.grid_sample(x, far, padding_mode="border")  # clamped to the edge
     array([[[[1., 3.]]]], dtype=float32)
     """
-    device, back, x, grid, dtype, (mode, padding, align), _ = _prepared(x, grid, mode, padding_mode, align_corners,
+    device, back, x, grid, dtype, (mode, padding, align), _ = checked_call(x, grid, mode, padding_mode, align_corners,
                                                                           device)
     if device == "cuda":
         y = launcher("grid_sample", "cuda", dtype)(x, grid, mode, padding, align, stream=stream)
@@ -135,7 +135,7 @@ def grid_sample(x: ArrayLike, grid: ArrayLike, *, mode: str = "linear", padding_
     return result_for(y, back)
 
 
-def _prepared(x, grid, mode, padding_mode, align_corners, device, extra=()):
+def checked_call(x, grid, mode, padding_mode, align_corners, device, extra=()):
     """The checked call: ``(device, device inputs?, x, grid, dtype, (mode, padding,
     align), output shape)``; ``extra`` (name, array) pairs (grad_y) count for the device."""
     inputs = {"X": x, "grid": grid}
@@ -212,7 +212,7 @@ def grid_sample_backward(grad_y: ArrayLike, x: ArrayLike, grid: ArrayLike, *, mo
     """
     if grad_y is None:
         raise ValueError("grad_y is required")
-    device, back, x, grid, dtype, (mode, padding, align), out_shape = _prepared(
+    device, back, x, grid, dtype, (mode, padding, align), out_shape = checked_call(
         x, grid, mode, padding_mode, align_corners, device, (("grad_y", grad_y),))
     no_uint8(x)
     want = parse_wrt(wrt, ("x", "grid"), (True, True))

@@ -259,16 +259,18 @@ def _spinning(so):
 
 @pytest.mark.parametrize("threads,spinning", [(None, None), ("1", None), ("2", "0"), ("0", "0")])
 def test_threading_defaults(rng, threads, spinning):
-    """numba_ops' nodes on one numba thread leave onnxruntime's pool as onnxruntime
-    sets it; more numba threads (or numba's own count, "0") turn its spinning off,
+    """On the Python route, numba_ops' nodes on one numba thread leave onnxruntime's pool
+    as onnxruntime sets it; more numba threads (or numba's own count, "0") turn its spinning off,
     unless the options set it; the results are the same."""
     m, feeds, want = _two_op_model(rng)
     so = ort.SessionOptions()
+    so.add_session_config_entry("numba_ops.capi", "0")  # (the Python route's threads)
     if threads is not None:
         so.add_session_config_entry("numba_ops.num_threads", threads)
     _equal(session(m, so).run(None, feeds)[0], want)
     assert _spinning(so) == spinning
     so = ort.SessionOptions()
+    so.add_session_config_entry("numba_ops.capi", "0")
     so.add_session_config_entry("numba_ops.num_threads", "2")
     so.add_session_config_entry("session.intra_op.allow_spinning", "1")
     session(m, so)

@@ -43,7 +43,7 @@ from ..deform_conv import deform_conv
 from ..grid_sample import grid_sample
 
 __all__ = ["AffineGrid", "AffineWarp", "DeformConv", "GridSample", "MMCVModulatedDeformConv2d", "evaluator", "fuse",
-           "grid_sampler", "mmdeploy_as_onnx", "ops", "session"]
+           "grid_sampler", "mmdeploy_as_onnx", "mmdeploy_ops", "ops", "session"]
 
 #: the domain of AffineWarp, and its opset version
 DOMAIN = "numba_ops"
@@ -98,17 +98,22 @@ def _mode(mode):
     return "linear" if mode is None else _OPSET16_MODES.get(mode, mode)
 
 
+def sample_kwargs(align_corners=None, mode=None, padding_mode=None):
+    """grid_sample's and affine_warp's keyword arguments from a GridSample (or
+    AffineWarp) node's attributes, ONNX's defaults where absent."""
+    return dict(mode=_mode(mode), padding_mode="zeros" if padding_mode is None else padding_mode,
+                align_corners=0 if align_corners is None else align_corners)
+
+
 def _grid_sample(X, grid, align_corners=None, mode=None, padding_mode=None, device=None):
-    return grid_sample(X, grid, mode=_mode(mode), padding_mode="zeros" if padding_mode is None else padding_mode,
-                       align_corners=0 if align_corners is None else align_corners, device=device)
+    return grid_sample(X, grid, **sample_kwargs(align_corners, mode, padding_mode), device=device)
 
 
 def _affine_warp(X, theta, size, align_corners=None, mode=None, padding_mode=None, device=None):
     size = [int(v) for v in np.asarray(size).reshape(-1)]
     if len(size) >= 2 and np.ndim(X) >= 2:
         size[1] = int(np.shape(X)[1])
-    return affine_warp(X, theta, size, mode=_mode(mode), padding_mode="zeros" if padding_mode is None else padding_mode,
-                       align_corners=0 if align_corners is None else align_corners, device=device)
+    return affine_warp(X, theta, size, **sample_kwargs(align_corners, mode, padding_mode), device=device)
 
 
 #: (domain, op type) -> the numba_ops call for a node's inputs (in ONNX order, None where
@@ -253,21 +258,32 @@ def _in_domain(cls, domain):
     return type(cls.__name__, (cls,), {"op_domain": domain, "__module__": __name__, "__doc__": cls.__doc__})
 
 
-_CLASSES = (AffineGrid, DeformConv, GridSample, AffineWarp, MMCVModulatedDeformConv2d, grid_sampler,
-            _in_domain(MMCVModulatedDeformConv2d, "mmcv"), _in_domain(grid_sampler, "mmcv"))
+_CLASSES = (AffineGrid, DeformConv, GridSample, AffineWarp)
+_MMDEPLOY_CLASSES = (MMCVModulatedDeformConv2d, grid_sampler, _in_domain(MMCVModulatedDeformConv2d, "mmcv"),
+                     _in_domain(grid_sampler, "mmcv"))
+
+
+def _bound(classes, device):
+    if check_device(device) is None:
+        return list(classes)
+    return [type(cls.__name__, (cls,), {"device": device, "__module__": __name__, "op_domain": cls.op_domain})
+            for cls in classes]
 
 
 def ops(device=None):
-    """``[AffineGrid, DeformConv, GridSample, AffineWarp]`` and MMDeploy's nodes
-    (``MMCVModulatedDeformConv2d``, ``grid_sampler``, in domains ``mmdeploy`` and
-    ``mmcv``) bound to ``device`` (None, "cpu" or "cuda"), for ``new_ops``.
+    """``[AffineGrid, DeformConv, GridSample, AffineWarp]`` bound to ``device`` (None,
+    "cpu" or "cuda"), for ``new_ops``.
 
     The classes keep their ONNX names, which is how the evaluator matches them to nodes.
     """
-    if check_device(device) is None:
-        return list(_CLASSES)
-    return [type(cls.__name__, (cls,), {"device": device, "__module__": __name__, "op_domain": cls.op_domain})
-            for cls in _CLASSES]
+    return _bound(_CLASSES, device)
+
+
+def mmdeploy_ops(device=None):
+    """MMDeploy's nodes ``MMCVModulatedDeformConv2d`` and ``grid_sampler``, in domains
+    ``mmdeploy`` and ``mmcv``, bound to ``device``, for ``new_ops`` (``evaluator``
+    adds them)."""
+    return _bound(_MMDEPLOY_CLASSES, device)
 
 
 # --- fuse: AffineGrid -> GridSample as AffineWarp ----------------------------------------
@@ -374,15 +390,15 @@ def fuse(model):
 
 
 def evaluator(model, device=None, new_ops=(), **kwargs):
-    """``ReferenceEvaluator(model, new_ops=ops(device))``, with the model's local
-    functions also run on numba_ops' kernels (onnx evaluates function bodies
+    """``ReferenceEvaluator(model, new_ops=ops(device) + mmdeploy_ops(device))``, with
+    the model's local functions also run on numba_ops' kernels (onnx evaluates function bodies
     without ``new_ops``). ``new_ops``: more operator classes, used before ours (an
     evaluator takes the first class of a name). ``kwargs`` go to every evaluator
     (``verbose``...)."""
     from onnx import ModelProto
     from onnx.reference import ReferenceEvaluator
 
-    new = list(new_ops or ()) + ops(device)
+    new = list(new_ops or ()) + ops(device) + mmdeploy_ops(device)
     if not isinstance(model, ModelProto) or not model.functions:
         return ReferenceEvaluator(model, new_ops=new, **kwargs)
     funcs = []

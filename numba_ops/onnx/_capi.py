@@ -56,13 +56,13 @@ import numpy as np
 from llvmlite import ir
 from numba import carray, cfunc, njit, types
 from numba.extending import intrinsic, overload
-from numba.np.numpy_support import as_dtype
 
 from ..affine_grid import checked as affine_grid_checked
-from ..affine_warp import _prepared as affine_warp_checked
-from ..grid_sample import _prepared as grid_sample_checked, parse_attrs
+from ..affine_warp import checked_call as affine_warp_checked
+from ..grid_sample import checked_call as grid_sample_checked, parse_attrs
 from ..deform_conv import checked_params
 from ..kernels._sample import as_compute
+from . import sample_kwargs
 from ..kernels.cpu import affine_grid as ag, affine_warp as aw, deform_conv as dc, grid_sample as gs
 from ..kernels.cpu._deform_plan import state
 from ..kernels.cpu._opaque import INTERNAL, opaque
@@ -315,7 +315,7 @@ def _arr(p, shape, z):
 
 @overload(_arr, inline="always")
 def _arr_ol(p, shape, z):
-    dt = as_dtype(z).type
+    dt = getattr(np, str(z))  # (numba's float32, float64, uint8: NumPy's of the name)
     return lambda p, shape, z: carray(_vp(p), shape, dt)
 
 
@@ -397,9 +397,8 @@ def _variant(op, elems, rank, attrs):
 
 def _sample_attrs(attrs):
     """(mode, padding_mode, align_corners) of a GridSample or AffineWarp node's attributes."""
-    from . import _mode
-    return (_mode(attrs.get("mode")), attrs.get("padding_mode") or "zeros",
-            0 if attrs.get("align_corners") is None else attrs["align_corners"])
+    kw = sample_kwargs(**attrs)
+    return kw["mode"], kw["padding_mode"], kw["align_corners"]
 
 
 def _task_fn(op, elems, rank, attrs):
@@ -603,13 +602,13 @@ class _OrtCustomOp(ctypes.Structure):
 #: the compiled route's operators: type name -> (op, its inputs' element types, required
 #: inputs, the output's element type); 16-bit nodes run in float32 between Casts
 OPS = {}
-for _t, _n in ((_FLOAT, "float"), (_DOUBLE, "double")):
+for _t, _n in ((_FLOAT, "float32"), (_DOUBLE, "float64")):
     OPS[f"DeformConv_{_n}"] = ("DeformConv", (_t,) * 5, 3, _t)
     OPS[f"AffineGrid_{_n}"] = ("AffineGrid", (_t, _INT64), 2, _t)
     for _x, _xn in ((_t, _n), (_UINT8, "uint8")):
         OPS[f"GridSample_{_xn}_{_n}"] = ("GridSample", (_x, _t), 2, _x)
         OPS[f"AffineWarp_{_xn}_{_n}"] = ("AffineWarp", (_x, _t, _INT64), 3, _x)
-_ONNX_NAMES = {_FLOAT: "float", _DOUBLE: "double", _UINT8: "uint8"}
+_ONNX_NAMES = {_FLOAT: "float32", _DOUBLE: "float64", _UINT8: "uint8"}
 
 
 def op_type(op, elems):
