@@ -318,11 +318,11 @@ def warm(ops: str | Iterable[str] | None = None, dtypes: str | Iterable[Any] | N
             for args, kwargs in (front.warm_backward_calls(dtype) if backward is not None else ()):
                 for device in devices:
                     plan.append((op, dtype, device, backward, args, kwargs))
-            if op == "deform_conv" and "cpu" in devices and _session_installed():
-                # the compiled task of numba_ops.onnx.session's DeformConv nodes, per rank
-                from .onnx._capi import warm_task
-                plan += [(op, dtype, "cpu", warm_task, ("onnxruntime session", dtype, rank), {})
-                         for rank in (1, 2, 3)]
+            if "cpu" in devices and _session_installed():
+                # the shim and the compiled tasks of numba_ops.onnx.session's nodes of this op
+                from .onnx._capi import warm_calls, warm_task
+                plan += [(op, dtype, "cpu", warm_task, ("onnxruntime session",) + args, {})
+                         for args in warm_calls(op, dtype)]
     # the kernel modules, so that their dispatchers are counted from the start
     for op in ops:
         for device in devices:

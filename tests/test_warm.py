@@ -191,6 +191,11 @@ if sys.argv[1] == "warm":  # the warm-up calls of one mode and padding, 1-D, of 
     front.warm_calls = lambda dtype: [(a, k) for a, k in calls if a[0].ndim == 3 and a[0].dtype.name in xdts
                                       and k == {"mode": "nearest", "padding_mode": "reflection"}]
     front.warm_backward_calls = lambda dtype: []  # (the forward's sample alone)
+    try:
+        from numba_ops.onnx import _capi
+        _capi.warm_calls = lambda op, dtype: []  # (nor the session's tasks)
+    except ImportError:
+        pass
     r = numba_ops.warm("grid_sample", "float32", "cpu", quiet=True)
     print(json.dumps({"calls": r["calls"], "failures": r["failures"]}))
 else:  # a user's calls of that mode and padding: shapes, layouts, align, both paths, uint8 x
@@ -229,6 +234,9 @@ def test_warm_grid_sample_sample(xdts, tmp_path):
 def test_warm_result(capsys):
     front = __import__("numba_ops.affine_grid", fromlist=["warm_calls"])
     calls = len(front.warm_calls(DTYPE)) + len(front.warm_backward_calls(DTYPE))  # the gradients' too
+    if _warm._session_installed():  # and the session's compiled tasks
+        from numba_ops.onnx import _capi
+        calls += len(_capi.warm_calls("affine_grid", DTYPE))
     seen = []
     r = numba_ops.warm("affine_grid", [np.float32], "cpu", progress=lambda *a: seen.append(a), force=True)
     printed = capsys.readouterr().out  # documented: warm returns and prints what it did

@@ -419,7 +419,24 @@ def _task_fn(op, elems, rank, attrs):
     return f.address
 
 
-def warm_task(kind, op, elems, rank, attrs):
+def warm_calls(op, dtype):
+    """``warm_task``'s arguments (after ``kind``) for every variant of the session's
+    nodes of function ``op`` (``"grid_sample"``...) whose float inputs have dtype name
+    ``dtype`` (16-bit: float32, as the session runs them): every rank, and for
+    GridSample and AffineWarp X of that dtype and uint8, every mode and padding."""
+    t = _DOUBLE if dtype == "float64" else _FLOAT
+    onnx_op = "".join(w.capitalize() for w in op.split("_"))
+    if onnx_op == "DeformConv":
+        return [(onnx_op, (t,) * 5, r, {}) for r in (1, 2, 3)]
+    if onnx_op == "AffineGrid":
+        return [(onnx_op, (t, _INT64), r, {}) for r in (2, 3)]
+    ranks = (1, 2, 3) if onnx_op == "GridSample" else (2, 3)
+    return [(onnx_op, (x, t) if onnx_op == "GridSample" else (x, t, _INT64), r, {"mode": m, "padding_mode": p})
+            for x in (t, _UINT8) for r in ranks for m in ("linear", "nearest", "cubic")
+            for p in ("zeros", "border", "reflection")]
+
+
+def warm_task(kind, op, elems, rank, attrs, device="cpu"):
     """Compile (or load from numba's disk cache) the task that a ``session``'s node of
     ``op`` (its inputs' ONNX element types, X's rank, its attributes) runs, and build
     the shim (``numba_ops.warm`` calls it, ``kind`` naming it in its report)."""
