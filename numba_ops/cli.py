@@ -71,7 +71,7 @@ def cmd_info(args):
                             f"(NUMBA_NUM_THREADS={numba.config.NUMBA_NUM_THREADS})"))
     # The pool starts on the first parallel launch: make one (a cached kernel) to name the layer.
     configured = (f"{numba.config.THREADING_LAYER}, priority {' '.join(numba.config.THREADING_LAYER_PRIORITY)}, "
-                  f"GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT')}")
+                  f"GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT') or _runtime.SPINCOUNT + ' as the pool starts'}")
     try:
         numba_ops.affine_grid(np.zeros((1, 2, 3), np.float32), (1, 1, 256, 256))
         layer = numba.threading_layer()
@@ -80,6 +80,12 @@ def cmd_info(args):
     rows.append(("threading layer", f"{layer} (configured: {configured}; parallel above "
                                     f"{_runtime.PARALLEL_MIN_WORK} elements of work)"))
     rows.append(("JIT cache", _cache_location()))
+    missing = _session_missing()
+    if missing is None:
+        from .onnx._capi import route_status
+        rows.append(("onnx session", route_status()))
+    else:
+        rows.append(("onnx session", f"not available ({missing})"))
     from .benchmark import machine
     rows.append(("BLAS", machine.blas_text(machine.blas_info())))
     width = max(len(k) for k, _ in rows)

@@ -106,8 +106,10 @@ def test_check_fails_on_a_broken_kernel(tmp_path):
     rc, out, err = run("check", script=wrapper(tmp_path, BROKEN_AFFINE_GRID))
     assert rc == 1, out + err
     fails = [ln for ln in out.splitlines() if ln.startswith("FAIL")]
-    assert len(fails) == 12 and all("AffineGrid" in ln for ln in fails), out  # 4 backend + 4 page + 4 session
-    assert f"{N_CHECK_CASES - 12} passed, 12 failed" in out
+    # 4 backend + 4 page cases (the session's nodes run the compiled kernel on onnxruntime's
+    # threads, not the patched Python launcher: its 4 pass)
+    assert len(fails) == 8 and all("AffineGrid" in ln for ln in fails), out
+    assert f"{N_CHECK_CASES - 8} passed, 8 failed" in out
 
 
 def test_check_fails_on_a_broken_gradient(tmp_path):

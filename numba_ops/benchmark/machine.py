@@ -190,7 +190,7 @@ def collect(layer=True):
     import numba
 
     import numba_ops
-    from ..kernels.cpu import _runtime  # noqa: F401  (sets GOMP_SPINCOUNT's default: read the env after it)
+    from ..kernels.cpu import _runtime  # noqa: F401  (sets numba_ops' threading defaults: read the env after it)
     model, flags = _cpuinfo()
     try:
         affinity = len(os.sched_getaffinity(0))

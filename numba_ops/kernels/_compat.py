@@ -63,6 +63,12 @@ def pool_started():
     return bool(_parallel._is_initialized)
 
 
+def launch_threads():
+    """Start numba's thread pool now (what its first parallel launch does:
+    ``parallel._launch_threads``)."""
+    _parallel._launch_threads()
+
+
 def pool_thread_count():
     """The calling thread's numba thread count read from the pool's thread-local slot
     without ``get_num_threads()``'s lock (``parallel._get_num_threads``, set as the pool

@@ -739,19 +739,34 @@ def _cache_dir():
 
 
 def _build():
-    """The shim's path (compiled once into the cache), or raise why not."""
+    """The shim's path (compiled once into the cache; where the cache cannot be written,
+    a read-only image's, into a folder of this user's under the temporary directory),
+    or raise why not."""
     tag = hashlib.sha256((SHIM + sys.platform + sysconfig.get_platform()).encode()).hexdigest()[:16]
-    path = os.path.join(_cache_dir(), f"numba_ops_capi_{tag}.so")
-    if os.path.exists(path):
-        return path
+    name = f"numba_ops_capi_{tag}.so"
+    tmp = os.path.join(tempfile.gettempdir(), f"numba_ops_{os.getuid()}")
+    for folder in (_cache_dir(), tmp):
+        path = os.path.join(folder, name)
+        if os.path.exists(path):
+            return path
+        try:
+            os.makedirs(folder, exist_ok=True)
+            if os.access(folder, os.W_OK):
+                return _compile(path)
+        except OSError:
+            continue
+    raise RuntimeError(f"no writable folder for numba_ops' onnxruntime shim ({_cache_dir()}, {tmp})")
+
+
+def _compile(path):
+    """Compile the shim into ``path``."""
     cc = os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc"
     cc = cc.split()[0]
     if shutil.which(cc) is None:
         cc = "cc"
         if shutil.which(cc) is None:
             raise RuntimeError("no C compiler (cc) to build numba_ops' onnxruntime shim")
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory(dir=os.path.dirname(path)) as tmp:  # (beside it: os.replace stays in one file system)
         src, out = os.path.join(tmp, "shim.c"), os.path.join(tmp, "shim.so")
         with open(src, "w") as f:
             f.write(SHIM)
@@ -778,6 +793,15 @@ def library():
             except Exception as exc:
                 _STATE["error"] = f"{type(exc).__name__}: {exc}"
     return _STATE.get("lib")
+
+
+def route_status():
+    """One line for ``numba-ops info``: whether ``session``'s nodes run compiled on
+    onnxruntime's threads here, and why not."""
+    lib = library()
+    if lib is None:
+        return f"Python route only (onnxruntime-extensions, slower): {reason()}"
+    return f"compiled route: every node on onnxruntime's threads (shim {lib})"
 
 
 def reason():

@@ -10,8 +10,10 @@ Measured on 2-core VMs (README, "Devices"):
   later launches of a call that follows idle time take ~4 ms each; a longer spin
   (3,000,000, ~0.1 s of one core after a call, like Intel OpenMP's default
   200 ms block time) keeps back-to-back launches at ~10 us and a launch after
-  idle at ~0.2 ms. The variable is read when libgomp loads, so it is set here,
-  before the first parallel launch, unless the user set it.
+  idle at ~0.2 ms. The variable is read when libgomp loads, so it is set in the
+  environment while numba_ops' first parallel launch starts numba's pool, and
+  removed again (it reaches no other OpenMP runtime nor child process), unless
+  the user set it.
 
 A user's NUMBA_THREADING_LAYER / NUMBA_THREADING_LAYER_PRIORITY / GOMP_SPINCOUNT
 win. Parallel launches from several Python threads are serialised here (the
@@ -30,13 +32,14 @@ import warnings
 
 import numba
 
-from .._compat import pool_started, pool_thread_count
+from .._compat import launch_threads, pool_started, pool_thread_count
 
 if "NUMBA_THREADING_LAYER" not in os.environ and "NUMBA_THREADING_LAYER_PRIORITY" not in os.environ:
     # in the environment too: numba re-reads its config from it when it changes
     os.environ["NUMBA_THREADING_LAYER_PRIORITY"] = "omp workqueue tbb"
     numba.config.THREADING_LAYER_PRIORITY = ["omp", "workqueue", "tbb"]
-os.environ.setdefault("GOMP_SPINCOUNT", "3000000")
+#: libgomp's spin while numba's OpenMP pool starts (see the module docstring)
+SPINCOUNT = "3000000"
 
 #: below this many output elements (times work per element) a kernel runs serially:
 #: waking the pool costs more than the work.
@@ -45,8 +48,44 @@ PARALLEL_MIN_WORK = 1 << 16
 #: pool items per thread: a few, so that uneven items still balance
 ITEMS_PER_THREAD = 4
 
+def _start_pool():
+    """Start numba's pool with ``GOMP_SPINCOUNT=SPINCOUNT`` in the environment for as
+    long as it takes libgomp to load and read it (unless the user set it): the
+    setting reaches numba's OpenMP layer and nothing else (other OpenMP runtimes,
+    child processes)."""
+    if pool_started():
+        return
+    mine = "GOMP_SPINCOUNT" not in os.environ
+    if mine:
+        os.environ["GOMP_SPINCOUNT"] = SPINCOUNT
+    try:
+        launch_threads()
+    except Exception:  # noqa: S110 (the launch itself starts it then, as numba does)
+        pass
+    finally:
+        if mine:
+            os.environ.pop("GOMP_SPINCOUNT", None)
+
+
+class _PoolLock:
+    """A lock that starts numba's pool (``_start_pool``) before its first holder
+    launches onto it."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+
+    def __enter__(self):
+        if not pool_started():
+            _start_pool()
+        self._lock.acquire()
+        return self
+
+    def __exit__(self, *exc):
+        self._lock.release()
+
+
 #: held by every parallel launch (affine_grid via ``run``, deform_conv directly)
-POOL_LOCK = threading.Lock()
+POOL_LOCK = _PoolLock()
 
 _forked_after_omp = False
 _warned = False
