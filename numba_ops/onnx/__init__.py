@@ -410,8 +410,9 @@ def evaluator(model, device=None, new_ops=(), **kwargs):
 
 def session(model, sess_options=None, *, providers=None, ops=None, fuse=False, **kwargs):
     """An ``onnxruntime.InferenceSession`` for ``model`` in which every DeformConv,
-    AffineGrid and GridSample node runs on numba_ops' CPU kernels and every other
-    node on onnxruntime's.
+    AffineGrid and GridSample node (and MMDeploy's ``MMCVModulatedDeformConv2d`` and
+    ``grid_sampler``) runs on numba_ops' CPU kernels, compiled, on onnxruntime's own
+    intra-op threads, and every other node on onnxruntime's kernels.
 
     Parameters
     ----------
@@ -420,14 +421,13 @@ def session(model, sess_options=None, *, providers=None, ops=None, fuse=False, *
         session runs a rewritten copy.
     sess_options : onnxruntime.SessionOptions, optional
         Used as given (default: new options), with numba_ops' custom-op library
-        (onnxruntime-extensions') registered into it once, and where the options
-        do not set them, numba_ops' threading defaults: numba_ops' nodes run on
-        one numba thread, the calling one (config entry ``numba_ops.num_threads``;
-        "0" for numba's own count), beside onnxruntime's own pool with its own
-        settings; where the entry asks for more than one numba thread,
-        onnxruntime's intra-op pool does not spin
-        (``session.intra_op.allow_spinning`` "0"), since two spinning pools hold
-        the cores that each other's next node needs.
+        registered into it once. Config entries: ``numba_ops.capi`` "0" puts every
+        node on the Python route (onnxruntime-extensions' Python operators, whose
+        library is then registered too); ``numba_ops.num_threads``: numba's
+        thread count in Python-route nodes (default 1, the calling thread; "0":
+        numba's own count; more than one turns onnxruntime's intra-op spinning
+        off, ``session.intra_op.allow_spinning`` "0", unless the options set it,
+        since two spinning pools hold the cores that each other's next node needs).
     providers : sequence, optional
         onnxruntime's execution providers; default ``["CPUExecutionProvider"]``,
         the target. With another provider listed first (CUDA, ...) onnxruntime
@@ -435,7 +435,8 @@ def session(model, sess_options=None, *, providers=None, ops=None, fuse=False, *
         inputs and outputs across; they run on numba_ops' CPU kernels.
     ops : iterable of str, optional
         The op types taken (``"DeformConv"``, ``"AffineGrid"``, ``"GridSample"``,
-        ``"AffineWarp"``); default all. The others run on onnxruntime.
+        ``"AffineWarp"``; MMDeploy's nodes count as the first and the third);
+        default all. The others run on onnxruntime.
     fuse : bool
         Run ``fuse(model)`` first, so that AffineGrid -> GridSample pairs run as
         one AffineWarp node (which only numba_ops runs).
@@ -448,7 +449,11 @@ def session(model, sess_options=None, *, providers=None, ops=None, fuse=False, *
         The real one (``run``, ``get_inputs``, ``io_binding``, ...): a subclass whose
         ``run``, ``run_with_iobinding``, ``run_with_ort_values`` raise the error a
         numba_ops node met (the function's ValueError/TypeError), and whose
-        ``numba_ops_nodes`` lists the (op type, name) of the nodes it took.
+        ``numba_ops_nodes`` says how each node it took runs: per node the pair
+        (op type, node name) with attributes ``op``, ``node``, ``route``
+        ("compiled": compiled code on onnxruntime's threads; "python":
+        onnxruntime-extensions' Python operator) and ``reason`` (why the Python
+        route; "" otherwise).
 
     Raises
     ------
@@ -467,6 +472,13 @@ def session(model, sess_options=None, *, providers=None, ops=None, fuse=False, *
     those inside subgraphs (If, Loop, Scan) and model-local functions run on
     onnxruntime. An error that only shows at run time (a dynamic shape that does
     not fit) raises from ``run``; the process and the session live on.
+    Concurrent ``run`` calls compute in parallel.
+
+    The compiled route needs a C compiler once (a seven-line library that
+    onnxruntime loads, built into numba_ops' cache; ``numba-ops warm`` builds it).
+    A node that cannot take it (no compiler, a DeformConv of more than 3 spatial
+    axes) takes the Python route, and the session warns (``RuntimeWarning``)
+    with the reason.
     """
     try:
         from . import _ort
