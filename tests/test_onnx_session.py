@@ -684,3 +684,29 @@ def test_mmdeploy_bad_attributes_fail_at_creation():
         session(_mmdeploy_model("mmdeploy", {}, dict(interpolation_mode=5)))
     with pytest.raises(ValueError, match="MMCVModulatedDeformConv2d node 'dcn': .*no attribute 'kernel'"):
         session(_mmdeploy_model("mmdeploy", dict(kernel=[3, 3]), {}))
+
+
+def test_a_task_that_raises_fails_the_run_and_the_process_lives(rng, monkeypatch):
+    """An exception inside a compiled node's task on onnxruntime's thread (never
+    expected: the plan checks the inputs) fails that run with a RuntimeError, never a
+    silent success with an output left unwritten; the session runs again after."""
+    from numba import carray, njit
+
+    from numba_ops.onnx import _capi
+
+    @njit(no_cpython_wrapper=True, no_cfunc_wrapper=True)
+    def raising_task(usr, th, z):
+        L = carray(usr, (_capi.NS,), np.int64)
+        if L[_capi.ITEMS] >= 0:
+            raise ValueError("a task's failure")
+
+    variant = _capi._variant
+    monkeypatch.setattr(_capi, "_variant", lambda *a: (raising_task, (np.float32(0),)))
+    node = helper.make_node("GridSample", ["X", "G"], ["Y"], name="gs")
+    x, g = _values(rng, (1, 2, 5, 5), "float32"), _values(rng, (1, 3, 3, 2), "float32", uniform=(-1, 1))
+    m, feeds = _model([node], {"X": x, "G": g}, {}, "float32")
+    s = session(m)
+    with pytest.raises(Exception, match="a numba_ops kernel failed on onnxruntime's thread"):
+        s.run(None, feeds)
+    monkeypatch.setattr(_capi, "_variant", variant)
+    _equal(session(m).run(None, feeds)[0], numba_ops.grid_sample(x, g))

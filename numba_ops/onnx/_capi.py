@@ -92,7 +92,8 @@ _GET_INPUT, _GET_OUTPUT, _TYPE_AND_SHAPE = API["KernelContext_GetInput"], API["K
     API["GetTensorTypeAndShape"]
 _DIMS_COUNT, _GET_DIMS, _RELEASE_INFO = API["GetDimensionsCount"], API["GetDimensions"], \
     API["ReleaseTensorTypeAndShapeInfo"]
-_DATA, _PARALLEL_FOR = API["GetTensorMutableData"], API["KernelContext_ParallelFor"]
+_DATA, _PARALLEL_FOR, _CREATE_STATUS = API["GetTensorMutableData"], API["KernelContext_ParallelFor"], \
+    API["CreateStatus"]
 _FAIL = 1  # OrtErrorCode ORT_FAIL
 _FLOAT, _UINT8, _INT64, _DOUBLE = 1, 2, 7, 11  # ONNXTensorElementDataType
 _REQUIRED, _OPTIONAL = 0, 1  # OrtCustomOpInputOutputCharacteristic
@@ -100,17 +101,19 @@ _REQUIRED, _OPTIONAL = 0, 1  # OrtCustomOpInputOutputCharacteristic
 # --- a node's state ``S`` and a run's ``L`` (int64 arrays of one layout) -------------------
 # S only: the lock, the runs in flight, the plan's validity, the OrtApi table, the planner
 # callback, the input count, the input whose values key the plan (AffineGrid's and
-# AffineWarp's size; 0: none, else its index + 1), the node's workspace (busy?, addresses)
-LOCK, INFLIGHT, READY, TABLE, REPLAN, NIN, KEYED, WSBUSY, CFWS, CIWS = range(10)
+# AffineWarp's size; 0: none, else its index + 1), the node's workspace (busy?, addresses),
+# the message of a task's failure (a C string's address)
+LOCK, INFLIGHT, READY, TABLE, REPLAN, NIN, KEYED, WSBUSY, CFWS, CIWS, ERRMSG = range(11)
 # the plan, copied into L by each run: the task, how it runs (``MODE``), items per pool
 # round, DeformConv's rounds and packed vector, workspace words, op-specific integers
-PLAN0 = 10
+PLAN0 = 11
 FN, MODE, ITEMS, NSCHED, SCHED, META, NMETA, NFWS, NIWS, A0, A1, A2, A3, A4, A5, A6 = range(PLAN0, PLAN0 + 16)
 PLAN1 = PLAN0 + 16
-# L only: the round under way, the workspaces' addresses, scratch for the C API's outputs
-N0, RD, FWS, IWS, TMP, TMP2 = range(PLAN1, PLAN1 + 6)
+# L only: the round under way, the workspaces' addresses, scratch for the C API's outputs,
+# a task's failure
+N0, RD, FWS, IWS, TMP, TMP2, FAILED = range(PLAN1, PLAN1 + 7)
 MAXIN = 5
-PTR = 32  # + i: input i's data; + MAXIN: the output's
+PTR = FAILED + 1  # + i: input i's data; + MAXIN: the output's
 DIMS = 40  # + 8 * i: input i's rank (-1: absent) and sizes (a keyed input: rank, length, values)
 YD = DIMS + 8 * MAXIN  # the output's rank and sizes (part of the plan)
 TDIMS = YD + 8  # sizes read from onnxruntime
@@ -266,7 +269,7 @@ def _exec(L, lbase, table, ctx, fw, iw):
     for k in range(L[NSCHED]):  # DeformConv's rounds, in order
         L[N0], L[RD] = sched[2 * k], sched[2 * k + 1]
         st = _call(pf, (ctx, L[FN], L[ITEMS], np.int64(0), lbase))
-        if st:
+        if st or L[FAILED]:
             return st
     return np.int64(0)
 
@@ -288,6 +291,8 @@ def _compute(kernel, ctx):
     fw = np.empty(L[NFWS] if own else 0, np.int64)  # (8-byte words: enough for either float)
     iw = np.empty(L[NIWS] if own else 0, np.int64)
     st = _exec(L, lbase, table, c, fw, iw)
+    if st == 0 and L[FAILED]:  # a task raised (never expected: the plan checked the inputs)
+        st = _call(table[_CREATE_STATUS], (np.int64(_FAIL), S[ERRMSG]))
     if took:
         _swap(sbase + 8 * WSBUSY, np.int64(0))
     _add(sbase + 8 * INFLIGHT, np.int64(-1))
@@ -412,9 +417,16 @@ def _task_fn(op, elems, rank, attrs):
         if f is None:
             call = opaque(task)
 
+            @njit
+            def item(usr, th):
+                call(usr, th, *extra)
+
             @cfunc(types.void(types.voidptr, types.uintp))
             def fn(usr, th):
-                call(usr, np.int64(th), *extra)
+                try:
+                    item(usr, np.int64(th))
+                except Exception:  # nothing may escape into onnxruntime's thread: the run fails
+                    _swap(_addr(usr) + 8 * FAILED, np.int64(1))
             f = _TASK_FNS[key] = fn
     return f.address
 
@@ -463,6 +475,7 @@ class _Node:
         self.S = np.zeros(NS, np.int64)
         self.S[TABLE] = _STATE["table"]
         self.S[REPLAN] = _REPLAN_ADDR
+        self.S[ERRMSG] = ctypes.addressof(_TASK_FAILED)
         self.S[NIN] = len(self.elems)
         self.S[KEYED] = {"AffineGrid": 2, "AffineWarp": 3}.get(self.op, 0)
         self.S[DIMS:YD:8] = -2  # nothing seen yet
@@ -561,6 +574,7 @@ def _deform_attrs(attrs):
                 offset_group=1 if a.get("offset_group") is None else a["offset_group"])
 
 
+_TASK_FAILED = ctypes.create_string_buffer(b"RuntimeError: a numba_ops kernel failed on onnxruntime's thread")
 _NP = {_FLOAT: np.float32, _DOUBLE: np.float64, _UINT8: np.uint8, _INT64: np.int64}
 _NODES = {}  # S's address -> _Node
 _STATE = {}  # "table": the OrtApi table's address, "lib": the shim's path, "error": why not available
