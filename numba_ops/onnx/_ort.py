@@ -1,16 +1,20 @@
 """numba_ops' operators inside onnxruntime: the machinery behind ``numba_ops.onnx.session``.
 
 Two routes. ``session`` rewrites a copy of the model so that each node it takes
-becomes a custom-op node whose one string attribute ``numba_ops`` carries (as JSON)
-the original op, its attributes, the node's name, the session it belongs to, its
+(MMDeploy's nodes translated to their ONNX twins, ``mmdeploy_as_onnx``) becomes a
+custom-op node whose one string attribute ``numba_ops`` carries (as JSON) the
+original op, its attributes, the node's name, the session it belongs to, its
 declared output shape and the thread counts; onnxruntime runs every other node
-itself. DeformConv nodes (16-bit ones between Casts, as every 16-bit node) become
-nodes of domain ``numba_ops.capi``,
-compiled custom operators of onnxruntime's C API that run on onnxruntime's pool
-(``_capi``), where that route is available; every other node becomes a node of
-domain ``numba_ops.ort``, an onnxruntime-extensions Python custom operator, which
-onnxruntime calls back into Python for. This module is the rewrite, the session
-class and the Python route; errors of both routes are recorded and raised here.
+itself. 16-bit nodes run between Casts. Where the compiled route is available
+(``_capi``: a C compiler, onnxruntime's C API 17) every node becomes a node of
+domain ``numba_ops.capi``, compiled code on onnxruntime's pool; a node that route
+cannot run (a DeformConv of more than 3 spatial axes), or every node where it is
+not available, becomes a node of domain ``numba_ops.ort``, an onnxruntime-extensions
+Python custom operator, which onnxruntime calls back into Python for, and the
+session warns. This module is the rewrite, the routes' choice and report
+(``Route``), the session class and the Python route; errors of both routes are
+recorded and raised here. onnxruntime-extensions' library and its Python-op hook
+are registered only for sessions with nodes on the Python route.
 
 What the extension layer imposes, and how it is met:
 
