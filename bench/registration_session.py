@@ -316,7 +316,8 @@ def registration(args, tmp, size):
         per_round = [1e3 * np.median(t) for t in rounds]
         med[k] = float(np.median(np.concatenate(rounds))) * 1e3
         info = procs[k].info
-        print(f"  {k:<12} median {med[k]:8.2f} ms per call   round medians {min(per_round):.2f}-{max(per_round):.2f} ms "
+        print(f"  {k:<12} median {med[k]:8.2f} ms per call   "
+              f"round medians {min(per_round):.2f}-{max(per_round):.2f} ms "
               f"({args.rounds} rounds x {args.runs} calls; created in {1e3 * info['made']:.0f} ms, "
               f"first call {1e3 * info['first']:.0f} ms)")
     ratio = med["onnxruntime"] / med["session"]
