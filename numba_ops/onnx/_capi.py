@@ -406,6 +406,43 @@ def _sample_attrs(attrs):
     return kw["mode"], kw["padding_mode"], kw["align_corners"]
 
 
+def _item_callback(call, extra):
+    """The C callback ``fn(usr, th)`` that runs ``call(usr, th, *extra)`` and marks the
+    run FAILED where it raises (nothing may escape into onnxruntime's thread). Written
+    out per count of constant arguments: numba takes no ``*extra`` in a ``try``
+    block, and a jitted helper would be compiled again in every process (a ``cfunc``
+    is small to compile)."""
+    sig = types.void(types.voidptr, types.uintp)
+    if len(extra) == 1:
+        (e0,) = extra
+
+        @cfunc(sig)
+        def fn(usr, th):
+            try:
+                call(usr, np.int64(th), e0)
+            except Exception:
+                _swap(_addr(usr) + 8 * FAILED, np.int64(1))
+    elif len(extra) == 2:
+        e0, e1 = extra
+
+        @cfunc(sig)
+        def fn(usr, th):
+            try:
+                call(usr, np.int64(th), e0, e1)
+            except Exception:
+                _swap(_addr(usr) + 8 * FAILED, np.int64(1))
+    else:
+        e0, e1, e2, e3, e4 = extra
+
+        @cfunc(sig)
+        def fn(usr, th):
+            try:
+                call(usr, np.int64(th), e0, e1, e2, e3, e4)
+            except Exception:
+                _swap(_addr(usr) + 8 * FAILED, np.int64(1))
+    return fn
+
+
 def _task_fn(op, elems, rank, attrs):
     """The address of the C callback running one pool item of a node's run
     (``fn(L's address, item)``, as ``KernelContext_ParallelFor`` calls it): compiled
@@ -417,17 +454,7 @@ def _task_fn(op, elems, rank, attrs):
         if f is None:
             call = opaque(task)
 
-            @njit
-            def item(usr, th):
-                call(usr, th, *extra)
-
-            @cfunc(types.void(types.voidptr, types.uintp))
-            def fn(usr, th):
-                try:
-                    item(usr, np.int64(th))
-                except Exception:  # nothing may escape into onnxruntime's thread: the run fails
-                    _swap(_addr(usr) + 8 * FAILED, np.int64(1))
-            f = _TASK_FNS[key] = fn
+            f = _TASK_FNS[key] = _item_callback(opaque(task), extra)
     return f.address
 
 
