@@ -546,20 +546,40 @@ def test_every_op_takes_the_compiled_route(rng):
     _equal(s.run(None, feeds)[0], want)
 
 
-def test_a_rank_the_compiled_route_lacks_falls_back_with_a_warning(rng):
-    """A DeformConv of 4 spatial axes takes the Python route: a RuntimeWarning says
-    why, the report too, and it gives the function's result."""
-    shape = (1, 2, 4, 3, 3, 3)
-    x = _values(rng, shape, "float64")
+def test_deform_conv_of_four_spatial_axes_runs_compiled(rng):
+    """A DeformConv of 4 spatial axes (onnxruntime has none) runs compiled too."""
+    x = _values(rng, (1, 2, 4, 3, 3, 3), "float64")
     w = _values(rng, (2, 2, 2, 2, 2, 2), "float64")
     off = _values(rng, (1, 16 * 4, 3, 2, 2, 2), "float64", 0.5)
     node = helper.make_node("DeformConv", ["X", "W", "offset"], ["Y"], name="dc4")
     m, feeds = _model([node], {"X": x, "W": w, "offset": off}, {}, "float64")
-    with pytest.warns(RuntimeWarning, match="DeformConv node 'dc4' runs on the slower Python route: .*4 spatial"):
-        s = session(m)
-    r, = s.numba_ops_nodes
-    assert (r.route, r.op, r.node) == ("python", "DeformConv", "dc4") and "4 spatial axes" in r.reason
+    s = session(m)
+    assert [(r.op, r.node, r.route) for r in s.numba_ops_nodes] == [("DeformConv", "dc4", "compiled")]
     _equal(s.run(None, feeds)[0], numba_ops.deform_conv(x, w, off))
+
+
+def test_without_the_compiled_route_nodes_fall_back_with_a_warning(rng, monkeypatch):
+    """Where the compiled route is not available (here: as without a C compiler), every
+    node takes the Python route: a RuntimeWarning names each and says why, the report
+    too, and the results are the functions'. Asked for by the options
+    (``numba_ops.capi`` "0"), it does not warn."""
+    import warnings
+    from numba_ops.onnx import _capi
+    why = "RuntimeError: no C compiler (cc) to build numba_ops' onnxruntime shim"
+    monkeypatch.setattr(_capi, "library", lambda: None)
+    monkeypatch.setattr(_capi, "reason", lambda: why)
+    m, feeds, want = _two_op_model(rng)
+    with pytest.warns(RuntimeWarning, match=r"DeformConv node 'dc' runs on the slower Python route: .*no C compiler"):
+        s = session(m)
+    assert [(r.op, r.route, r.reason) for r in s.numba_ops_nodes] == [("DeformConv", "python", why),
+                                                                      ("GridSample", "python", why)]
+    _equal(s.run(None, feeds)[0], want)
+    so = ort.SessionOptions()
+    so.add_session_config_entry("numba_ops.capi", "0")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        s = session(m, so)
+    assert all(r.route == "python" for r in s.numba_ops_nodes)
 
 
 def test_concurrent_runs_compute_in_parallel_and_right(rng):

@@ -476,7 +476,7 @@ def session(model, sess_options=None, *, providers=None, ops=None, fuse=False, *
 
     The compiled route needs a C compiler once (a seven-line library that
     onnxruntime loads, built into numba_ops' cache; ``numba-ops warm`` builds it).
-    A node that cannot take it (no compiler, a DeformConv of more than 3 spatial
+    A node that cannot take it (no compiler, a DeformConv of more than 5 spatial
     axes) takes the Python route, and the session warns (``RuntimeWarning``)
     with the reason.
     """

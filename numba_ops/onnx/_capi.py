@@ -122,6 +122,8 @@ NS = TDIMS + 8
 EMPTY, ONE, POOL = range(3)
 #: a keyed input's most values
 KEY_MAX = 6
+#: the most spatial axes of a node here (7 dimensions: ``_inputs`` reads up to 7)
+MAX_RANK = 5
 
 @intrinsic
 def _vp(typingctx, a):
@@ -538,8 +540,8 @@ class _Node:
         if self.op == "DeformConv":
             x, w, off, b, m = (None if s is None else _dummy(s, dt) for s, dt in zip(shapes, self.dtypes))
             p = checked_params(x, w, off, b, m, **_deform_attrs(a))
-            if x.ndim - 2 not in (1, 2, 3):
-                raise ValueError(f"X must have 1 to 3 spatial dims; got shape {x.shape}")
+            if x.ndim - 2 > MAX_RANK:
+                raise ValueError(f"X must have at most {MAX_RANK} spatial dims here; got shape {x.shape}")
             st = state(x, w, p)
             lp = dc.plan(st, x, w, m is not None, b is not None, self.spec.pool)
             yshape, rank, S[A0], S[A2] = st.yshape, x.ndim - 2, lp.mode, self.nob.ctypes.data

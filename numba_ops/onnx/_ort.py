@@ -8,7 +8,7 @@ declared output shape and the thread counts; onnxruntime runs every other node
 itself. 16-bit nodes run between Casts. Where the compiled route is available
 (``_capi``: a C compiler, onnxruntime's C API 17) every node becomes a node of
 domain ``numba_ops.capi``, compiled code on onnxruntime's pool; a node that route
-cannot run (a DeformConv of more than 3 spatial axes), or every node where it is
+cannot run (a DeformConv of more than 5 spatial axes), or every node where it is
 not available, becomes a node of domain ``numba_ops.ort``, an onnxruntime-extensions
 Python custom operator, which onnxruntime calls back into Python for, and the
 session warns. This module is the rewrite, the routes' choice and report
@@ -642,8 +642,9 @@ def prepare(model, ops=None, fuse=False, token=0, threads=None, pool=None, why=N
         reason = why or ""
         if pool and op == "DeformConv":
             rank = next((len(sh) - 2 for sh in (shapes[0], shapes[1]) if sh is not None), None)
-            if rank is not None and rank not in (1, 2, 3):
-                capi_type, reason = None, f"a DeformConv of {rank} spatial axes (the compiled route takes 1 to 3)"
+            if rank is not None and rank > _capi.MAX_RANK:
+                capi_type, reason = None, (f"a DeformConv of {rank} spatial axes (the compiled route takes 1 to "
+                                           f"{_capi.MAX_RANK})")
         if pool and capi_type is None and not reason:
             reason = "no compiled operator for its input types"
         route = COMPILED if pool and capi_type else PYTHON
