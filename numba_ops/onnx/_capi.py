@@ -39,7 +39,7 @@ How the pieces meet:
   time.
 - A run-time error (an input shape the op refuses) is raised by ``plan`` inside
   a callback: it is recorded as the Python route records its errors
-  (``_ort.record``) and an ``OrtStatus`` fails the node, so ``run`` raises the
+  (``_specs.record``) and an ``OrtStatus`` fails the node, so ``run`` raises the
   function's error and the process lives on.
 """
 import ctypes
@@ -63,6 +63,7 @@ from ..grid_sample import checked_call as grid_sample_checked, parse_attrs
 from ..deform_conv import checked_params
 from ..kernels._sample import as_compute
 from . import sample_kwargs
+from ._specs import record, spec_of
 from ..kernels.cpu import affine_grid as ag, affine_warp as aw, deform_conv as dc, grid_sample as gs
 from ..kernels.cpu._deform_plan import state
 from ..kernels.cpu._opaque import INTERNAL, opaque
@@ -640,7 +641,6 @@ def _replan(addr):
         node.plan()
         return 0
     except BaseException as exc:  # noqa: B036 (an exception escaping a callback is lost)
-        from ._ort import record
         try:
             record(node.spec, node.text, exc)
         except BaseException:  # noqa: B036
@@ -703,7 +703,6 @@ def _make_op(name):
             st = get(info, b"numba_ops", buf, ctypes.byref(size))
             if st:
                 return st
-            from ._ort import spec_of
             text = buf.value.decode()
             node = _Node(spec_of(text), text, (op, ins))
             addr = node.S.ctypes.data

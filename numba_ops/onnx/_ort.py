@@ -58,6 +58,7 @@ from ..kernels._compat import set_pool_thread_count
 from ..kernels.cpu._blas import ONE_THREAD
 from ..kernels.cpu._runtime import num_threads
 from . import CALLS, DOMAIN as FUSED_DOMAIN, MMDEPLOY_DOMAINS, MMDEPLOY_OPS, _capi, fuse as fuse_model, mmdeploy_as_onnx
+from ._specs import drop, local_run, new_token, record, spec_of, take_pending
 
 #: the custom-op domain of the nodes that run on numba_ops
 ORT_DOMAIN = "numba_ops.ort"
@@ -160,10 +161,6 @@ def _register():
 
 # --- the node specs the custom ops read, and the errors they record ---------------------
 
-class _Spec:
-    __slots__ = ("op", "call", "attrs", "node", "session", "shape", "threads", "pool")
-
-
 def _set_threads(n):
     """Set numba's thread count for this thread to ``n`` (clamped to numba's pool);
     return the count it had.
@@ -188,68 +185,6 @@ def _with_threads(n, call, args, attrs):
         return call(*args, **attrs)
     finally:
         _set_threads(before)
-
-
-_SPECS = {}  # attribute text -> _Spec
-_local = threading.local()  # .run: (session token, [recorded exceptions]) while a run is under way
-_PENDING = {}  # session token -> exceptions recorded outside a guarded run (run_async, other threads)
-_PENDING_LOCK = threading.Lock()
-
-
-def spec_of(text):
-    """The ``_Spec`` of a node's ``numba_ops`` attribute text (parsed once)."""
-    return _SPECS.get(text) or _parse(text)
-
-
-def _parse(text):
-    d = json.loads(text)
-    s = _Spec()
-    s.op, s.attrs, s.node, s.session, s.shape = d["op"], d["attrs"], d["node"], d["session"], d["shape"]
-    s.threads, s.pool = d.get("threads"), d.get("pool") or 1
-    s.call = CALLS[FUSED_DOMAIN if s.op == "AffineWarp" else "", s.op]
-    _SPECS[text] = s
-    return s
-
-
-def record(spec, text, exc):
-    """Keep ``exc``, raised by the node of ``spec`` (or of the attribute ``text``), for its
-    session's ``run`` to raise."""
-    token = spec.session if spec is not None else json.loads(text).get("session")
-    if isinstance(exc, Exception) and spec is not None and hasattr(exc, "add_note"):
-        exc.add_note(f"(raised by numba_ops running {spec.op} node {spec.node!r} in onnxruntime)")
-    run = getattr(_local, "run", None)
-    if run is not None and run[0] == token:
-        run[1].append(exc)
-        return
-    with _PENDING_LOCK:
-        if token in _PENDING:
-            _PENDING[token].append(exc)
-
-
-def _take_pending(token):
-    with _PENDING_LOCK:
-        errs = _PENDING.get(token)
-        if errs:
-            exc = errs[0]
-            del errs[:]
-            return exc
-    return None
-
-
-def _new_token():
-    with _PENDING_LOCK:
-        token = _new_token.count = getattr(_new_token, "count", 0) + 1
-        _PENDING[token] = []
-    return token
-
-
-def _drop(token):
-    """Forget a session that is gone: its pending errors and its nodes' specs."""
-    with _PENDING_LOCK:
-        _PENDING.pop(token, None)
-    for text, spec in list(_SPECS.items()):
-        if spec.session == token:
-            _SPECS.pop(text, None)
 
 
 class NumbaOpsSession(ort.InferenceSession):
@@ -280,14 +215,14 @@ class NumbaOpsSession(ort.InferenceSession):
         # while a run of such a session is under way (``_blas.ONE_THREAD``)
         self._numba_ops_blas = blas
         self.numba_ops_nodes = tuple(nodes)
-        weakref.finalize(self, _drop, token)
+        weakref.finalize(self, drop, token)
         super().__init__(model_bytes, sess_options, providers=providers, **kwargs)
 
     def _guarded(self, fn, *args):
         token = self._numba_ops_token
         errors = []
-        outer = getattr(_local, "run", None)
-        _local.run = (token, errors)
+        outer = getattr(local_run, "run", None)
+        local_run.run = (token, errors)
         threads = self._numba_ops_threads if self.numba_ops_nodes else None
         before = None if threads is None else _set_threads(threads)  # once a run, not once a node
         try:
@@ -297,15 +232,15 @@ class NumbaOpsSession(ort.InferenceSession):
             else:
                 out = fn(*args)
         except Exception:
-            exc = errors[0] if errors else _take_pending(token)
+            exc = errors[0] if errors else take_pending(token)
             if exc is None:
                 raise
             raise exc from None  # the numba_ops error, not what it made a later node say
         finally:
-            _local.run = outer
+            local_run.run = outer
             if before is not None:
                 _set_threads(before)
-        exc = errors[0] if errors else _take_pending(token)
+        exc = errors[0] if errors else take_pending(token)
         if exc is not None:
             raise exc
         return out
@@ -325,7 +260,7 @@ class NumbaOpsSession(ort.InferenceSession):
         token = self._numba_ops_token
 
         def done(outputs, data, err):
-            exc = _take_pending(token)
+            exc = take_pending(token)
             if exc is not None:
                 outputs, err = None, f"{type(exc).__name__}: {exc}"
             callback(outputs, data, err)
@@ -767,7 +702,7 @@ def node_threads(so):
 
 
 def session(model, sess_options=None, *, providers=None, ops=None, fuse=False, **kwargs):
-    token = _new_token()
+    token = new_token()
     try:
         so, threads, pool, why = options(sess_options)
         m, taken = prepare(model, ops=ops, fuse=fuse, token=token, threads=threads, pool=pool, why=why)
@@ -781,7 +716,7 @@ def session(model, sess_options=None, *, providers=None, ops=None, fuse=False, *
         return NumbaOpsSession(m.SerializeToString(), so, ["CPUExecutionProvider"] if providers is None else providers,
                                token, taken, threads, blas=any(r.route == COMPILED and _dc(r.op) for r in taken), **kwargs)
     except BaseException:
-        _drop(token)
+        drop(token)
         raise
 
 
