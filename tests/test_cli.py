@@ -91,6 +91,7 @@ def test_info():
     assert layer in ("workqueue", "omp", "tbb"), out
 
 
+@pytest.mark.full  # (the default run checks every case through the broken-kernel tests below)
 def test_check_passes():
     rc, out, err = run("check")
     assert rc == 0, out + err
@@ -127,6 +128,7 @@ def test_check_on_an_unusable_device_says_so():
     assert rc == 2 and "not usable" in err
 
 
+@pytest.mark.full  # peers and the table: seconds of timing (CI runs the full pass and a bench smoke)
 def test_bench_quick(tmp_path):
     out_json = tmp_path / "bench.json"
     rc, out, err = run("bench", "--quick", "--repeat", "1", "--only", "ag2d_small,dc_seed",

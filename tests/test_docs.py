@@ -53,9 +53,10 @@ def test_every_public_function_has_an_example():
     assert not missing, missing
 
 
-#: the examples that do real work (seconds each: LocalClusters, an ONNX export) run
+#: the examples that do real work (seconds each: LocalClusters, ONNX exports, training) run
 #: in the full pass (``--full``, which CI runs); the others also by default
-_HEAVY = {"augment_batch.py", "dask_volume.py", "onnx_deformable_layer.py"}
+_HEAVY = {"augment_batch.py", "dask_volume.py", "onnx_deformable_layer.py", "register_volumes.py",
+          "train_deformable_3d.py"}
 
 
 @pytest.mark.parametrize("script", [pytest.param(p, marks=pytest.mark.full) if p.name in _HEAVY else p

@@ -633,20 +633,20 @@ MEMORY = textwrap.dedent("""
              "W": np.ones((2, 2, 3, 3), np.float32), "O": np.zeros((1, 18, 3, 3), np.float32)}
     def one():
         session(m).run(None, feeds)
-    for _ in range(60):
+    for _ in range(40):
         one()
     gc.collect()
     before = rss()
-    for _ in range(400):
+    for _ in range(250):
         one()
     gc.collect()
-    print((rss() - before) / 400)
+    print((rss() - before) / 250)
 """)
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads the process's size from /proc")
 def test_creating_sessions_repeatedly_does_not_grow_the_process():
-    """400 sessions made, run and dropped: the process grows by well under 1 kB each
+    """250 sessions made, run and dropped: the process grows by well under 1 kB each
     (it grew by 34 kB each when every session registered the operators again)."""
     p = subprocess.run([sys.executable, "-c", MEMORY], capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -666,7 +666,8 @@ def _mmdeploy_model(domain, dc_attrs, gs_attrs, bias=True):
 
 
 @pytest.mark.parametrize("domain,mode,padding,align,bias", [
-    ("mmdeploy", 0, 0, 0, True), ("mmdeploy", 1, 2, 1, False), ("mmcv", 2, 1, 0, True),
+    ("mmdeploy", 0, 0, 0, True), pytest.param("mmdeploy", 1, 2, 1, False, marks=FULL),
+    pytest.param("mmcv", 2, 1, 0, True, marks=FULL),
     pytest.param("mmdeploy", 2, 2, 1, True, marks=FULL), pytest.param("mmcv", 0, 1, 1, False, marks=FULL)])
 def test_mmdeploy_nodes(rng, domain, mode, padding, align, bias):
     """MMDeploy's MMCVModulatedDeformConv2d (inputs x, offset, mask, weight[, bias]; stride,

@@ -63,10 +63,7 @@ def t64(a, grad=True):
 
 #: (rank, mode, padding) the default run checks: every 2-D mode and padding once, each
 #: mode in 1-D and 3-D once
-GS_DEFAULT = {(2, "linear", "zeros"), (2, "linear", "reflection"), (2, "nearest", "border"),
-              (2, "cubic", "zeros"), (2, "cubic", "border"), (2, "cubic", "reflection"),
-              (1, "cubic", "reflection"), (1, "linear", "border"), (1, "nearest", "zeros"),
-              (3, "linear", "zeros"), (3, "nearest", "border"), (3, "cubic", "reflection")}
+GS_DEFAULT = {(2, "linear", "zeros"), (2, "cubic", "reflection"), (1, "nearest", "border"), (3, "linear", "zeros")}
 
 
 def _gs_params():
@@ -136,8 +133,7 @@ def test_affine_grid_gradcheck(size, align):
     torch.testing.assert_close(nt.affine_grid(theta.detach(), size, align_corners=align), ref)
 
 
-AW_DEFAULT = {(2, "linear", "zeros"), (2, "cubic", "reflection"), (2, "nearest", "border"), (3, "linear", "border"),
-              (3, "cubic", "zeros")}
+AW_DEFAULT = {(2, "linear", "zeros"), (2, "cubic", "reflection"), (3, "linear", "zeros")}
 
 
 @pytest.mark.parametrize("r,mode,padding", [param((r, m, p) in AW_DEFAULT, r, m, p, id=f"{r}d-{m}-{p}")
@@ -467,8 +463,8 @@ def test_unsupported_transforms_raise():
 
 # --- dtypes, layouts, errors ----------------------------------------------------------
 
-@pytest.mark.parametrize("tdt,ndt", [(torch.float16, np.float16), (torch.bfloat16, BF16), (torch.float32, np.float32)],
-                         ids=["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("tdt,ndt", [pytest.param(torch.float16, np.float16, marks=FULL), (torch.bfloat16, BF16),
+                                     (torch.float32, np.float32)], ids=["float16", "bfloat16", "float32"])
 def test_dtypes_forward_and_backward(tdt, ndt):
     """16-bit tensors in and out (the NumPy functions' results, bit for bit), gradients of
     the inputs' dtype."""

@@ -214,7 +214,7 @@ else:  # a user's calls of that mode and padding: shapes, layouts, align, both p
 """
 
 
-@pytest.mark.parametrize("xdts", ["float32", pytest.param("float32,uint8", marks=FULL)])
+@pytest.mark.parametrize("xdts", [pytest.param("float32", marks=FULL), pytest.param("float32,uint8", marks=FULL)])
 def test_warm_grid_sample_sample(xdts, tmp_path):
     """GridSample's warm-up calls (a sample: one mode and padding, 1-D, float32 x, and
     uint8 x with ``--full``) leave a later process's calls of that kind nothing to
@@ -264,6 +264,7 @@ print("@@" + json.dumps({"r": r, "seen": seen}))
 """
 
 
+@pytest.mark.full  # worker processes into an empty cache: seconds of compiling
 def test_warm_in_worker_processes(tmp_path):
     """jobs=2 into an empty cache: a worker process per (op, dtype, device), none
     failing, then the pass in this process loads; run again, no worker starts."""
