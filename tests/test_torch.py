@@ -424,6 +424,7 @@ def _compiled_matches(nd, backend, dynamic=None):
     torch.testing.assert_close(g_got, g_want, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.full  # torch.compile's inductor: seconds of compiling
 def test_compile_fullgraph():
     """torch.compile(fullgraph=True) traces a model using every op, forward and backward
     (AOT autograd through the fake implementations), without a graph break."""

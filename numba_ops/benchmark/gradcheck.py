@@ -44,8 +44,11 @@ def _unnormalized_safe_grid(rng, shape, sizes, align):
 
 
 def cases(seed=0):
-    """The gradient cases: affine_grid 2-D/3-D, grid_sample 1-D..3-D in every mode,
-    affine_warp 2-D/3-D, deform_conv 1-D..3-D with mask and groups."""
+    """The gradient cases: affine_grid 2-D/3-D, grid_sample 1-D..3-D (every mode, every
+    padding, every rank; border's clamp under a linear derivative), affine_warp 2-D/3-D,
+    deform_conv 1-D..3-D with mask and groups. Each case compiles kernels of its own,
+    which is most of ``numba-ops check``'s time on a cold cache: the grid_sample cases
+    cover each mode, padding and rank once rather than their product."""
     import numba_ops
     rng = np.random.default_rng(seed)
     out = []
@@ -54,17 +57,15 @@ def cases(seed=0):
         theta = rng.standard_normal((2, nd, nd + 1))
         out.append(GradCase(f"affine_grid {nd}-D", "AffineGrid", lambda t, s=size: numba_ops.affine_grid(t, s),
                             lambda g, t, s=size, device=None: (numba_ops.affine_grid_backward(g, s, device=device),), [theta], ["theta"], {}))
-    for r in (1, 2, 3):
+    for r, mode, padding, align in ((1, "nearest", "border", False), (2, "linear", "zeros", False),
+                                    (2, "cubic", "reflection", True), (2, "linear", "border", True),
+                                    (3, "linear", "zeros", False)):
         sizes = (4, 5, 3)[:r]
-        for mode, padding, align in (("linear", "zeros", False), ("cubic", "reflection", True),
-                                     ("nearest", "border", False), ("linear", "border", True),
-                                     ("cubic", "zeros", False)):
-            x = rng.standard_normal((1, 2) + sizes)
-            grid = _unnormalized_safe_grid(rng, (1,) + (2,) * r + (r,), sizes, align)
-            attrs = dict(mode=mode, padding_mode=padding, align_corners=align)
-            out.append(GradCase(f"grid_sample {r}-D {mode}/{padding}/align={int(align)}", "GridSample",
-                                numba_ops.grid_sample, numba_ops.grid_sample_backward, [x, grid], ["x", "grid"],
-                                attrs))
+        x = rng.standard_normal((1, 2) + sizes)
+        grid = _unnormalized_safe_grid(rng, (1,) + (2,) * r + (r,), sizes, align)
+        attrs = dict(mode=mode, padding_mode=padding, align_corners=align)
+        out.append(GradCase(f"grid_sample {r}-D {mode}/{padding}/align={int(align)}", "GridSample",
+                            numba_ops.grid_sample, numba_ops.grid_sample_backward, [x, grid], ["x", "grid"], attrs))
     for nd in (2, 3):
         x = rng.standard_normal((1, 2) + (4,) * nd)
         theta = np.concatenate([np.eye(nd) * 0.8, rng.uniform(-0.1, 0.1, (nd, 1))], 1)[None]
