@@ -546,6 +546,7 @@ def test_every_op_takes_the_compiled_route(rng):
     _equal(s.run(None, feeds)[0], want)
 
 
+@pytest.mark.full  # (a 4-D kernel of its own to compile)
 def test_deform_conv_of_four_spatial_axes_runs_compiled(rng):
     """A DeformConv of 4 spatial axes (onnxruntime has none) runs compiled too."""
     x = _values(rng, (1, 2, 4, 3, 3, 3), "float64")
