@@ -732,3 +732,10 @@ def test_a_task_that_raises_fails_the_run_and_the_process_lives(rng, monkeypatch
         s.run(None, feeds)
     monkeypatch.setattr(_capi, "_variant", variant)
     _equal(session(m).run(None, feeds)[0], numba_ops.grid_sample(x, g))
+
+
+def test_mmdeploy_deform_conv_needs_its_four_inputs():
+    m = _mmdeploy_model("mmdeploy", {}, {})
+    del m.graph.node[0].input[3:]  # weight (and bias) missing
+    with pytest.raises(ValueError, match="MMCVModulatedDeformConv2d node 'dcn': takes 4 to 5 inputs"):
+        session(m)

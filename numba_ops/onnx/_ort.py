@@ -195,10 +195,10 @@ class NumbaOpsSession(ort.InferenceSession):
     Attributes
     ----------
     numba_ops_nodes : tuple of Route
-        ``(op, node, route, reason)`` of every node of the model that runs on
-        numba_ops: its op type, its name, how it runs ("compiled": compiled code on
-        onnxruntime's own threads; "python": onnxruntime-extensions' Python operator)
-        and, for the Python route, why.
+        Every node of the model that runs on numba_ops: the pair ``(op type, node
+        name)`` with attributes ``op``, ``node``, ``route`` (how it runs: "compiled",
+        compiled code on onnxruntime's own threads; "python", onnxruntime-extensions'
+        Python operator) and ``reason`` (why the Python route; "" otherwise).
 
     Notes
     -----
@@ -484,7 +484,7 @@ def _node_inputs(node, op):
     ``op`` (an MMDeploy node's translated: ``mmdeploy_as_onnx``)."""
     if node.op_type in MMDEPLOY_OPS and node.domain in MMDEPLOY_DOMAINS:
         attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-        n_in = {"MMCVModulatedDeformConv2d": (3, 5), "grid_sampler": (2, 2)}[node.op_type]
+        n_in = {"MMCVModulatedDeformConv2d": (4, 5), "grid_sampler": (2, 2)}[node.op_type]
         if not n_in[0] <= len(node.input) <= n_in[1] or not all(node.input[:n_in[0]]):
             raise ValueError(f"takes {n_in[0]} to {n_in[1]} inputs, the first {n_in[0]} given; got "
                              f"{list(node.input)}")
