@@ -63,6 +63,7 @@ def _no_worktree_left(repo):
     return len(out.strip().splitlines()) == 1
 
 
+@pytest.mark.full  # seconds of alternating timed runs
 def test_2ms_against_1ms_is_flagged(repo, tmp_path):
     (repo / "fakecases.py").write_text(CASES.format(delay=0.002, extra=""))  # the working tree, uncommitted
     rc, out, report = against(repo, tmp_path)

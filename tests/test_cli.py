@@ -113,6 +113,7 @@ def test_check_fails_on_a_broken_kernel(tmp_path):
     assert f"{N_CHECK_CASES - 8} passed, 8 failed" in out
 
 
+@pytest.mark.full  # a third check run (the broken-kernel test above runs the gradient cases by default)
 def test_check_fails_on_a_broken_gradient(tmp_path):
     rc, out, err = run("check", script=wrapper(tmp_path, BROKEN_GRID_SAMPLE_BACKWARD))
     assert rc == 1, out + err
