@@ -38,9 +38,10 @@ import sys
 import tempfile
 import time
 
-_UNPIN = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
-if __name__ == "__main__" and any(k in os.environ for k in _UNPIN):  # before numpy loads OpenBLAS
-    os.execve(sys.executable, [sys.executable] + sys.argv, {k: v for k, v in os.environ.items() if k not in _UNPIN})
+from _harness import Worker, unpin, version  # bench/_harness.py
+
+if __name__ == "__main__":
+    unpin()  # before numpy loads OpenBLAS
 
 import numpy as np  # noqa: E402
 
@@ -191,33 +192,13 @@ def _node_times(kind, model, feeds):
     return {"profiled": profiled, "direct": direct}
 
 
-class _Proc:
-    def __init__(self, kind, model):
-        self.p = subprocess.Popen([sys.executable, _HERE, "--worker", kind, model], stdin=subprocess.PIPE,
-                                  stdout=subprocess.PIPE, text=True)
-        self.ask(None)
-
-    def ask(self, cmd):
-        if cmd is not None:
-            self.p.stdin.write(cmd + "\n")
-            self.p.stdin.flush()
-        line = self.p.stdout.readline()
-        if not line:
-            raise RuntimeError("a benchmark worker died")
-        return json.loads(line)
-
-    def close(self):
-        self.p.stdin.close()
-        self.p.wait()
-
-
 def backbone(args, tmp):
     path = os.path.join(tmp, "backbone.onnx")
     why = _export(path, args.width)
     if why:
         print(f"SKIP backbone: {why}")
         return
-    procs = {k: _Proc(k, path) for k in KINDS}
+    procs = {k: Worker([_HERE, "--worker", k, path]) for k in KINDS}
     outs = {}
     for k, p in procs.items():
         p.ask(f"out {os.path.join(tmp, k + '.npy')}")
@@ -232,8 +213,8 @@ def backbone(args, tmp):
     nodes = {k: p.ask("profile") for k, p in procs.items()}
     for p in procs.values():
         p.close()
-    print(f"backbone (width {args.width}, exported by torch {_version('torch')}, onnxruntime "
-          f"{_version('onnxruntime')}): output {outs['session'].shape}, largest |session - onnxruntime| = "
+    print(f"backbone (width {args.width}, exported by torch {version('torch')}, onnxruntime "
+          f"{version('onnxruntime')}): output {outs['session'].shape}, largest |session - onnxruntime| = "
           f"{diff:.2e} (output scale {scale:.3g})")
     med = {}
     for k, rounds in times.items():
@@ -252,14 +233,6 @@ def backbone(args, tmp):
     total = sum(ort_nodes.values())
     print(f"  onnxruntime's DeformConv nodes: {total:.2f} ms of its {med['onnxruntime']:.2f} ms per call "
           f"({100 * total / med['onnxruntime']:.0f} %)")
-
-
-def _version(dist):
-    from importlib.metadata import PackageNotFoundError, version
-    try:
-        return version(dist)
-    except PackageNotFoundError:
-        return "?"
 
 
 # --- the 3-D model and the 16-bit nodes -------------------------------------------------------

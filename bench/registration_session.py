@@ -48,9 +48,10 @@ import sys
 import tempfile
 import time
 
-_UNPIN = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
-if __name__ == "__main__" and any(k in os.environ for k in _UNPIN):  # before numpy loads OpenBLAS
-    os.execve(sys.executable, [sys.executable] + sys.argv, {k: v for k, v in os.environ.items() if k not in _UNPIN})
+from _harness import Worker, unpin, version  # bench/_harness.py
+
+if __name__ == "__main__":
+    unpin()  # before numpy loads OpenBLAS
 
 import numpy as np  # noqa: E402
 
@@ -223,34 +224,6 @@ def worker(kind, model, shape):
             print(json.dumps(_profile(kind, model, feeds, grid_nodes)), flush=True)
 
 
-class _Proc:
-    def __init__(self, kind, model, shape):
-        self.p = subprocess.Popen([sys.executable, _HERE, "--worker", kind, model, json.dumps(shape)],
-                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        self.info = self.ask(None)
-
-    def ask(self, cmd):
-        if cmd is not None:
-            self.p.stdin.write(cmd + "\n")
-            self.p.stdin.flush()
-        line = self.p.stdout.readline()
-        if not line:
-            raise RuntimeError("a benchmark worker died")
-        return json.loads(line)
-
-    def close(self):
-        self.p.stdin.close()
-        self.p.wait()
-
-
-def _version(dist):
-    from importlib.metadata import PackageNotFoundError, version
-    try:
-        return version(dist)
-    except PackageNotFoundError:
-        return "?"
-
-
 def registration(args, tmp, size):
     """Export, check and time one model; the speed ratio, or None where it was skipped."""
     import onnx
@@ -267,7 +240,7 @@ def registration(args, tmp, size):
     shape = [1, 2, *size]
     procs = {}
     for k in KINDS:
-        p = _Proc(k, path, shape)
+        p = Worker([_HERE, "--worker", k, path, json.dumps(shape)])
         if "error" in p.info:
             p.close()
             for q in procs.values():
@@ -289,8 +262,8 @@ def registration(args, tmp, size):
     for p in procs.values():
         p.close()
 
-    print(f"{label}, exported by torch {_version('torch')} (opset 20), onnxruntime {_version('onnxruntime')}, "
-          f"numba_ops {_version('numba_ops')}")
+    print(f"{label}, exported by torch {version('torch')} (opset 20), onnxruntime {version('onnxruntime')}, "
+          f"numba_ops {version('numba_ops')}")
     print("  ops: " + ", ".join(f"{k} {v}" for k, v in sorted(ops.items(), key=lambda kv: -kv[1])))
     routes = procs["session"].info["routes"]
     counts = {}

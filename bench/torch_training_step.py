@@ -35,14 +35,14 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 import time
 
-_UNPIN = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
-if __name__ == "__main__" and any(k in os.environ for k in _UNPIN):  # before numpy loads OpenBLAS
-    os.execve(sys.executable, [sys.executable] + sys.argv, {k: v for k, v in os.environ.items() if k not in _UNPIN})
+from _harness import Worker, unpin, version  # bench/_harness.py
+
+if __name__ == "__main__":
+    unpin()  # before numpy loads OpenBLAS
 
 THREADS = 2
 os.environ.setdefault("NUMBA_NUM_THREADS", str(THREADS))  # before numba is imported (the workers inherit it)
@@ -145,40 +145,7 @@ def worker(side, grads_path, warmup):
             print(json.dumps(_profile(om, dc, x, opt)), flush=True)
 
 
-class _Proc:
-    def __init__(self, side, grads_path, warmup):
-        # the worker's stderr (the profiler's log lines among it) goes to a file, shown if it dies
-        self.err = open(grads_path + ".stderr", "w+")
-        self.p = subprocess.Popen([sys.executable, _HERE, "--worker", side, grads_path, "--warmup", str(warmup)],
-                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err, text=True)
-        self.ask(None)
-
-    def ask(self, cmd):
-        if cmd is not None:
-            self.p.stdin.write(cmd + "\n")
-            self.p.stdin.flush()
-        line = self.p.stdout.readline()
-        if not line:
-            self.p.wait()
-            self.err.seek(0)
-            raise RuntimeError(f"a benchmark worker died:\n{self.err.read()[-3000:]}")
-        return json.loads(line)
-
-    def close(self):
-        self.p.stdin.close()
-        self.p.wait()
-        self.err.close()
-
-
 # --- the report -------------------------------------------------------------------------------
-
-def _version(dist):
-    from importlib.metadata import PackageNotFoundError, version
-    try:
-        return version(dist)
-    except PackageNotFoundError:
-        return "?"
-
 
 def _cpu_model():
     try:
@@ -192,8 +159,8 @@ def _cpu_model():
 
 
 def _environment():
-    print(f"environment: torch {_version('torch')}, torchvision {_version('torchvision')}, numba "
-          f"{_version('numba')}, numba_ops {_version('numba-ops')}, NumPy {np.__version__}, Python "
+    print(f"environment: torch {version('torch')}, torchvision {version('torchvision')}, numba "
+          f"{version('numba')}, numba_ops {version('numba-ops')}, NumPy {np.__version__}, Python "
           f"{platform.python_version()}")
     print(f"  CPU: {_cpu_model()}, {os.cpu_count()} logical CPUs; torch.set_num_threads({THREADS}), "
           f"NUMBA_NUM_THREADS={os.environ['NUMBA_NUM_THREADS']}")
@@ -229,7 +196,8 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         procs = {}
         for s in SIDES:  # one after the other: the compile or cache load stays out of the other's start
-            procs[s] = _Proc(s, os.path.join(tmp, s + ".npz"), max(2, args.warmup))
+            procs[s] = Worker([_HERE, "--worker", s, os.path.join(tmp, s + ".npz"), "--warmup", str(max(2, args.warmup))],
+                              stderr=os.path.join(tmp, s + ".npz.stderr"))  # (the profiler logs there)
         _check(tmp)
         times = {s: [] for s in SIDES}
         for r in range(args.rounds):
