@@ -158,22 +158,20 @@ def _call(typingctx, fn, args):
     return types.int64(types.int64, args), codegen
 
 
-@intrinsic
-def _swap(typingctx, p, v):
-    """Atomically store ``v`` at the int64 address ``p``; returns what it held."""
-    def codegen(context, builder, sig, args):
-        ptr = builder.inttoptr(args[0], ir.IntType(64).as_pointer())
-        return builder.atomic_rmw("xchg", ptr, args[1], "seq_cst")
-    return types.int64(types.int64, types.int64), codegen
+def _atomic(op):
+    """An intrinsic ``f(p, v)``: LLVM's atomic ``op`` of ``v`` on the int64 at address
+    ``p``; returns what it held."""
+    @intrinsic
+    def f(typingctx, p, v):
+        def codegen(context, builder, sig, args):
+            ptr = builder.inttoptr(args[0], ir.IntType(64).as_pointer())
+            return builder.atomic_rmw(op, ptr, args[1], "seq_cst")
+        return types.int64(types.int64, types.int64), codegen
+    return f
 
 
-@intrinsic
-def _add(typingctx, p, v):
-    """Atomically add ``v`` to the int64 at address ``p``."""
-    def codegen(context, builder, sig, args):
-        ptr = builder.inttoptr(args[0], ir.IntType(64).as_pointer())
-        return builder.atomic_rmw("add", ptr, args[1], "seq_cst")
-    return types.int64(types.int64, types.int64), codegen
+_swap = _atomic("xchg")  # store v
+_add = _atomic("add")
 
 
 @njit(cache=True)
@@ -411,39 +409,16 @@ def _sample_attrs(attrs):
 
 def _item_callback(call, extra):
     """The C callback ``fn(usr, th)`` that runs ``call(usr, th, *extra)`` and marks the
-    run FAILED where it raises (nothing may escape into onnxruntime's thread). Written
-    out per count of constant arguments: numba takes no ``*extra`` in a ``try``
-    block, and a jitted helper would be compiled again in every process (a ``cfunc``
-    is small to compile)."""
-    sig = types.void(types.voidptr, types.uintp)
-    if len(extra) == 1:
-        (e0,) = extra
-
-        @cfunc(sig)
-        def fn(usr, th):
-            try:
-                call(usr, np.int64(th), e0)
-            except Exception:
-                _swap(_addr(usr) + 8 * FAILED, np.int64(1))
-    elif len(extra) == 2:
-        e0, e1 = extra
-
-        @cfunc(sig)
-        def fn(usr, th):
-            try:
-                call(usr, np.int64(th), e0, e1)
-            except Exception:
-                _swap(_addr(usr) + 8 * FAILED, np.int64(1))
-    else:
-        e0, e1, e2, e3, e4 = extra
-
-        @cfunc(sig)
-        def fn(usr, th):
-            try:
-                call(usr, np.int64(th), e0, e1, e2, e3, e4)
-            except Exception:
-                _swap(_addr(usr) + 8 * FAILED, np.int64(1))
-    return fn
+    run FAILED where it raises (nothing may escape into onnxruntime's thread). The
+    constants are spelt out as globals of a generated function: numba takes no
+    ``*extra`` in a ``try`` block, and a jitted helper would be compiled again in every
+    process (a ``cfunc`` is small to compile)."""
+    names = ", ".join(f"e{i}" for i in range(len(extra)))
+    src = (f"def fn(usr, th):\n    try:\n        call(usr, np.int64(th), {names})\n"
+           "    except Exception:\n        _swap(_addr(usr) + 8 * FAILED, np.int64(1))\n")
+    ns = dict(call=call, np=np, _swap=_swap, _addr=_addr, FAILED=FAILED, **{f"e{i}": e for i, e in enumerate(extra)})
+    exec(src, ns)  # noqa: S102 (a call with len(extra) constant arguments)
+    return cfunc(types.void(types.voidptr, types.uintp))(ns["fn"])
 
 
 def _task_fn(op, elems, rank, attrs):
@@ -511,7 +486,6 @@ class _Node:
         self.S[DIMS:YD:8] = -2  # nothing seen yet
         self.nob = np.empty(0, self.dtypes[0])
         self.keep = []  # what the plans that runs may still read point into
-        self.fn = {}  # X's rank -> the task's address
 
     def _shapes(self):
         S, out = self.S, []
@@ -587,10 +561,7 @@ class _Node:
         S[YD] = len(yshape)
         S[YD + 1:YD + 1 + len(yshape)] = yshape
         if S[MODE] != EMPTY:
-            fn = self.fn.get(rank)
-            if fn is None:
-                fn = self.fn[rank] = _task_fn(self.op, self.elems, rank, a)
-            S[FN] = fn
+            S[FN] = _task_fn(self.op, self.elems, rank, a)
         if S[INFLIGHT] == 0:
             self.keep = []
         self.keep.append(keep)
