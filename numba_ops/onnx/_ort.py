@@ -713,12 +713,9 @@ def session(model, sess_options=None, *, providers=None, ops=None, fuse=False, *
                 warnings.warn("numba_ops.onnx.session: " + "; ".join(
                     f"{r.op} node {r.node!r} runs on the slower Python route: {r.reason}" for r in slow),
                     RuntimeWarning, stacklevel=3)
+        blas = any(r.route == COMPILED and MMDEPLOY_OPS.get(r.op, r.op) == "DeformConv" for r in taken)
         return NumbaOpsSession(m.SerializeToString(), so, ["CPUExecutionProvider"] if providers is None else providers,
-                               token, taken, threads, blas=any(r.route == COMPILED and _dc(r.op) for r in taken), **kwargs)
+                               token, taken, threads, blas=blas, **kwargs)
     except BaseException:
         drop(token)
         raise
-
-
-def _dc(op):
-    return op in ("DeformConv", "MMCVModulatedDeformConv2d")
