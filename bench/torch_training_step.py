@@ -196,8 +196,9 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         procs = {}
         for s in SIDES:  # one after the other: the compile or cache load stays out of the other's start
-            procs[s] = Worker([_HERE, "--worker", s, os.path.join(tmp, s + ".npz"), "--warmup", str(max(2, args.warmup))],
-                              stderr=os.path.join(tmp, s + ".npz.stderr"))  # (the profiler logs there)
+            grads = os.path.join(tmp, s + ".npz")
+            procs[s] = Worker([_HERE, "--worker", s, grads, "--warmup", str(max(2, args.warmup))],
+                              stderr=grads + ".stderr")  # (the profiler logs there)
         _check(tmp)
         times = {s: [] for s in SIDES}
         for r in range(args.rounds):

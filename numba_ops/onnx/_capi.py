@@ -779,7 +779,8 @@ def _compile(path):
         cc = "cc"
         if shutil.which(cc) is None:
             raise RuntimeError("no C compiler (cc) to build numba_ops' onnxruntime shim")
-    with tempfile.TemporaryDirectory(dir=os.path.dirname(path)) as tmp:  # (beside it: os.replace stays in one file system)
+    # (a temporary folder beside it: os.replace stays within one file system)
+    with tempfile.TemporaryDirectory(dir=os.path.dirname(path)) as tmp:
         src, out = os.path.join(tmp, "shim.c"), os.path.join(tmp, "shim.so")
         with open(src, "w") as f:
             f.write(SHIM)
