@@ -11,11 +11,13 @@ grid_sample
     Sample an array at the positions of a grid (ONNX GridSample).
 affine_warp
     ``grid_sample(x, affine_grid(theta, size))`` in one pass, without the grid.
+ms_deform_attn
+    Multi-scale deformable attention (Deformable DETR's sampling core).
 devices
     The devices usable here.
 warm
     Compile every kernel into the on-disk JIT cache ahead of time.
-affine_grid_backward, deform_conv_backward, grid_sample_backward, affine_warp_backward
+affine_grid_backward, deform_conv_backward, grid_sample_backward, affine_warp_backward, ms_deform_attn_backward
     The ops' gradients (vector-Jacobian products), for training and registration.
 
 Submodules (each needs its extra): ``numba_ops.onnx`` (the ops for ONNX models)
@@ -38,7 +40,9 @@ from .affine_grid import affine_grid, affine_grid_backward
 from .affine_warp import affine_warp, affine_warp_backward
 from .deform_conv import deform_conv, deform_conv_backward
 from .grid_sample import grid_sample, grid_sample_backward
+from .ms_deform_attn import ms_deform_attn, ms_deform_attn_backward
 
 __version__ = "0.1.0"
 __all__ = ["affine_grid", "affine_grid_backward", "affine_warp", "affine_warp_backward", "deform_conv",
-           "deform_conv_backward", "devices", "grid_sample", "grid_sample_backward", "warm", "__version__"]
+           "deform_conv_backward", "devices", "grid_sample", "grid_sample_backward", "ms_deform_attn",
+           "ms_deform_attn_backward", "warm", "__version__"]

@@ -36,6 +36,10 @@ LAUNCHERS = {
     ("grid_sample_backward", "cuda"): "numba_ops.kernels.cuda.grid_sample_backward",
     ("affine_warp_backward", "cpu"): "numba_ops.kernels.cpu.affine_warp_backward",
     ("affine_warp_backward", "cuda"): "numba_ops.kernels.cuda.affine_warp_backward",
+    ("ms_deform_attn", "cpu"): "numba_ops.kernels.cpu.ms_deform_attn",
+    ("ms_deform_attn", "cuda"): "numba_ops.kernels.cuda.ms_deform_attn",
+    ("ms_deform_attn_backward", "cpu"): "numba_ops.kernels.cpu.ms_deform_attn_backward",
+    ("ms_deform_attn_backward", "cuda"): "numba_ops.kernels.cuda.ms_deform_attn_backward",
 }
 
 

@@ -1,0 +1,65 @@
+"""Multi-scale deformable attention's per-point math, shared by its CPU and CUDA
+kernels, forward and backward.
+
+A sampling location ``loc`` in [0, 1] on an axis of ``size`` elements is sampled
+as ``grid_sample`` samples the grid value ``2 * loc - 1`` (linear, zeros padding,
+``align_corners=False``), which is how mmcv's and Deformable DETR's
+``multi_scale_deformable_attn_pytorch`` define the op: the position is
+``unnormalize(2 * loc - 1)`` (``= loc * size - 0.5``) and its two taps and
+weights are GridSample's ``linear_taps`` / ``grad_taps`` of ``kernels/_sample.py``,
+so the n-linear sampling is the same code as GridSample's and DeformConv's.
+
+A finite location whose position overflows the compute type (``2 * loc`` beyond
+float32's range) is held at ``±2**62``: it samples 0 like every far position,
+and only a location that is itself NaN or ±Inf samples NaN.
+
+Axes beyond the level's rank (``size`` 0 here: a 2-D level's depth) have one tap,
+index 0, weight 1 and derivative 0, so every kernel loops over three axes.
+"""
+import numpy as np
+from numba import njit
+
+from ._modes import LINEAR, ZEROS
+from ._sample import as_compute, grad_taps, linear_taps, unnormalize
+
+_HUGE = float(1 << 62)
+
+
+@njit(cache=True)
+def position(loc, size, one):
+    """The position on an axis of ``size`` elements that location ``loc`` (in [0, 1])
+    samples: ``unnormalize(2 * loc - 1)`` with ``align_corners=False``, held within
+    ``±2**62`` where a finite ``loc`` would overflow."""
+    pos = unnormalize(loc + loc - one, size, False, one)
+    if (loc - loc) == (one - one):  # finite loc
+        big = as_compute(one, _HUGE)
+        pos = min(max(pos, -big), big)
+    return pos
+
+
+@njit(cache=True)
+def axis_taps(loc, size, one):
+    """``(i0, i1, w0, w1, in0, in1, finite)``: the two taps of ``loc`` on an axis of
+    ``size`` elements (indices always in ``[0, size - 1]``), their weights and
+    whether each is inside; ``size`` 0 stands for an absent axis (one tap, 0, weight 1)."""
+    zero = one - one
+    if size == 0:
+        return np.int64(0), np.int64(0), one, zero, True, False, True
+    pos = position(loc, size, one)
+    i0, i1, w0, w1, in0, in1 = linear_taps(pos, size, ZEROS, False, zero)
+    return i0, i1, w0, w1, in0, in1, (pos - pos) == zero
+
+
+@njit(cache=True)
+def axis_grad_taps(loc, size, one):
+    """``(i0, i1, w0, w1, d0, d1, in0, in1, finite)``: ``axis_taps`` with each weight's
+    derivative with respect to ``loc`` (GridSample's, times ``d position / d loc =
+    size``); an absent axis (``size`` 0) has derivatives 0."""
+    zero = one - one
+    if size == 0:
+        return np.int64(0), np.int64(0), one, zero, zero, zero, True, False, True
+    pos = position(loc, size, one)
+    i0, i1, _, _, w0, w1, _, _, d0, d1, _, _, in0, in1, _, _, finite = grad_taps(LINEAR, pos, size, ZEROS, False,
+                                                                                   zero)
+    s = as_compute(one, size)
+    return i0, i1, w0, w1, d0 * s, d1 * s, in0, in1, finite

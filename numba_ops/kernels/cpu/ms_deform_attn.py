@@ -1,0 +1,140 @@
+"""Multi-scale deformable attention on the CPU: ``@njit(parallel=True)`` over the
+output's rows ``(n, q)``.
+
+A row is every head's ``Dh`` channels of one query: per head, the query's
+``L x P`` points are sampled (``kernels/_msda.py``: GridSample's linear taps with
+zeros padding) and their corners' value rows, ``Dh`` contiguous channels each,
+are added into a ``Dh`` accumulator with weight ``attention x corner weight``
+(a loop over channels that vectorises); the accumulator is then stored once. No
+sample is materialised: the work is the corners' reads, from cache for the
+pyramid's small levels.
+
+Rows are written by one unit each, so the result does not depend on the thread
+count. The rank is a run-time value (``shapes`` holds three sizes per level, 0
+for an absent axis), so one compiled kernel serves 1-, 2- and 3-D levels; 16-bit
+inputs are widened to float32 by the launcher and the result rounded once.
+"""
+import numpy as np
+from numba import njit, prange
+
+from .._dtypes import NAMES, compute
+from .._msda import axis_taps
+from . import _runtime
+from ._opaque import INTERNAL, opaque
+
+DTYPES = NAMES  # the dtypes these kernels take (the dispatcher checks them)
+
+#: 1 in each compute type, made once
+ONE = {np.dtype(t): t(1) for t in (np.float32, np.float64)}
+
+
+@njit(**INTERNAL)
+def _rows(v, shapes, starts, loc, attn, out, one, u0, u1):
+    """Rows ``u0:u1`` (``n * Lq + q``) of ``out`` (N, Lq, M, Dh). ``v`` (N, S, M, Dh),
+    ``loc`` (N, Lq, M, L, P, r), ``attn`` (N, Lq, M, L, P); ``shapes`` (L, 3) holds
+    each level's (W, H, D), innermost first, 0 for an absent axis."""
+    Lq, M, Dh = out.shape[1], out.shape[2], out.shape[3]
+    L, P, r = loc.shape[3], loc.shape[4], loc.shape[5]
+    zero = one - one
+    nan = one * np.nan
+    acc = np.empty(Dh, type(one))
+    for u in range(u0, u1):
+        n = u // Lq
+        q = u - n * Lq
+        for m in range(M):
+            acc[:] = zero
+            finite = True
+            for lv in range(L):
+                W, H, D = shapes[lv, 0], shapes[lv, 1], shapes[lv, 2]
+                W1 = max(W, 1)
+                H1 = max(H, 1)
+                st = starts[lv]
+                for p in range(P):
+                    a = attn[n, q, m, lv, p]
+                    x0, x1, wx0, wx1, ix0, ix1, fx = axis_taps(loc[n, q, m, lv, p, 0], W, one)
+                    y0, y1, wy0, wy1, iy0, iy1, fy = axis_taps(loc[n, q, m, lv, p, 1] if r > 1 else zero, H, one)
+                    z0, z1, wz0, wz1, iz0, iz1, fz = axis_taps(loc[n, q, m, lv, p, 2] if r > 2 else zero, D, one)
+                    if not (fx and fy and fz):
+                        finite = False
+                        continue
+                    for cz in range(2):
+                        kz, wz, inz = (z0, wz0, iz0) if cz == 0 else (z1, wz1, iz1)
+                        if not inz:
+                            continue
+                        for cy in range(2):
+                            ky, wy, iny = (y0, wy0, iy0) if cy == 0 else (y1, wy1, iy1)
+                            if not iny:
+                                continue
+                            wzy = a * wz * wy
+                            for cx in range(2):
+                                kx, wx, inx = (x0, wx0, ix0) if cx == 0 else (x1, wx1, ix1)
+                                if not inx:
+                                    continue
+                                w = wzy * wx
+                                row = v[n, st + (kz * H1 + ky) * W1 + kx, m]
+                                for d in range(Dh):
+                                    acc[d] += w * row[d]
+            dst = out[n, q, m]
+            for d in range(Dh):
+                dst[d] = acc[d] if finite else nan
+
+
+_rows_op = opaque(_rows)
+
+
+@njit(cache=True, nogil=True)
+def _serial(v, shapes, starts, loc, attn, out, one):
+    _rows_op(v, shapes, starts, loc, attn, out, one, 0, out.shape[0] * out.shape[1])
+
+
+@njit(cache=True, parallel=True, nogil=True)
+def _parallel(v, shapes, starts, loc, attn, out, one, nchunks):
+    units = out.shape[0] * out.shape[1]
+    nchunks = min(units, nchunks)
+    for c in prange(nchunks):
+        _rows_op(v, shapes, starts, loc, attn, out, one, c * units // nchunks, (c + 1) * units // nchunks)
+
+
+def level_table(shapes):
+    """The kernels' (L, 3) int64 table of the levels' sizes, innermost axis first
+    ((W, H, D) for a (D, H, W) level), 0 for the axes a level lacks."""
+    shapes = np.asarray(shapes, np.int64)
+    table = np.zeros((shapes.shape[0], 3), np.int64)
+    table[:, :shapes.shape[1]] = shapes[:, ::-1]
+    return table
+
+
+def launch_plan(vshape, lshape):
+    """``(output shape (N, Lq, M, Dh), work, rows)`` of a call: the work that decides
+    serial or parallel (``_runtime``) and the rows (``_rows``' units) that a pool
+    shares out; ``launch`` and numba_ops.onnx's session run by it."""
+    N, _, M, Dh = vshape
+    Lq, L, P, r = lshape[1], lshape[3], lshape[4], lshape[5]
+    return (N, Lq, M, Dh), N * Lq * M * L * P * Dh * (1 << r), N * Lq
+
+
+@njit(cache=True, inline="always")
+def rows_task(v, shapes, starts, loc, attn, out, one, th, items, rows):
+    """Pool item ``th`` of ``items``: its share of the ``rows`` (a pool other than
+    numba's, as ``_parallel`` deals them)."""
+    _rows_op(v, shapes, starts, loc, attn, out, one, th * rows // items, (th + 1) * rows // items)
+
+
+def compute_view(a):
+    """``a`` C-contiguous in its compute type (16-bit floats widened: a copy)."""
+    return np.ascontiguousarray(a, dtype=compute(a.dtype))
+
+
+def launch(value, shapes, starts, loc, attn, stream=None):
+    """value (N, S, M, Dh), shapes int (L, r), starts int (L,), loc (N, Lq, M, L, P, r),
+    attn (N, Lq, M, L, P): NumPy, validated by the front end. Returns (N, Lq, M * Dh)
+    in value's dtype. ``stream`` is ignored on the CPU."""
+    dt = value.dtype
+    shape, work, _ = launch_plan(value.shape, loc.shape)
+    ct = compute(dt)
+    out = np.empty(shape, ct)
+    if out.size:
+        _runtime.run(_serial, _parallel, work, compute_view(value), level_table(shapes),
+                     np.ascontiguousarray(starts, np.int64), compute_view(loc), compute_view(attn), out, ONE[ct])
+    out = out.reshape(shape[0], shape[1], shape[2] * shape[3])
+    return out if ct == dt else out.astype(dt)

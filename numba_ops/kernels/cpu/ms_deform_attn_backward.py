@@ -1,0 +1,147 @@
+"""Multi-scale deformable attention's backward on the CPU: ``@njit(parallel=True)``
+over units ``(n, m, level)``, each the owner of everything it writes.
+
+The gradients of one point ``(n, q, m, l, p)`` with respect to its location and
+attention weight read ``value`` at the point's corners in level ``l`` of head
+``m``; the value gradient it scatters lands in the same corners. So a unit
+``(n, m, l)`` walks its queries and points in order and owns the value
+gradient's rows of level ``l`` for head ``m`` (``Dh`` contiguous channels each)
+and the location and weight gradients of its points: no two units write one
+element, nothing is summed in partial copies, and every element is summed in
+the same order whatever the thread count (deterministic). Per point and corner:
+``dot = value_row . grad_out_row`` (a channel loop that vectorises) gives the
+weight's and the location's gradients, and ``grad_value_row += a * w *
+grad_out_row`` the scatter.
+
+Working memory: none beyond the gradients themselves. 16-bit inputs are widened to
+float32 by the launcher, and the gradients rounded once.
+"""
+import numpy as np
+from numba import njit, prange
+
+from .._dtypes import NAMES, compute
+from .._msda import axis_grad_taps
+from . import _runtime
+from ._opaque import INTERNAL, opaque
+from .ms_deform_attn import ONE, compute_view, level_table
+
+DTYPES = NAMES  # the dtypes these kernels take (the dispatcher checks them)
+
+
+@njit(**INTERNAL)
+def _units(gy, v, shapes, starts, loc, attn, gv, gl, ga, want_v, want_l, want_a, one, u0, u1):
+    """Units ``u0:u1`` (``(n * M + m) * L + l``). ``gy`` (N, Lq, M, Dh) the output's
+    gradient; ``gv``, ``gl``, ``ga`` value's, the locations' and the weights' gradients
+    (zeroed ``gv``; each may be a dummy when its ``want_*`` is False)."""
+    N, Lq, M, Dh = gy.shape[0], gy.shape[1], gy.shape[2], gy.shape[3]
+    L, P, r = loc.shape[3], loc.shape[4], loc.shape[5]
+    zero = one - one
+    nan = one * np.nan
+    need_dot = want_l or want_a
+    for u in range(u0, u1):
+        lv = u % L
+        nm = u // L
+        m = nm % M
+        n = nm // M
+        W, H, D = shapes[lv, 0], shapes[lv, 1], shapes[lv, 2]
+        W1 = max(W, 1)
+        H1 = max(H, 1)
+        st = starts[lv]
+        for q in range(Lq):
+            g = gy[n, q, m]
+            for p in range(P):
+                a = attn[n, q, m, lv, p]
+                x0, x1, wx0, wx1, dx0, dx1, ix0, ix1, fx = axis_grad_taps(loc[n, q, m, lv, p, 0], W, one)
+                y0, y1, wy0, wy1, dy0, dy1, iy0, iy1, fy = axis_grad_taps(
+                    loc[n, q, m, lv, p, 1] if r > 1 else zero, H, one)
+                z0, z1, wz0, wz1, dz0, dz1, iz0, iz1, fz = axis_grad_taps(
+                    loc[n, q, m, lv, p, 2] if r > 2 else zero, D, one)
+                if not (fx and fy and fz):  # NaN for its own gradients, nothing scattered
+                    if want_a:
+                        ga[n, q, m, lv, p] = nan
+                    if want_l:
+                        for i in range(r):
+                            gl[n, q, m, lv, p, i] = nan
+                    continue
+                sa = zero
+                sx = zero
+                sy = zero
+                sz = zero
+                for cz in range(2):
+                    kz, wz, dz, inz = (z0, wz0, dz0, iz0) if cz == 0 else (z1, wz1, dz1, iz1)
+                    if not inz:
+                        continue
+                    for cy in range(2):
+                        ky, wy, dy, iny = (y0, wy0, dy0, iy0) if cy == 0 else (y1, wy1, dy1, iy1)
+                        if not iny:
+                            continue
+                        for cx in range(2):
+                            kx, wx, dx, inx = (x0, wx0, dx0, ix0) if cx == 0 else (x1, wx1, dx1, ix1)
+                            if not inx:
+                                continue
+                            k = st + (kz * H1 + ky) * W1 + kx
+                            if need_dot:
+                                row = v[n, k, m]
+                                dot = zero
+                                for d in range(Dh):
+                                    dot += row[d] * g[d]
+                                sa += wz * wy * wx * dot
+                                sx += wz * wy * dx * dot
+                                sy += wz * dy * wx * dot
+                                sz += dz * wy * wx * dot
+                            if want_v:
+                                c = a * wz * wy * wx
+                                dst = gv[n, k, m]
+                                for d in range(Dh):
+                                    dst[d] += c * g[d]
+                if want_a:
+                    ga[n, q, m, lv, p] = sa
+                if want_l:
+                    gl[n, q, m, lv, p, 0] = a * sx
+                    if r > 1:
+                        gl[n, q, m, lv, p, 1] = a * sy
+                    if r > 2:
+                        gl[n, q, m, lv, p, 2] = a * sz
+
+
+_units_op = opaque(_units)
+
+
+@njit(cache=True, nogil=True)
+def _serial(gy, v, shapes, starts, loc, attn, gv, gl, ga, want_v, want_l, want_a, one):
+    units = gy.shape[0] * gy.shape[2] * loc.shape[3]
+    _units_op(gy, v, shapes, starts, loc, attn, gv, gl, ga, want_v, want_l, want_a, one, 0, units)
+
+
+@njit(cache=True, parallel=True, nogil=True)
+def _parallel(gy, v, shapes, starts, loc, attn, gv, gl, ga, want_v, want_l, want_a, one, nchunks):
+    units = gy.shape[0] * gy.shape[2] * loc.shape[3]
+    nchunks = min(units, nchunks)
+    for c in prange(nchunks):
+        _units_op(gy, v, shapes, starts, loc, attn, gv, gl, ga, want_v, want_l, want_a, one,
+                  c * units // nchunks, (c + 1) * units // nchunks)
+
+
+def launch(grad_out, value, shapes, starts, loc, attn, want_value, want_loc, want_attn, stream=None):
+    """NumPy inputs validated by the front end (grad_out (N, Lq, M * Dh)); returns
+    ``(grad_value, grad_locations, grad_weights)`` in value's dtype, None for those not
+    wanted. ``stream`` is ignored on the CPU."""
+    dt = value.dtype
+    ct = compute(dt)
+    N, S, M, Dh = value.shape
+    Lq = loc.shape[1]
+    gv = np.zeros(value.shape if want_value else (0, 0, 0, 0), ct)
+    gl = np.zeros(loc.shape if want_loc else (0,) * 6, ct)
+    ga = np.zeros(attn.shape if want_attn else (0,) * 5, ct)
+    units = N * M * loc.shape[3]
+    if units and Lq and loc.shape[4] and Dh and (want_value or want_loc or want_attn):
+        work = N * Lq * M * loc.shape[3] * loc.shape[4] * Dh * (1 << loc.shape[5]) * 2
+        gy = compute_view(grad_out).reshape(N, Lq, M, Dh)
+        _runtime.run(_serial, _parallel, work, gy, compute_view(value), level_table(shapes),
+                     np.ascontiguousarray(starts, np.int64), compute_view(loc), compute_view(attn), gv, gl, ga,
+                     bool(want_value), bool(want_loc), bool(want_attn), ONE[ct])
+
+    def public(g, want):
+        return None if not want else (g if ct == dt else g.astype(dt))
+
+    return public(gv, want_value), public(gl, want_loc), public(ga, want_attn)
