@@ -13,6 +13,11 @@ A finite location whose position overflows the compute type (``2 * loc`` beyond
 float32's range) is held at ``±2**62``: it samples 0 like every far position,
 and only a location that is itself NaN or ±Inf samples NaN.
 
+``interior`` is the kernels' fast path: a position whose two taps are both inside
+the axis (``0 <= pos < size - 1``, most of every level's points) needs neither
+padding nor the huge-position care, only its floor and fraction, which are the
+generic path's exactly.
+
 Axes beyond the level's rank (``size`` 0 here: a 2-D level's depth) have one tap,
 index 0, weight 1 and derivative 0, so every kernel loops over three axes.
 """
@@ -35,6 +40,19 @@ def position(loc, size, one):
         big = as_compute(one, _HUGE)
         pos = min(max(pos, -big), big)
     return pos
+
+
+@njit(cache=True)
+def interior(loc, size, one):
+    """``(i, frac, inside)``: for a position whose taps ``i, i + 1`` both lie inside an
+    axis of ``size`` elements (``inside``), its floor and fraction, as ``axis_taps``
+    gives them; otherwise ``inside`` is False and ``i``, ``frac`` are 0."""
+    zero = one - one
+    pos = unnormalize(loc + loc - one, size, False, one)
+    ok = (pos >= zero) & (pos < as_compute(one, size - 1))
+    pc = pos if ok else zero
+    i = np.int64(pc)  # truncation is the floor of a position >= 0
+    return i, pc - as_compute(one, i), ok
 
 
 @njit(cache=True)

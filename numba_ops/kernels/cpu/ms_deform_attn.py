@@ -18,9 +18,10 @@ import numpy as np
 from numba import njit, prange
 
 from .._dtypes import NAMES, compute
-from .._msda import axis_taps
+from .._msda import axis_taps, interior
 from . import _runtime
 from ._opaque import INTERNAL, opaque
+from ._views import flat
 
 DTYPES = NAMES  # the dtypes these kernels take (the dispatcher checks them)
 
@@ -32,12 +33,20 @@ ONE = {np.dtype(t): t(1) for t in (np.float32, np.float64)}
 def _rows(v, shapes, starts, loc, attn, out, one, u0, u1):
     """Rows ``u0:u1`` (``n * Lq + q``) of ``out`` (N, Lq, M, Dh). ``v`` (N, S, M, Dh),
     ``loc`` (N, Lq, M, L, P, r), ``attn`` (N, Lq, M, L, P); ``shapes`` (L, 3) holds
-    each level's (W, H, D), innermost first, 0 for an absent axis."""
+    each level's (W, H, D), innermost first, 0 for an absent axis.
+
+    A 2-D or 3-D point whose taps are all inside (``_msda.interior``) adds its four
+    corners of a plane in one pass over the channels; others (near an edge, far
+    outside, not finite, 1-D) take every axis' padded taps (``axis_taps``)."""
     Lq, M, Dh = out.shape[1], out.shape[2], out.shape[3]
     L, P, r = loc.shape[3], loc.shape[4], loc.shape[5]
+    S = v.shape[1]
+    vf = flat(v)
+    of = flat(out)
     zero = one - one
     nan = one * np.nan
     acc = np.empty(Dh, type(one))
+    row = M * Dh  # a position's stride in value
     for u in range(u0, u1):
         n = u // Lq
         q = u - n * Lq
@@ -48,13 +57,31 @@ def _rows(v, shapes, starts, loc, attn, out, one, u0, u1):
                 W, H, D = shapes[lv, 0], shapes[lv, 1], shapes[lv, 2]
                 W1 = max(W, 1)
                 H1 = max(H, 1)
-                st = starts[lv]
+                at = ((n * S + starts[lv]) * M + m) * Dh  # the level's first position, head m
                 for p in range(P):
                     a = attn[n, q, m, lv, p]
-                    x0, x1, wx0, wx1, ix0, ix1, fx = axis_taps(loc[n, q, m, lv, p, 0], W, one)
-                    y0, y1, wy0, wy1, iy0, iy1, fy = axis_taps(loc[n, q, m, lv, p, 1] if r > 1 else zero, H, one)
-                    z0, z1, wz0, wz1, iz0, iz1, fz = axis_taps(loc[n, q, m, lv, p, 2] if r > 2 else zero, D, one)
-                    if not (fx and fy and fz):
+                    lx = loc[n, q, m, lv, p, 0]
+                    ly = loc[n, q, m, lv, p, 1] if r > 1 else zero
+                    lz = loc[n, q, m, lv, p, 2] if r > 2 else zero
+                    kx, fx, okx = interior(lx, W, one)
+                    ky, fy, oky = interior(ly, H, one)
+                    kz, fz, okz = interior(lz, D, one) if r > 2 else (np.int64(0), zero, True)
+                    if okx & oky & okz & (r > 1):
+                        for cz in range(2 if r > 2 else 1):
+                            wz = a if r == 2 else (a * (one - fz) if cz == 0 else a * fz)
+                            o0 = at + (((kz + cz) * H1 + ky) * W1 + kx) * row
+                            o2 = o0 + W1 * row
+                            w0 = wz * (one - fy)
+                            w1 = wz * fy
+                            c0, c1, c2, c3 = w0 * (one - fx), w0 * fx, w1 * (one - fx), w1 * fx
+                            for d in range(Dh):
+                                acc[d] += (c0 * vf[np.uint64(o0 + d)] + c1 * vf[np.uint64(o0 + row + d)]
+                                           + c2 * vf[np.uint64(o2 + d)] + c3 * vf[np.uint64(o2 + row + d)])
+                        continue
+                    x0, x1, wx0, wx1, ix0, ix1, fnx = axis_taps(lx, W, one)
+                    y0, y1, wy0, wy1, iy0, iy1, fny = axis_taps(ly, H, one)
+                    z0, z1, wz0, wz1, iz0, iz1, fnz = axis_taps(lz, D, one)
+                    if not (fnx and fny and fnz):
                         finite = False
                         continue
                     for cz in range(2):
@@ -71,12 +98,12 @@ def _rows(v, shapes, starts, loc, attn, out, one, u0, u1):
                                 if not inx:
                                     continue
                                 w = wzy * wx
-                                row = v[n, st + (kz * H1 + ky) * W1 + kx, m]
+                                o = at + ((kz * H1 + ky) * W1 + kx) * row
                                 for d in range(Dh):
-                                    acc[d] += w * row[d]
-            dst = out[n, q, m]
+                                    acc[d] += w * vf[np.uint64(o + d)]
+            o = (u * M + m) * Dh
             for d in range(Dh):
-                dst[d] = acc[d] if finite else nan
+                of[np.uint64(o + d)] = acc[d] if finite else nan
 
 
 _rows_op = opaque(_rows)

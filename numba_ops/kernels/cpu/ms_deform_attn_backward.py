@@ -20,9 +20,11 @@ import numpy as np
 from numba import njit, prange
 
 from .._dtypes import NAMES, compute
-from .._msda import axis_grad_taps
+from .._msda import axis_grad_taps, interior
+from .._sample import as_compute
 from . import _runtime
 from ._opaque import INTERNAL, opaque
+from ._views import flat
 from .ms_deform_attn import ONE, compute_view, level_table
 
 DTYPES = NAMES  # the dtypes these kernels take (the dispatcher checks them)
@@ -32,12 +34,20 @@ DTYPES = NAMES  # the dtypes these kernels take (the dispatcher checks them)
 def _units(gy, v, shapes, starts, loc, attn, gv, gl, ga, want_v, want_l, want_a, one, u0, u1):
     """Units ``u0:u1`` (``(n * M + m) * L + l``). ``gy`` (N, Lq, M, Dh) the output's
     gradient; ``gv``, ``gl``, ``ga`` value's, the locations' and the weights' gradients
-    (zeroed ``gv``; each may be a dummy when its ``want_*`` is False)."""
+    (``gv`` zeroed; each may be a dummy when its ``want_*`` is False).
+
+    A 2-D or 3-D point whose taps are all inside (``_msda.interior``) reads and
+    scatters the four corners of a plane in one pass over the channels; others take
+    every axis' padded taps (``axis_grad_taps``) corner by corner."""
     N, Lq, M, Dh = gy.shape[0], gy.shape[1], gy.shape[2], gy.shape[3]
     L, P, r = loc.shape[3], loc.shape[4], loc.shape[5]
+    S = v.shape[1]
+    vf = flat(v)
+    gf = flat(gy)
+    gvf = flat(gv)
     zero = one - one
     nan = one * np.nan
-    need_dot = want_l or want_a
+    row = M * Dh  # a position's stride in value
     for u in range(u0, u1):
         lv = u % L
         nm = u // L
@@ -46,54 +56,94 @@ def _units(gy, v, shapes, starts, loc, attn, gv, gl, ga, want_v, want_l, want_a,
         W, H, D = shapes[lv, 0], shapes[lv, 1], shapes[lv, 2]
         W1 = max(W, 1)
         H1 = max(H, 1)
-        st = starts[lv]
+        fW, fH, fD = as_compute(one, W), as_compute(one, H), as_compute(one, D)
+        at = ((n * S + starts[lv]) * M + m) * Dh  # the level's first position, head m
         for q in range(Lq):
-            g = gy[n, q, m]
+            og = ((n * Lq + q) * M + m) * Dh
             for p in range(P):
                 a = attn[n, q, m, lv, p]
-                x0, x1, wx0, wx1, dx0, dx1, ix0, ix1, fx = axis_grad_taps(loc[n, q, m, lv, p, 0], W, one)
-                y0, y1, wy0, wy1, dy0, dy1, iy0, iy1, fy = axis_grad_taps(
-                    loc[n, q, m, lv, p, 1] if r > 1 else zero, H, one)
-                z0, z1, wz0, wz1, dz0, dz1, iz0, iz1, fz = axis_grad_taps(
-                    loc[n, q, m, lv, p, 2] if r > 2 else zero, D, one)
-                if not (fx and fy and fz):  # NaN for its own gradients, nothing scattered
-                    if want_a:
-                        ga[n, q, m, lv, p] = nan
-                    if want_l:
-                        for i in range(r):
-                            gl[n, q, m, lv, p, i] = nan
-                    continue
+                lx = loc[n, q, m, lv, p, 0]
+                ly = loc[n, q, m, lv, p, 1] if r > 1 else zero
+                lz = loc[n, q, m, lv, p, 2] if r > 2 else zero
+                kx, fx, okx = interior(lx, W, one)
+                ky, fy, oky = interior(ly, H, one)
+                kz, fz, okz = interior(lz, D, one) if r > 2 else (np.int64(0), zero, True)
                 sa = zero
                 sx = zero
                 sy = zero
                 sz = zero
-                for cz in range(2):
-                    kz, wz, dz, inz = (z0, wz0, dz0, iz0) if cz == 0 else (z1, wz1, dz1, iz1)
-                    if not inz:
+                if okx & oky & okz & (r > 1):
+                    for cz in range(2 if r > 2 else 1):
+                        wz = one if r == 2 else (one - fz if cz == 0 else fz)
+                        o0 = at + (((kz + cz) * H1 + ky) * W1 + kx) * row
+                        o2 = o0 + W1 * row
+                        d0 = zero
+                        d1 = zero
+                        d2 = zero
+                        d3 = zero
+                        if want_l or want_a:
+                            for d in range(Dh):
+                                g = gf[np.uint64(og + d)]
+                                d0 += vf[np.uint64(o0 + d)] * g
+                                d1 += vf[np.uint64(o0 + row + d)] * g
+                                d2 += vf[np.uint64(o2 + d)] * g
+                                d3 += vf[np.uint64(o2 + row + d)] * g
+                        if want_v:
+                            w0 = a * wz * (one - fy)
+                            w1 = a * wz * fy
+                            c0, c1, c2, c3 = w0 * (one - fx), w0 * fx, w1 * (one - fx), w1 * fx
+                            for d in range(Dh):
+                                g = gf[np.uint64(og + d)]
+                                gvf[np.uint64(o0 + d)] += c0 * g
+                                gvf[np.uint64(o0 + row + d)] += c1 * g
+                                gvf[np.uint64(o2 + d)] += c2 * g
+                                gvf[np.uint64(o2 + row + d)] += c3 * g
+                        bx0 = (one - fx) * d0 + fx * d1  # the plane's rows, interpolated along x
+                        bx1 = (one - fx) * d2 + fx * d3
+                        plane = (one - fy) * bx0 + fy * bx1
+                        sa += wz * plane
+                        sx += wz * ((one - fy) * (d1 - d0) + fy * (d3 - d2))
+                        sy += wz * (bx1 - bx0)
+                        sz += plane if cz == 1 else -plane
+                    sx *= fW
+                    sy *= fH
+                    sz *= fD
+                else:
+                    x0, x1, wx0, wx1, dx0, dx1, ix0, ix1, fnx = axis_grad_taps(lx, W, one)
+                    y0, y1, wy0, wy1, dy0, dy1, iy0, iy1, fny = axis_grad_taps(ly, H, one)
+                    z0, z1, wz0, wz1, dz0, dz1, iz0, iz1, fnz = axis_grad_taps(lz, D, one)
+                    if not (fnx and fny and fnz):  # NaN for its own gradients, nothing scattered
+                        if want_a:
+                            ga[n, q, m, lv, p] = nan
+                        if want_l:
+                            for i in range(r):
+                                gl[n, q, m, lv, p, i] = nan
                         continue
-                    for cy in range(2):
-                        ky, wy, dy, iny = (y0, wy0, dy0, iy0) if cy == 0 else (y1, wy1, dy1, iy1)
-                        if not iny:
+                    for cz in range(2):
+                        ckz, wz, dz, inz = (z0, wz0, dz0, iz0) if cz == 0 else (z1, wz1, dz1, iz1)
+                        if not inz:
                             continue
-                        for cx in range(2):
-                            kx, wx, dx, inx = (x0, wx0, dx0, ix0) if cx == 0 else (x1, wx1, dx1, ix1)
-                            if not inx:
+                        for cy in range(2):
+                            cky, wy, dy, iny = (y0, wy0, dy0, iy0) if cy == 0 else (y1, wy1, dy1, iy1)
+                            if not iny:
                                 continue
-                            k = st + (kz * H1 + ky) * W1 + kx
-                            if need_dot:
-                                row = v[n, k, m]
-                                dot = zero
-                                for d in range(Dh):
-                                    dot += row[d] * g[d]
-                                sa += wz * wy * wx * dot
-                                sx += wz * wy * dx * dot
-                                sy += wz * dy * wx * dot
-                                sz += dz * wy * wx * dot
-                            if want_v:
-                                c = a * wz * wy * wx
-                                dst = gv[n, k, m]
-                                for d in range(Dh):
-                                    dst[d] += c * g[d]
+                            for cx in range(2):
+                                ckx, wx, dx, inx = (x0, wx0, dx0, ix0) if cx == 0 else (x1, wx1, dx1, ix1)
+                                if not inx:
+                                    continue
+                                o = at + ((ckz * H1 + cky) * W1 + ckx) * row
+                                if want_l or want_a:
+                                    dot = zero
+                                    for d in range(Dh):
+                                        dot += vf[np.uint64(o + d)] * gf[np.uint64(og + d)]
+                                    sa += wz * wy * wx * dot
+                                    sx += wz * wy * dx * dot
+                                    sy += wz * dy * wx * dot
+                                    sz += dz * wy * wx * dot
+                                if want_v:
+                                    c = a * wz * wy * wx
+                                    for d in range(Dh):
+                                        gvf[np.uint64(o + d)] += c * gf[np.uint64(og + d)]
                 if want_a:
                     ga[n, q, m, lv, p] = sa
                 if want_l:
