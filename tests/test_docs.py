@@ -18,7 +18,8 @@ EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
 
 #: modules whose docstrings hold the examples of the public API
 DOC_MODULES = ["numba_ops", "numba_ops.affine_grid", "numba_ops.deform_conv", "numba_ops.grid_sample",
-               "numba_ops.affine_warp", "numba_ops._dispatch", "numba_ops._warm", "numba_ops.dask", "numba_ops.torch"]
+               "numba_ops.affine_warp", "numba_ops.ms_deform_attn", "numba_ops._dispatch", "numba_ops._warm",
+               "numba_ops.dask", "numba_ops.torch"]
 
 #: small arguments, so that the scripts stay quick (their defaults are a user's)
 EXAMPLE_ARGS = {"augment_batch.py": ["--n", "3", "--size", "32"],
