@@ -15,7 +15,8 @@ from onnx import TensorProto as TP  # noqa: E402
 from onnx import helper  # noqa: E402
 from onnx.reference import ReferenceEvaluator  # noqa: E402
 
-from numba_ops.onnx import AffineGrid, AffineWarp, DeformConv, GridSample, fuse, ops  # noqa: E402
+from numba_ops.onnx import (AffineGrid, AffineWarp, DeformConv, GridSample,  # noqa: E402
+                             MMCVMultiScaleDeformableAttention, fuse, ops)
 
 ELEM = {np.float32: TP.FLOAT, np.float64: TP.DOUBLE}
 
@@ -166,16 +167,17 @@ def test_deform_conv_then_conv(rng):
 
 def test_classes_replace_the_builtins():
     assert AffineGrid.op_domain == "" and DeformConv.op_domain == "" and GridSample.op_domain == ""
-    assert AffineWarp.op_domain == "numba_ops"
+    assert AffineWarp.op_domain == "numba_ops" and MMCVMultiScaleDeformableAttention.op_domain == "numba_ops"
     from onnx.reference.op_run import OpRun
     assert all(issubclass(c, OpRun) for c in (AffineGrid, DeformConv, GridSample, AffineWarp))
 
 
 def test_device_selection(rng):
     cpu = ops("cpu")
-    assert [c.__name__ for c in cpu] == ["AffineGrid", "DeformConv", "GridSample", "AffineWarp"]
+    assert [c.__name__ for c in cpu] == ["AffineGrid", "DeformConv", "GridSample", "AffineWarp",
+                                         "MMCVMultiScaleDeformableAttention"]
     assert all(c.device == "cpu" for c in cpu) and AffineGrid.device is None
-    assert ops() == [AffineGrid, DeformConv, GridSample, AffineWarp]
+    assert ops() == [AffineGrid, DeformConv, GridSample, AffineWarp, MMCVMultiScaleDeformableAttention]
     with pytest.raises(ValueError, match="device"):
         ops("tpu")
     node = helper.make_node("AffineGrid", ["theta", "size"], ["grid"])
@@ -500,3 +502,34 @@ def test_grid_sample_and_affine_warp_models_on_cuda(rng):
         want, = _ours_gs(model, feeds, device="cpu")
         assert isinstance(got, np.ndarray)
         np.testing.assert_array_equal(got, want)
+
+
+def test_ms_deform_attn_in_the_evaluator(rng):
+    """``MMCVMultiScaleDeformableAttention`` of domain numba_ops (``ops()``; 3-D levels)
+    and of MMDeploy's domains (``mmdeploy_ops()``) give the function's result; an
+    unknown attribute and inputs that do not fit raise the function's errors."""
+    from numba_ops.onnx import mmdeploy_ops
+    assert [(c.__name__, c.op_domain) for c in mmdeploy_ops()][-2:] == [
+        ("MMCVMultiScaleDeformableAttention", "mmdeploy"), ("MMCVMultiScaleDeformableAttention", "mmcv")]
+    names = ["value", "shapes", "starts", "loc", "attn"]
+    shapes = np.array([[2, 3, 4], [1, 2, 2]], np.int64)
+    feeds = dict(value=rng.standard_normal((1, 28, 2, 3)), shapes=shapes, starts=np.array([0, 24], np.int64),
+                 loc=rng.uniform(0, 1, (1, 5, 2, 2, 3, 3)), attn=rng.uniform(0, 1, (1, 5, 2, 2, 3)))
+    want = numba_ops.ms_deform_attn(*feeds.values())
+    def model(domain, **attrs):
+        node = helper.make_node("MMCVMultiScaleDeformableAttention", names, ["Y"], domain=domain, **attrs)
+        g = helper.make_graph([node], "g", [helper.make_tensor_value_info(n, TP.INT64 if n in ("shapes", "starts")
+                                                                          else TP.DOUBLE, None) for n in names],
+                              [helper.make_tensor_value_info("Y", TP.DOUBLE, None)])
+        return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(domain, 1)])
+
+    for domain, new_ops in (("numba_ops", ops()), ("mmdeploy", mmdeploy_ops()), ("mmcv", mmdeploy_ops("cpu"))):
+        got = ReferenceEvaluator(model(domain, im2col_step=64), new_ops=new_ops).run(None, feeds)[0]
+        np.testing.assert_array_equal(got, want)
+    sess = ReferenceEvaluator(model("mmdeploy"), new_ops=mmdeploy_ops())
+    with pytest.raises(ValueError, match="level_start_index must be"):
+        sess.run(None, dict(feeds, starts=np.array([0, 23], np.int64)))
+    with pytest.raises(TypeError, match="attention_weights"):
+        sess.run(None, dict(feeds, attn=feeds["attn"].astype(np.float32)))
+    with pytest.raises(ValueError, match="no attribute 'im2col'"):
+        ReferenceEvaluator(model("mmdeploy", im2col=1), new_ops=mmdeploy_ops()).run(None, feeds)

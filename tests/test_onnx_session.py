@@ -739,3 +739,173 @@ def test_mmdeploy_deform_conv_needs_its_four_inputs():
     del m.graph.node[0].input[3:]  # weight (and bias) missing
     with pytest.raises(ValueError, match="MMCVModulatedDeformConv2d node 'dcn': takes 4 to 5 inputs"):
         session(m)
+
+
+# --- multi-scale deformable attention ---------------------------------------------------------
+
+MSDA = "MMCVMultiScaleDeformableAttention"
+MSDA_INPUTS = ["value", "shapes", "starts", "loc", "attn"]
+
+
+def _msda_levels(r):
+    shapes = np.array([[5, 6], [3, 2], [1, 1]] if r == 2 else [[3, 4, 2], [2, 1, 3]], np.int64)
+    return shapes, np.concatenate(([0], np.cumsum(shapes.prod(1))[:-1])).astype(np.int64)
+
+
+def _msda_feeds(rng, dtype, shapes, starts, N=2, Lq=4, M=2, Dh=3, P=2):
+    L, r = shapes.shape
+    return dict(value=_values(rng, (N, int(shapes.prod(1).sum()), M, Dh), dtype),
+                shapes=shapes, starts=starts,
+                loc=_values(rng, (N, Lq, M, L, P, r), dtype, uniform=(-0.15, 1.15)),
+                attn=_values(rng, (N, Lq, M, L, P), dtype, uniform=(0, 1)))
+
+
+def _msda_model(domain, dtype, **attrs):
+    """A one-node model of the attention in ``domain`` (16-bit: between Casts, as
+    ``_model``), its inputs of unknown shapes."""
+    node = helper.make_node(MSDA, MSDA_INPUTS, ["Y"], domain=domain, name="msda", **attrs)
+    empty = {n: np.zeros(0, DT[dtype]) for n in ("value", "loc", "attn")}
+    m, _ = _model([node], empty, {n: np.zeros(0, np.int64) for n in ("shapes", "starts")}, dtype, static=False)
+    m.opset_import.append(helper.make_opsetid(domain, 1))
+    return m
+
+
+def _msda_feed(feeds, dtype):
+    """``feeds`` as ``_model``'s inputs (16-bit values come in as float32)."""
+    if dtype not in ("float16", "bfloat16"):
+        return feeds
+    return {n + "_in" if n in ("value", "loc", "attn") else n: v.astype(np.float32) if v.dtype == DT[dtype] else v
+            for n, v in feeds.items()}
+
+
+@pytest.mark.parametrize("domain,r,dtype", [("mmdeploy", 2, "float32"), ("mmcv", 2, "float64"),
+                                            ("numba_ops", 3, "float32"), ("numba_ops", 2, "float64"),
+                                            ("mmdeploy", 2, "float16"),
+                                            pytest.param("numba_ops", 3, "bfloat16", marks=FULL)])
+def test_ms_deform_attn_node(rng, domain, r, dtype):
+    """MMDeploy's MMCVMultiScaleDeformableAttention (domains mmdeploy, mmcv; attribute
+    im2col_step, of no effect) and the same node in domain numba_ops (2-D or 3-D
+    levels) run compiled in the session and in the evaluator, with the function's
+    result; other level shapes (their values key the node's plan) and back."""
+    from numba_ops.onnx import evaluator
+    m = _msda_model(domain, dtype, im2col_step=64)
+    shapes, starts = _msda_levels(r)
+    feeds = _msda_feeds(rng, dtype, shapes, starts)
+    s = session(m)
+    assert [(r.op, r.node, r.route) for r in s.numba_ops_nodes] == [(MSDA, "msda", "compiled")]
+    want = numba_ops.ms_deform_attn(*feeds.values())
+    _equal(s.run(None, _msda_feed(feeds, dtype))[0], want)
+    if dtype in ("float32", "float64"):
+        _equal(evaluator(m).run(None, feeds)[0], want)
+    shapes2 = shapes[::-1].copy()  # the same S and shapes of the inputs: only the values differ
+    feeds2 = dict(feeds, shapes=shapes2, starts=np.concatenate(([0], np.cumsum(shapes2.prod(1))[:-1])))
+    _equal(s.run(None, _msda_feed(feeds2, dtype))[0], numba_ops.ms_deform_attn(*feeds2.values()))
+    _equal(s.run(None, _msda_feed(feeds, dtype))[0], want)
+
+
+def test_ms_deform_attn_on_onnxruntime_threads(rng):
+    """Enough queries for the rows to be dealt onto onnxruntime's pool; an empty batch
+    and no queries give empty outputs; the Python route gives the same."""
+    m = _msda_model("mmdeploy", "float32")
+    shapes = np.array([[16, 12], [8, 6], [4, 3]], np.int64)
+    starts = np.concatenate(([0], np.cumsum(shapes.prod(1))[:-1])).astype(np.int64)
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 2
+    s = session(m, so)
+    so = ort.SessionOptions()
+    so.add_session_config_entry("numba_ops.capi", "0")
+    slow = session(m, so)
+    assert s.numba_ops_nodes[0].route == "compiled" and slow.numba_ops_nodes[0].route == "python"
+    for N, Lq in ((2, 400), (0, 3), (1, 0)):
+        feeds = _msda_feeds(rng, "float32", shapes, starts, N=N, Lq=Lq, M=4, Dh=8, P=4)
+        want = numba_ops.ms_deform_attn(*feeds.values())
+        _equal(s.run(None, feeds)[0], want)
+        _equal(slow.run(None, feeds)[0], want)
+
+
+def test_ms_deform_attn_bad_node(rng):
+    """Level starts that do not fit the shapes fail the run with the function's
+    ValueError (the session runs on); as constants of the model, they fail the
+    session's creation, naming the node; an unknown attribute too."""
+    m = _msda_model("mmdeploy", "float32")
+    shapes, starts = _msda_levels(2)
+    feeds = _msda_feeds(rng, "float32", shapes, starts)
+    bad = dict(feeds, starts=starts + 1)
+    with pytest.raises(ValueError) as want:
+        numba_ops.ms_deform_attn(*bad.values())
+    s = session(m)
+    for _ in range(2):
+        with pytest.raises(ValueError, match="level_start_index must be") as got:
+            s.run(None, bad)
+        assert str(got.value) == str(want.value)
+    _equal(s.run(None, feeds)[0], numba_ops.ms_deform_attn(*feeds.values()))
+    const = _msda_model("mmdeploy", "float32")
+    const.graph.initializer.extend([onnx.numpy_helper.from_array(shapes, "shapes"),
+                                    onnx.numpy_helper.from_array(starts + 1, "starts")])
+    with pytest.raises(ValueError, match=f"{MSDA} node 'msda': level_start_index must be"):
+        session(const)
+    with pytest.raises(ValueError, match=f"{MSDA} node 'msda': .*no attribute 'im2col'"):
+        session(_msda_model("mmdeploy", "float32", im2col=1))
+
+
+def _encoder(rng, N=2, C=8, M=2, P=2):
+    """A Deformable DETR encoder layer's attention (MMDeploy's export of it): value, offset
+    and weight projections (MatMul, Add), Softmax over each head's points, sampling
+    locations from reference points and offsets over each level's size, the
+    MMCVMultiScaleDeformableAttention node, the output projection. Returns (model,
+    feeds, the float64 NumPy result)."""
+    from onnx import numpy_helper
+    from reference import ms_deform_attn_ref
+    shapes = np.array([[6, 5], [3, 3], [2, 1]], np.int64)
+    starts = np.concatenate(([0], np.cumsum(shapes.prod(1))[:-1])).astype(np.int64)
+    L, S = len(shapes), int(shapes.prod(1).sum())
+    src = rng.standard_normal((N, S, C)).astype(np.float32)
+    ref = rng.uniform(0, 1, (N, S, L, 2)).astype(np.float32)
+    w = {n: (rng.standard_normal(sh) / np.sqrt(sh[0])).astype(np.float32) for n, sh in (
+        ("Wv", (C, C)), ("Wo", (C, M * L * P * 2)), ("Wa", (C, M * L * P)), ("Wout", (C, C)))}
+    w.update({"b" + n[1:]: rng.standard_normal(v.shape[1]).astype(np.float32) * 0.1 for n, v in list(w.items())})
+    norm = shapes[:, ::-1].astype(np.float32).reshape(1, 1, 1, L, 1, 2)  # (W, H) per level
+    inits = dict(w, shapes=shapes, starts=starts, norm=norm, vshape=np.array([N, S, M, C // M], np.int64),
+                 oshape=np.array([N, S, M, L, P, 2], np.int64), ashape=np.array([N, S, M, L * P], np.int64),
+                 wshape=np.array([N, S, M, L, P], np.int64), rshape=np.array([N, S, 1, L, 1, 2], np.int64))
+    mk = helper.make_node
+    nodes = [mk("MatMul", ["src", "Wv"], ["v0"]), mk("Add", ["v0", "bv"], ["v1"]),
+             mk("Reshape", ["v1", "vshape"], ["value"]),
+             mk("MatMul", ["src", "Wo"], ["o0"]), mk("Add", ["o0", "bo"], ["o1"]),
+             mk("Reshape", ["o1", "oshape"], ["off"]),
+             mk("MatMul", ["src", "Wa"], ["a0"]), mk("Add", ["a0", "ba"], ["a1"]),
+             mk("Reshape", ["a1", "ashape"], ["a2"]), mk("Softmax", ["a2"], ["a3"], axis=-1),
+             mk("Reshape", ["a3", "wshape"], ["attn"]),
+             mk("Reshape", ["ref", "rshape"], ["r0"]), mk("Div", ["off", "norm"], ["o2"]),
+             mk("Add", ["r0", "o2"], ["loc"]),
+             mk(MSDA, ["value", "shapes", "starts", "loc", "attn"], ["msda"], domain="mmdeploy", name="attention",
+                im2col_step=64),
+             mk("MatMul", ["msda", "Wout"], ["y0"]), mk("Add", ["y0", "bout"], ["Y"])]
+    g = helper.make_graph(nodes, "encoder", [helper.make_tensor_value_info("src", TP.FLOAT, [N, S, C]),
+                                             helper.make_tensor_value_info("ref", TP.FLOAT, [N, S, L, 2])],
+                          [helper.make_tensor_value_info("Y", TP.FLOAT, None)],
+                          [numpy_helper.from_array(v, k) for k, v in inits.items()])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("mmdeploy", 1)])
+    # the same in NumPy, float64
+    d = {k: v.astype(np.float64) for k, v in w.items()}
+    x = src.astype(np.float64)
+    value = (x @ d["Wv"] + d["bv"]).reshape(N, S, M, C // M)
+    off = (x @ d["Wo"] + d["bo"]).reshape(N, S, M, L, P, 2)
+    logits = (x @ d["Wa"] + d["ba"]).reshape(N, S, M, L * P)
+    e = np.exp(logits - logits.max(-1, keepdims=True))
+    attn = (e / e.sum(-1, keepdims=True)).reshape(N, S, M, L, P)
+    loc = ref.astype(np.float64)[:, :, None, :, None, :] + off / norm
+    want = ms_deform_attn_ref(value, shapes, loc, attn) @ d["Wout"] + d["bout"]
+    return m, {"src": src, "ref": ref}, want
+
+
+def test_deformable_detr_encoder_model(rng):
+    """A tiny Deformable-DETR-style encoder (onnxruntime's MatMul/Add/Softmax/Reshape
+    around MMDeploy's attention node, level shapes and starts as initializers) runs in
+    the session, the attention compiled, and matches NumPy's float64 computation."""
+    m, feeds, want = _encoder(rng)
+    s = session(m)
+    assert [(r.op, r.node, r.route) for r in s.numba_ops_nodes] == [(MSDA, "attention", "compiled")]
+    got, = s.run(None, feeds)
+    assert got.shape == want.shape and got.dtype == np.float32
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))

@@ -17,7 +17,9 @@ given the empty name.
 
 ``AffineWarp`` (domain ``numba_ops``, opset 1) is ``GridSample(X, AffineGrid(theta,
 size))`` in one kernel (``numba_ops.affine_warp``); ``fuse(model)`` rewrites a
-model's AffineGrid -> GridSample pairs into it.
+model's AffineGrid -> GridSample pairs into it. ``MMCVMultiScaleDeformableAttention``
+(domain ``numba_ops``; MMDeploy's node of that name in domain ``mmdeploy`` or ``mmcv``
+alike) is ``numba_ops.ms_deform_attn``.
 
 Device: the class attribute ``device`` (``None``: follow the inputs, i.e. the
 CPU for NumPy inputs; ``"cpu"``; ``"cuda"``). ``ops(device)`` returns the pair
@@ -41,13 +43,17 @@ from ..affine_grid import affine_grid
 from ..affine_warp import affine_warp
 from ..deform_conv import deform_conv
 from ..grid_sample import grid_sample
+from ..ms_deform_attn import ms_deform_attn
 
-__all__ = ["AffineGrid", "AffineWarp", "DeformConv", "GridSample", "MMCVModulatedDeformConv2d", "evaluator", "fuse",
-           "grid_sampler", "mmdeploy_as_onnx", "mmdeploy_ops", "ops", "session"]
+__all__ = ["AffineGrid", "AffineWarp", "DeformConv", "GridSample", "MMCVModulatedDeformConv2d",
+           "MMCVMultiScaleDeformableAttention", "evaluator", "fuse", "grid_sampler", "mmdeploy_as_onnx",
+           "mmdeploy_ops", "ops", "session"]
 
-#: the domain of AffineWarp, and its opset version
+#: the domain of AffineWarp and MMCVMultiScaleDeformableAttention, and its opset version
 DOMAIN = "numba_ops"
 DOMAIN_VERSION = 1
+#: the op type of multi-scale deformable attention (MMDeploy's name, in its domains and in ``DOMAIN``)
+MSDA = "MMCVMultiScaleDeformableAttention"
 #: GridSample opset 16's mode names (opset 20 renamed them)
 _OPSET16_MODES = {"bilinear": "linear", "bicubic": "cubic"}
 
@@ -116,11 +122,20 @@ def _affine_warp(X, theta, size, align_corners=None, mode=None, padding_mode=Non
     return affine_warp(X, theta, size, **sample_kwargs(align_corners, mode, padding_mode), device=device)
 
 
+def _ms_deform_attn(value, value_spatial_shapes, value_level_start_index, sampling_locations, attention_weights,
+                    im2col_step=None, device=None):
+    """``im2col_step``: mmcv's CUDA kernel's batch chunking, accepted and of no effect."""
+    return ms_deform_attn(value, value_spatial_shapes, value_level_start_index, sampling_locations,
+                          attention_weights, device=device)
+
+
 #: (domain, op type) -> the numba_ops call for a node's inputs (in ONNX order, None where
 #: absent) and attributes (ONNX names; absent ones take ONNX's defaults): what both the
 #: evaluator's classes and ``session`` run
 CALLS = {("", "AffineGrid"): _affine_grid, ("", "DeformConv"): _deform_conv, ("", "GridSample"): _grid_sample,
-         (DOMAIN, "AffineWarp"): _affine_warp}
+         (DOMAIN, "AffineWarp"): _affine_warp, (DOMAIN, MSDA): _ms_deform_attn}
+#: op type -> its call (the op types are unique across the domains)
+CALL_OF = {op: call for (_, op), call in CALLS.items()}
 
 
 class AffineGrid(_Op):
@@ -162,17 +177,39 @@ class AffineWarp(_Op):
                           padding_mode=padding_mode)
 
 
+class MMCVMultiScaleDeformableAttention(_Op):
+    """Multi-scale deformable attention (``numba_ops.ms_deform_attn``), domain
+    ``numba_ops``, opset 1, levels of any rank; MMDeploy's and mmcv's node of the same
+    name and inputs (domains ``mmdeploy``, ``mmcv``: ``mmdeploy_ops()``) runs alike.
+
+    Inputs ``value`` (N, S, M, Dh), ``value_spatial_shapes`` int64 (L, r),
+    ``value_level_start_index`` int64 (L,), ``sampling_locations`` (N, Lq, M, L, P, r),
+    ``attention_weights`` (N, Lq, M, L, P); output (N, Lq, M * Dh). Attribute
+    ``im2col_step`` (mmcv's CUDA kernel's batch chunking) is accepted and has no effect.
+    """
+    op_domain = DOMAIN
+
+    def _run(self, value, value_spatial_shapes, value_level_start_index, sampling_locations, attention_weights,
+             **attrs):
+        unknown = sorted(set(attrs) - {"im2col_step"})
+        if unknown:
+            raise ValueError(f"{MSDA} has no attribute {unknown[0]!r} (it takes im2col_step)")
+        return self._call(_ms_deform_attn, value, value_spatial_shapes, value_level_start_index,
+                          sampling_locations, attention_weights)
+
+
 # --- MMDeploy's nodes ---------------------------------------------------------------------
 
 #: the domains of the custom nodes that OpenMMLab's MMDeploy (and mmcv) export for onnxruntime
 MMDEPLOY_DOMAINS = ("mmdeploy", "mmcv")
-#: MMDeploy's op types, and the ONNX op each runs as
-MMDEPLOY_OPS = {"MMCVModulatedDeformConv2d": "DeformConv", "grid_sampler": "GridSample"}
+#: MMDeploy's op types, and the op each runs as (ONNX's; numba_ops' for multi-scale
+#: deformable attention, the same node in domain ``numba_ops``)
+MMDEPLOY_OPS = {"MMCVModulatedDeformConv2d": "DeformConv", "grid_sampler": "GridSample", MSDA: MSDA}
 _MM_MODES = {0: "linear", 1: "nearest", 2: "cubic"}
 _MM_PADDING = {0: "zeros", 1: "border", 2: "reflection"}
 _MM_ATTRS = {"MMCVModulatedDeformConv2d": ("stride", "padding", "dilation", "groups", "deform_groups",
                                            "deformable_groups"),
-             "grid_sampler": ("interpolation_mode", "padding_mode", "align_corners")}
+             "grid_sampler": ("interpolation_mode", "padding_mode", "align_corners"), MSDA: ("im2col_step",)}
 
 
 def _pair(value, name, default):
@@ -207,13 +244,18 @@ def mmdeploy_as_onnx(op_type, inputs, attrs):
     input, grid; attributes ``interpolation_mode`` 0/1/2 = bilinear, nearest, bicubic,
     ``padding_mode`` 0/1/2 = zeros, border, reflection, ``align_corners``) is
     PyTorch's ``grid_sample``, which ONNX GridSample follows. Absent attributes take
-    PyTorch's defaults.
+    PyTorch's defaults. ``MMCVMultiScaleDeformableAttention`` (inputs value,
+    value_spatial_shapes, value_level_start_index, sampling_locations,
+    attention_weights; attribute ``im2col_step``, of no effect) is the node of that
+    name in domain ``numba_ops``, whose inputs are mmcv's.
     """
     a = dict(attrs)
     unknown = sorted(set(a) - set(_MM_ATTRS[op_type]))
     if unknown:
         raise ValueError(f"{op_type} has no attribute {unknown[0]!r} (it takes {', '.join(_MM_ATTRS[op_type])})")
     ins = list(inputs) + [None] * (5 - len(inputs))
+    if op_type == MSDA:
+        return MSDA, ins[:5], {}
     if op_type == "MMCVModulatedDeformConv2d":
         x, offset, mask, w, b = ins[:5]
         ph, pw = _pair(a.get("padding"), "padding", 0)
@@ -258,9 +300,10 @@ def _in_domain(cls, domain):
     return type(cls.__name__, (cls,), {"op_domain": domain, "__module__": __name__, "__doc__": cls.__doc__})
 
 
-_CLASSES = (AffineGrid, DeformConv, GridSample, AffineWarp)
+_CLASSES = (AffineGrid, DeformConv, GridSample, AffineWarp, MMCVMultiScaleDeformableAttention)
 _MMDEPLOY_CLASSES = (MMCVModulatedDeformConv2d, grid_sampler, _in_domain(MMCVModulatedDeformConv2d, "mmcv"),
-                     _in_domain(grid_sampler, "mmcv"))
+                     _in_domain(grid_sampler, "mmcv")) + tuple(
+    _in_domain(MMCVMultiScaleDeformableAttention, d) for d in MMDEPLOY_DOMAINS)
 
 
 def _bound(classes, device):
@@ -271,8 +314,9 @@ def _bound(classes, device):
 
 
 def ops(device=None):
-    """``[AffineGrid, DeformConv, GridSample, AffineWarp]`` bound to ``device`` (None,
-    "cpu" or "cuda"), for ``new_ops``.
+    """``[AffineGrid, DeformConv, GridSample, AffineWarp, MMCVMultiScaleDeformableAttention]``
+    (the last two of domain ``numba_ops``) bound to ``device`` (None, "cpu" or "cuda"),
+    for ``new_ops``.
 
     The classes keep their ONNX names, which is how the evaluator matches them to nodes.
     """
@@ -280,9 +324,9 @@ def ops(device=None):
 
 
 def mmdeploy_ops(device=None):
-    """MMDeploy's nodes ``MMCVModulatedDeformConv2d`` and ``grid_sampler``, in domains
-    ``mmdeploy`` and ``mmcv``, bound to ``device``, for ``new_ops`` (``evaluator``
-    adds them)."""
+    """MMDeploy's nodes ``MMCVModulatedDeformConv2d``, ``grid_sampler`` and
+    ``MMCVMultiScaleDeformableAttention``, in domains ``mmdeploy`` and ``mmcv``, bound
+    to ``device``, for ``new_ops`` (``evaluator`` adds them)."""
     return _bound(_MMDEPLOY_CLASSES, device)
 
 
@@ -410,9 +454,10 @@ def evaluator(model, device=None, new_ops=(), **kwargs):
 
 def session(model, sess_options=None, *, providers=None, ops=None, fuse=False, **kwargs):
     """An ``onnxruntime.InferenceSession`` for ``model`` in which every DeformConv,
-    AffineGrid and GridSample node (and MMDeploy's ``MMCVModulatedDeformConv2d`` and
-    ``grid_sampler``) runs on numba_ops' CPU kernels, compiled, on onnxruntime's own
-    intra-op threads, and every other node on onnxruntime's kernels.
+    AffineGrid and GridSample node (and MMDeploy's ``MMCVModulatedDeformConv2d``,
+    ``grid_sampler`` and ``MMCVMultiScaleDeformableAttention``; numba_ops' AffineWarp and
+    ``MMCVMultiScaleDeformableAttention``) runs on numba_ops' CPU kernels, compiled, on
+    onnxruntime's own intra-op threads, and every other node on onnxruntime's kernels.
 
     Parameters
     ----------
@@ -435,8 +480,9 @@ def session(model, sess_options=None, *, providers=None, ops=None, fuse=False, *
         inputs and outputs across; they run on numba_ops' CPU kernels.
     ops : iterable of str, optional
         The op types taken (``"DeformConv"``, ``"AffineGrid"``, ``"GridSample"``,
-        ``"AffineWarp"``; MMDeploy's nodes count as the first and the third);
-        default all. The others run on onnxruntime.
+        ``"AffineWarp"``, ``"MMCVMultiScaleDeformableAttention"``; MMDeploy's
+        ``MMCVModulatedDeformConv2d`` and ``grid_sampler`` count as the first and the
+        third); default all. The others run on onnxruntime.
     fuse : bool
         Run ``fuse(model)`` first, so that AffineGrid -> GridSample pairs run as
         one AffineWarp node (which only numba_ops runs).
@@ -478,7 +524,9 @@ def session(model, sess_options=None, *, providers=None, ops=None, fuse=False, *
     onnxruntime loads, built into numba_ops' cache; ``numba-ops warm`` builds it).
     A node that cannot take it (no compiler, a DeformConv of more than 5 spatial
     axes) takes the Python route, and the session warns (``RuntimeWarning``)
-    with the reason.
+    with the reason. There, a multi-scale deformable attention node's level shapes
+    and starts (int64 inputs, read at every run: new values plan the node again)
+    may hold 64 values in all (16 levels of 3-D shapes, 21 of 2-D ones).
     """
     try:
         from . import _ort

@@ -2,15 +2,18 @@
 
 ``session``'s compiled route (the other one, onnxruntime-extensions' Python
 operators in ``_ort``, is the fallback). Every taken node (DeformConv, GridSample,
-AffineGrid, AffineWarp; MMDeploy's nodes run as the first two) is an
-``OrtCustomOp`` whose compute is compiled code (a numba ``cfunc``): it reads the
-node's inputs where onnxruntime holds them, writes the output into onnxruntime's
-buffer, and deals the kernel's units of work (GridSample's segments, AffineGrid's
-rows, DeformConv's tiled rounds) onto onnxruntime's intra-op threads through
+AffineGrid, AffineWarp, MMCVMultiScaleDeformableAttention; MMDeploy's nodes run as
+the first two and the last) is an ``OrtCustomOp`` whose compute is compiled code (a
+numba ``cfunc``): it reads the node's inputs where onnxruntime holds them, writes the
+output into onnxruntime's buffer, and deals the kernel's units of work (GridSample's
+segments, AffineGrid's rows, DeformConv's tiled rounds, multi-scale deformable
+attention's query rows) onto onnxruntime's intra-op threads through
 ``KernelContext_ParallelFor``: the threads its own nodes use, no second pool, no
-GIL, no copies. Python runs only when a node's input shapes change (``_Node.plan``:
-the function's own checks, and the kernel's launch plan, the one its launcher runs
-by: ``launch_plan``/``plan`` in ``kernels/cpu``), under the GIL.
+GIL, no copies. Python runs only when a node's input shapes change, or the values
+of the small int64 inputs that shape its work (AffineGrid's size, the attention's
+level shapes and starts: they key the plan) (``_Node.plan``: the function's own
+checks, and the kernel's launch plan, the one its launcher runs by:
+``launch_plan``/``plan`` in ``kernels/cpu``), under the GIL.
 
 How the pieces meet:
 
@@ -61,10 +64,12 @@ from ..affine_grid import checked as affine_grid_checked
 from ..affine_warp import checked_call as affine_warp_checked
 from ..grid_sample import checked_call as grid_sample_checked, parse_attrs
 from ..deform_conv import checked_params
+from ..ms_deform_attn import checked_call as ms_deform_attn_checked
 from ..kernels._sample import as_compute
-from . import sample_kwargs
+from . import MSDA, sample_kwargs
 from ._specs import record, spec_of
 from ..kernels.cpu import affine_grid as ag, affine_warp as aw, deform_conv as dc, grid_sample as gs
+from ..kernels.cpu import ms_deform_attn as msda
 from ..kernels.cpu._deform_plan import state
 from ..kernels.cpu._opaque import INTERNAL, opaque
 from ..kernels.cpu._runtime import pool_items
@@ -101,9 +106,9 @@ _REQUIRED, _OPTIONAL = 0, 1  # OrtCustomOpInputOutputCharacteristic
 
 # --- a node's state ``S`` and a run's ``L`` (int64 arrays of one layout) -------------------
 # S only: the lock, the runs in flight, the plan's validity, the OrtApi table, the planner
-# callback, the input count, the input whose values key the plan (AffineGrid's and
-# AffineWarp's size; 0: none, else its index + 1), the node's workspace (busy?, addresses),
-# the message of a task's failure (a C string's address)
+# callback, the input count, the inputs whose values key the plan (a bit per input:
+# AffineGrid's and AffineWarp's size, the attention's level shapes and starts), the node's
+# workspace (busy?, addresses), the message of a task's failure (a C string's address)
 LOCK, INFLIGHT, READY, TABLE, REPLAN, NIN, KEYED, WSBUSY, CFWS, CIWS, ERRMSG = range(11)
 # the plan, copied into L by each run: the task, how it runs (``MODE``), items per pool
 # round, DeformConv's rounds and packed vector, workspace words, op-specific integers
@@ -115,14 +120,15 @@ PLAN1 = PLAN0 + 16
 N0, RD, FWS, IWS, TMP, TMP2, FAILED = range(PLAN1, PLAN1 + 7)
 MAXIN = 5
 PTR = FAILED + 1  # + i: input i's data; + MAXIN: the output's
-DIMS = 40  # + 8 * i: input i's rank (-1: absent) and sizes (a keyed input: rank, length, values)
+DIMS = 40  # + 8 * i: input i's rank (-1: absent; 8: more than 7; 9: too many key values) and sizes
 YD = DIMS + 8 * MAXIN  # the output's rank and sizes (part of the plan)
 TDIMS = YD + 8  # sizes read from onnxruntime
-NS = TDIMS + 8
+KEYS = TDIMS + 8  # the keyed inputs' values, input after input (int64)
+#: the keyed inputs' most values, all together (16 levels of 3-D shapes and their starts)
+KEY_MAX = 64
+NS = KEYS + KEY_MAX
 #: MODE: nothing (an empty output), one item on the calling thread, items on the pool
 EMPTY, ONE, POOL = range(3)
-#: a keyed input's most values
-KEY_MAX = 6
 #: the most spatial axes of a node here (7 dimensions: ``_inputs`` reads up to 7)
 MAX_RANK = 5
 
@@ -176,8 +182,9 @@ _add = _atomic("add")
 
 @njit(cache=True)
 def _inputs(L, base, nin, keyed, table, ctx):
-    """Read the inputs' addresses and sizes (a keyed input's values) into ``L``; 0 or
-    an error status."""
+    """Read the inputs' addresses and sizes (and the keyed inputs' values) into ``L``;
+    0 or an error status."""
+    nkey = 0
     for i in range(nin):
         st = _call(table[_GET_INPUT], (ctx, np.int64(i), base + 8 * TMP))
         if st:
@@ -204,13 +211,17 @@ def _inputs(L, base, nin, keyed, table, ctx):
         st = _call(table[_DATA], (v, base + 8 * (PTR + i)))
         if st:
             return st
-        if i + 1 == keyed:  # the values decide the output's shape: they key the plan
-            if nd != 1 or L[d0 + 1] > KEY_MAX:
+        if (keyed >> i) & 1 and nd <= 7:  # the values decide the work: they key the plan
+            count = np.int64(1)
+            for k in range(nd):
+                count *= L[d0 + 1 + k]
+            if nkey + count > KEY_MAX:
                 L[d0] = 9  # (``plan`` says what is wrong)
             else:
-                vals = carray(_vp(L[PTR + i]), (L[d0 + 1],), np.int64)
-                for k in range(L[d0 + 1]):
-                    L[d0 + 2 + k] = vals[k]
+                vals = carray(_vp(L[PTR + i]), (count,), np.int64)
+                for k in range(count):
+                    L[KEYS + nkey + k] = vals[k]
+                nkey += count
     return np.int64(0)
 
 
@@ -229,6 +240,11 @@ def _begin(S, sbase, L, lbase, table, ctx):
         if S[k] != L[k]:
             S[k] = L[k]
             same = False
+    if S[KEYED]:
+        for k in range(KEYS, KEYS + KEY_MAX):
+            if S[k] != L[k]:
+                S[k] = L[k]
+                same = False
     if not same:
         S[READY] = 0
         st = _call(S[REPLAN], (sbase,))
@@ -363,6 +379,19 @@ def _affine_grid_3d_task(usr, th, tz):
 
 
 @njit(**INTERNAL)
+def _ms_deform_attn_task(usr, th, z):
+    L = carray(usr, (NS,), np.int64)
+    d, dl, da = DIMS + 1, DIMS + 8 * 3 + 1, DIMS + 8 * 4 + 1  # value's, sampling_locations', attention_weights'
+    v = _arr(L[PTR], (L[d], L[d + 1], L[d + 2], L[d + 3]), z)
+    loc = _arr(L[PTR + 3], (L[dl], L[dl + 1], L[dl + 2], L[dl + 3], L[dl + 4], L[dl + 5]), z)
+    attn = _arr(L[PTR + 4], (L[da], L[da + 1], L[da + 2], L[da + 3], L[da + 4]), z)
+    levels = carray(_vp(L[A1]), (L[A2], 3), np.int64)  # the plan's (L, 3) table, innermost first
+    starts = carray(_vp(L[PTR + 2]), (L[A2],), np.int64)
+    out = _arr(L[PTR + MAXIN], (v.shape[0], loc.shape[1], v.shape[2], v.shape[3]), z)
+    msda.rows_task(v, levels, starts, loc, attn, out, as_compute(z, 1), th, L[ITEMS], L[A0])
+
+
+@njit(**INTERNAL)
 def _deform_conv_task(usr, th, z, xtok):
     L = carray(usr, (NS,), np.int64)
     x = _arr(L[PTR], _dims(L, DIMS + 1, xtok), z)
@@ -391,6 +420,8 @@ def _variant(op, elems, rank, attrs):
     """The compiled task of a node (``op``, its inputs' element types, X's rank, its
     attributes): ``(task, its constant arguments)``."""
     z = {_FLOAT: np.float32(0), _DOUBLE: np.float64(0), _UINT8: np.uint8(0)}
+    if op == MSDA:  # (one task for levels of every rank)
+        return _ms_deform_attn_task, (z[elems[0]],)
     if op == "AffineGrid":
         return (_affine_grid_2d_task if rank == 2 else _affine_grid_3d_task), (z[elems[0]],)
     tok = (0,) * (rank + 2)
@@ -442,6 +473,8 @@ def warm_calls(op, dtype):
     ``dtype`` (16-bit: float32, as the session runs them): every rank, and for
     GridSample and AffineWarp X of that dtype and uint8, every mode and padding."""
     t = _DOUBLE if dtype == "float64" else _FLOAT
+    if op == "ms_deform_attn":
+        return [(MSDA, (t, _INT64, _INT64, t, t), 0, {})]
     onnx_op = "".join(w.capitalize() for w in op.split("_"))
     if onnx_op == "DeformConv":
         return [(onnx_op, (t,) * 5, r, {}) for r in (1, 2, 3)]
@@ -463,7 +496,7 @@ def warm_task(kind, op, elems, rank, attrs, device="cpu"):
 
 # --- the nodes ------------------------------------------------------------------------------
 
-def _dummy(shape, dtype):
+def dummy(shape, dtype):
     """A read-only array of ``shape`` and ``dtype`` that takes no memory (the checks read
     shapes and dtypes only)."""
     return np.lib.stride_tricks.as_strided(np.zeros(1, dtype), shape, (0,) * len(shape), writeable=False)
@@ -482,38 +515,43 @@ class _Node:
         self.S[REPLAN] = _REPLAN_ADDR
         self.S[ERRMSG] = ctypes.addressof(_TASK_FAILED)
         self.S[NIN] = len(self.elems)
-        self.S[KEYED] = {"AffineGrid": 2, "AffineWarp": 3}.get(self.op, 0)
+        self.S[KEYED] = {"AffineGrid": 1 << 1, "AffineWarp": 1 << 2, MSDA: 1 << 1 | 1 << 2}.get(self.op, 0)
         self.S[DIMS:YD:8] = -2  # nothing seen yet
         self.nob = np.empty(0, self.dtypes[0])
         self.keep = []  # what the plans that runs may still read point into
 
     def _shapes(self):
-        S, out = self.S, []
+        """The inputs' shapes in ``S`` (None: absent), and the keyed inputs' values (by
+        input index, arrays of their shapes)."""
+        S, out, values, nkey = self.S, [], {}, 0
         for i in range(len(self.elems)):
             d0 = DIMS + 8 * i
             nd = int(S[d0])
             if nd == 8:
                 raise ValueError(f"input {i} of {self.op} has more than 7 dimensions")
             if nd == 9:
-                raise ValueError(f"size of {self.op} must be a 1-D tensor of at most {KEY_MAX} integers")
+                raise ValueError(f"{self.op}'s integer inputs (sizes, level shapes and starts) may hold at most "
+                                 f"{KEY_MAX} values in all here; input {i} takes more")
             if nd < 0:
                 out.append(None)
-            elif i + 1 == S[KEYED]:
-                out.append(tuple(int(v) for v in S[d0 + 2:d0 + 2 + int(S[d0 + 1])]))
-            else:
-                out.append(tuple(int(v) for v in S[d0 + 1:d0 + 1 + nd]))
-        return out
+                continue
+            out.append(tuple(int(v) for v in S[d0 + 1:d0 + 1 + nd]))
+            if (int(S[KEYED]) >> i) & 1:
+                count = int(np.prod(out[-1], dtype=np.int64))
+                values[i] = S[KEYS + nkey:KEYS + nkey + count].copy().reshape(out[-1])
+                nkey += count
+        return out, values
 
     def plan(self):
         """The node's checks and launch plan for the input shapes in ``S``; called with
         ``S``'s lock held, from the compiled compute."""
         S = self.S
-        shapes = self._shapes()
+        shapes, values = self._shapes()
         a = self.spec.attrs
         keep = []
         S[PLAN0:PLAN1] = 0
         if self.op == "DeformConv":
-            x, w, off, b, m = (None if s is None else _dummy(s, dt) for s, dt in zip(shapes, self.dtypes))
+            x, w, off, b, m = (None if s is None else dummy(s, dt) for s, dt in zip(shapes, self.dtypes))
             p = checked_params(x, w, off, b, m, **_deform_attrs(a))
             if x.ndim - 2 > MAX_RANK:
                 raise ValueError(f"X must have at most {MAX_RANK} spatial dims here; got shape {x.shape}")
@@ -532,9 +570,20 @@ class _Node:
                 S[SCHED], S[NSCHED], S[ITEMS] = sched.ctypes.data, sched.size // 2, t.plan.nth
                 S[A1], S[NFWS], S[NIWS] = t.nf, fws.size, iws.size
                 S[CFWS], S[CIWS] = fws.ctypes.data, iws.ctypes.data
+        elif self.op == MSDA:
+            value, loc, attn = (dummy(shapes[i], self.dtypes[i]) for i in (0, 3, 4))
+            *_, yshape = ms_deform_attn_checked(value, values[1], values[2], loc, attn, "cpu")
+            _, work, rows = msda.launch_plan(value.shape, loc.shape)
+            levels = msda.level_table(values[1])
+            keep.append(levels)
+            rank = 0  # (one task for every rank)
+            S[ITEMS] = pool_items(work, rows, self.spec.pool)
+            S[A0], S[A1], S[A2] = rows, levels.ctypes.data, levels.shape[0]
+            S[MODE] = EMPTY if not int(np.prod(yshape)) else ONE if S[ITEMS] == 1 else POOL
         elif self.op == "AffineGrid":
-            theta, size = shapes
-            mode_args = affine_grid_checked(_dummy(theta, self.dtypes[0]), list(size), a.get("align_corners") or 0)
+            theta = shapes[0]
+            mode_args = affine_grid_checked(dummy(theta, self.dtypes[0]), values[1].tolist(),
+                                            a.get("align_corners") or 0)
             yshape, work, rows = ag.launch_plan(mode_args[1])
             rank = len(yshape) - 2
             S[ITEMS] = pool_items(work, rows, self.spec.pool)
@@ -542,13 +591,13 @@ class _Node:
             S[MODE] = EMPTY if not work else ONE if S[ITEMS] == 1 else POOL
         else:
             mode, padding, align = _sample_attrs(a)
-            x, other = _dummy(shapes[0], self.dtypes[0]), _dummy(shapes[1], self.dtypes[1])
+            x, other = dummy(shapes[0], self.dtypes[0]), dummy(shapes[1], self.dtypes[1])
             if self.op == "GridSample":
                 *_, (mcode, _, align), yshape = grid_sample_checked(x, other, mode, padding, align, "cpu")
                 yshape, work, units = gs.launch_plan(x.shape, other.shape, mcode)
                 S[A2] = other.size
             else:
-                size = list(shapes[2])
+                size = values[2].reshape(-1).tolist()  # (as the Python route reads it)
                 if len(size) >= 2 and x.ndim >= 2:
                     size[1] = x.shape[1]  # (AffineGrid's C is ignored: X's)
                 *_, (mcode, _, align), yshape = affine_warp_checked(x, other, size, mode, padding, align, "cpu")
@@ -636,6 +685,7 @@ OPS = {}
 for _t, _n in ((_FLOAT, "float32"), (_DOUBLE, "float64")):
     OPS[f"DeformConv_{_n}"] = ("DeformConv", (_t,) * 5, 3, _t)
     OPS[f"AffineGrid_{_n}"] = ("AffineGrid", (_t, _INT64), 2, _t)
+    OPS[f"{MSDA}_{_n}"] = (MSDA, (_t, _INT64, _INT64, _t, _t), 5, _t)
     for _x, _xn in ((_t, _n), (_UINT8, "uint8")):
         OPS[f"GridSample_{_xn}_{_n}"] = ("GridSample", (_x, _t), 2, _x)
         OPS[f"AffineWarp_{_xn}_{_n}"] = ("AffineWarp", (_x, _t, _INT64), 3, _x)
@@ -646,7 +696,7 @@ def op_type(op, elems):
     """The compiled route's op type for a node of ``op`` whose inputs have the ONNX
     element types ``elems`` (None: absent), or None where it has none."""
     try:
-        if op in ("DeformConv", "AffineGrid"):
+        if op in ("DeformConv", "AffineGrid", MSDA):
             name = f"{op}_{_ONNX_NAMES[elems[0]]}"
         else:
             name = f"{op}_{_ONNX_NAMES[elems[0]]}_{_ONNX_NAMES[elems[1]]}"

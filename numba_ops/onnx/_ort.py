@@ -57,7 +57,8 @@ from .. import _dtypes
 from ..kernels._compat import set_pool_thread_count
 from ..kernels.cpu._blas import ONE_THREAD
 from ..kernels.cpu._runtime import num_threads
-from . import CALLS, DOMAIN as FUSED_DOMAIN, MMDEPLOY_DOMAINS, MMDEPLOY_OPS, _capi, fuse as fuse_model, mmdeploy_as_onnx
+from . import (CALL_OF, CALLS, MMDEPLOY_DOMAINS, MMDEPLOY_OPS, MSDA, _capi, fuse as fuse_model,
+               mmdeploy_as_onnx)
 from ._specs import drop, local_run, new_token, record, spec_of, take_pending
 
 #: the custom-op domain of the nodes that run on numba_ops
@@ -72,7 +73,9 @@ _PY = {_F: PyCustomOpDef.dt_float, _D: PyCustomOpDef.dt_double, _U8: PyCustomOpD
 
 #: op type -> its inputs in ONNX order, and how many are required
 INPUTS = {"AffineGrid": (("theta", "size"), 2), "DeformConv": (("X", "W", "offset", "B", "mask"), 3),
-          "GridSample": (("X", "grid"), 2), "AffineWarp": (("X", "theta", "size"), 3)}
+          "GridSample": (("X", "grid"), 2), "AffineWarp": (("X", "theta", "size"), 3),
+          MSDA: (("value", "value_spatial_shapes", "value_level_start_index", "sampling_locations",
+                  "attention_weights"), 5)}
 #: the op types ``session`` takes (``ops``' default)
 OPS = tuple(INPUTS)
 
@@ -88,6 +91,7 @@ def _signatures():
         for x in (t, _U8):
             yield "GridSample", (x, t), x
             yield "AffineWarp", (x, t, _I64), x
+        yield MSDA, (t, _I64, _I64, t, t), t
 
 
 def _op_name(op, types):
@@ -425,6 +429,8 @@ def _check(op, call, node_name, elems, shapes, attrs, consts, kind):
     """The function's own checks of a node, at session creation: a dry call on zeros
     of the node's dtypes and known shapes (``_fill``). Its errors name the node.
     Returns the dry result's shape (None if not run)."""
+    if op == MSDA:
+        return _check_msda(node_name, elems, shapes, consts, kind)
     try:
         filled = _fill(op, shapes, attrs, consts)
     except Exception:  # incomplete shapes the filler cannot reconcile: checked at run time
@@ -444,6 +450,51 @@ def _check(op, call, node_name, elems, shapes, attrs, consts, kind):
         return call(*args, **attrs).shape
     except (TypeError, ValueError) as exc:
         raise type(exc)(f"{kind} node {node_name!r}: {exc}") from exc
+
+
+def _check_msda(node_name, elems, shapes, consts, kind):
+    """``_check`` of a multi-scale deformable attention node, whose level shapes and starts
+    (``consts``: their values, None where not constants of the model) are values: the
+    function's checks on empty stand-ins of the known shapes (unknown sizes made to fit),
+    where both are constants; else everything is checked at run time."""
+    from ..ms_deform_attn import checked_call
+    table, starts = consts
+    if table is None or starts is None:
+        return None
+    table = np.asarray(table)
+    value, _, _, loc, attn = shapes
+    rows = table.reshape(table.shape[0], -1) if table.ndim == 2 else table.reshape(0, 2)
+    L, r = rows.shape
+    S = int(np.prod(rows, axis=1).sum()) if L and rows.dtype.kind in "iu" else 0
+
+    def known(i, *where):
+        return next((s[i] for s in where if s is not None and len(s) > i and s[i] is not None), None)
+
+    n = known(0, value, loc, attn) or 0  # (an unknown batch: no work)
+    M, Lq, P = known(2, value, loc, attn) or 1, known(1, loc, attn) or 1, known(4, loc, attn) or 1
+
+    def fit(dims, made):
+        if dims is None:
+            return made
+        return [m if d is None else d for d, m in zip(dims, made)] if len(dims) == len(made) else \
+            [1 if d is None else d for d in dims]
+
+    made = [fit(value, [n, S, M, known(3, value) or 1]), fit(loc, [n, Lq, M, L, P, r]), fit(attn, [n, Lq, M, L, P])]
+    value_a, loc_a, attn_a = (_capi.dummy(sh, _np_dtype(e)) for sh, e in zip(made, (elems[0], elems[3], elems[4])))
+    try:
+        return checked_call(value_a, table, starts, loc_a, attn_a, "cpu")[-1]
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"{kind} node {node_name!r}: {exc}") from exc
+
+
+def msda_out_dims(shapes):
+    """A multi-scale deformable attention node's output dims (N, Lq, M * Dh), None
+    where not known, from its inputs' dims."""
+    value, _, _, loc, attn = shapes
+    v = value if value is not None and len(value) == 4 else [None] * 4
+    n = v[0] if v[0] is not None else next((s[0] for s in (loc, attn) if s and s[0] is not None), None)
+    lq = next((s[1] for s in (loc, attn) if s and len(s) > 1 and s[1] is not None), None)
+    return [n, lq, None if None in v[2:] else v[2] * v[3]]
 
 
 def _op_key(node, wanted):
@@ -484,14 +535,13 @@ def _node_inputs(node, op):
     ``op`` (an MMDeploy node's translated: ``mmdeploy_as_onnx``)."""
     if node.op_type in MMDEPLOY_OPS and node.domain in MMDEPLOY_DOMAINS:
         attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-        n_in = {"MMCVModulatedDeformConv2d": (4, 5), "grid_sampler": (2, 2)}[node.op_type]
+        n_in = {"MMCVModulatedDeformConv2d": (4, 5), "grid_sampler": (2, 2), MSDA: (5, 5)}[node.op_type]
         if not n_in[0] <= len(node.input) <= n_in[1] or not all(node.input[:n_in[0]]):
             raise ValueError(f"takes {n_in[0]} to {n_in[1]} inputs, the first {n_in[0]} given; got "
                              f"{list(node.input)}")
         _, ins, attrs = mmdeploy_as_onnx(node.op_type, [v or None for v in node.input], attrs)
         return [v or "" for v in ins], attrs
-    call = CALLS[FUSED_DOMAIN if op == "AffineWarp" else "", op]
-    return list(node.input), _attr_values(node, op, call)
+    return list(node.input), _attr_values(node, op, CALL_OF[op])
 
 
 def prepare(model, ops=None, fuse=False, token=0, threads=None, pool=None, why=None):
@@ -530,7 +580,7 @@ def prepare(model, ops=None, fuse=False, token=0, threads=None, pool=None, why=N
             continue
         kind = node.op_type
         node_name = node.name or f"{kind}_{idx}"
-        call = CALLS[FUSED_DOMAIN if op == "AffineWarp" else "", op]
+        call = CALL_OF[op]
         in_names, required = INPUTS[op]
         if len(node.output) != 1:
             raise ValueError(f"{kind} node {node_name!r}: makes one output; got {len(node.output)}")
@@ -555,8 +605,11 @@ def prepare(model, ops=None, fuse=False, token=0, threads=None, pool=None, why=N
             else:
                 elems.append(types[v].elem_type)
         shapes = [_dims(types.get(v)) if v else None for v in inputs]
-        size_const = consts.get(inputs[-1]) if op in ("AffineGrid", "AffineWarp") else None
-        dry = _check(op, call, node_name, elems, shapes, attrs, size_const, kind)
+        if op == MSDA:  # (the level shapes and starts, where constants)
+            known = (consts.get(inputs[1]), consts.get(inputs[2]))
+        else:
+            known = consts.get(inputs[-1]) if op in ("AffineGrid", "AffineWarp") else None
+        dry = _check(op, call, node_name, elems, shapes, attrs, known, kind)
         compute = tuple(None if e is None else _F if e in _HALF else e for e in elems)
         kernel = _op_name(op, compute)
         if kernel not in _KERNEL_NAMES:
@@ -566,7 +619,9 @@ def prepare(model, ops=None, fuse=False, token=0, threads=None, pool=None, why=N
         out_elem = elems[0]  # X's (uint8 included) or theta's
         out_t = types.get(out)
         out_dims = _dims(out_t)
-        if out_dims is None and dry is not None:  # onnx could not infer it: the dry call's rank and sizes
+        if out_dims is None and op == MSDA:  # (a custom node: onnx infers nothing)
+            out_dims = msda_out_dims(shapes)
+        elif out_dims is None and dry is not None:  # onnx could not infer it: the dry call's rank and sizes
             batch = shapes[0][0] if shapes[0] else None
             out_dims = [batch] + list(dry[1:]) if None not in (shapes[0] or [None]) else [None] * len(dry)
         if out not in declared and out_dims is not None:

@@ -4,7 +4,7 @@ nodes record for their session's ``run`` to raise: shared by both routes (``_ort
 import json
 import threading
 
-from . import CALLS, DOMAIN as FUSED_DOMAIN
+from . import CALL_OF
 
 
 class _Spec:
@@ -29,7 +29,7 @@ def _parse(text):
     s = _Spec()
     s.op, s.attrs, s.node, s.session, s.shape = d["op"], d["attrs"], d["node"], d["session"], d["shape"]
     s.threads, s.pool = d.get("threads"), d.get("pool") or 1
-    s.call = CALLS[FUSED_DOMAIN if s.op == "AffineWarp" else "", s.op]
+    s.call = CALL_OF[s.op]
     _SPECS[text] = s
     return s
 
