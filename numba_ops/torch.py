@@ -11,9 +11,14 @@ so they train, pass ``torch.autograd.gradcheck`` and trace under
 ``DeformConv1d``, ``DeformConv2d`` and ``DeformConv3d`` are ``torch.nn.Module``s with
 torchvision's ``DeformConv2d`` constructor and ``forward(input, offset, mask=None)``.
 
+``ms_deform_attn`` (multi-scale deformable attention) is such an operator too, differentiable in
+``value``, ``sampling_locations`` and ``attention_weights``; ``MSDeformAttn`` is Deformable
+DETR's module of that name (constructor, parameters and ``forward``) on it.
+
 ``onnx_translations()`` is a ``custom_translation_table`` for
 ``torch.onnx.export(..., dynamo=True)``: the ops export as standard ONNX DeformConv,
-AffineGrid and GridSample nodes (``affine_warp`` as ``numba_ops::AffineWarp``), which
+AffineGrid and GridSample nodes (``affine_warp`` as ``numba_ops::AffineWarp``,
+``ms_deform_attn`` as ``numba_ops::MMCVMultiScaleDeformableAttention``), which
 ``numba_ops.onnx.session`` runs.
 
 Data is never copied on the way in or out: CPU tensors are read through
@@ -54,8 +59,8 @@ import torch.autograd.forward_ad as _fwad
 import numba_ops as _no
 from ._validate import as_bool as _as_bool
 
-__all__ = ["DeformConv1d", "DeformConv2d", "DeformConv3d", "affine_grid", "affine_warp", "deform_conv",
-           "grid_sample", "onnx_translations"]
+__all__ = ["DeformConv1d", "DeformConv2d", "DeformConv3d", "MSDeformAttn", "affine_grid", "affine_warp",
+           "deform_conv", "grid_sample", "ms_deform_attn", "onnx_translations"]
 
 _BF16 = ml_dtypes.bfloat16
 _TBF16 = torch.bfloat16
@@ -627,6 +632,249 @@ class DeformConv3d(_DeformConvNd):
     _nd = 3
 
 
+# --- multi-scale deformable attention (Deformable DETR) -----------------------------------
+
+def _msda_devices(value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
+    """value, sampling_locations and attention_weights on one device; the two int tables
+    there or on the CPU (they are read on the host: a few integers)."""
+    for name, t in (("sampling_locations", sampling_locations), ("attention_weights", attention_weights)):
+        if t.device != value.device:
+            raise ValueError(f"numba_ops.torch: all tensors must be on one device; got value on {value.device} "
+                             f"and {name} on {t.device}")
+    for name, t in (("spatial_shapes", spatial_shapes), ("level_start_index", level_start_index)):
+        if t.device != value.device and t.device.type != "cpu":
+            raise ValueError(f"numba_ops.torch: {name} must be on the CPU or on value's device; got value on "
+                             f"{value.device} and {name} on {t.device}")
+
+
+def _host_table(t):
+    """spatial_shapes / level_start_index as a host array (from a CUDA tensor: a copy,
+    ordered on torch's current stream)."""
+    return t.detach().cpu().numpy()
+
+
+def _msda_on_cuda(fn, device, tensors, spatial_shapes, level_start_index, kwargs, n_out=1):
+    """``fn(tensors[0], shapes, starts, *tensors[1:], ...)`` on CUDA (``_on_cuda``), the
+    two tables on the host."""
+    shapes, starts = _host_table(spatial_shapes), _host_table(level_start_index)
+    lead = len(tensors) - 2  # (grad_out,) value before the tables; locations and weights after
+
+    def call(*args, stream, **kw):
+        return fn(*args[:lead], shapes, starts, *args[lead:], stream=stream, **kw)
+
+    return _on_cuda(call, device, tensors, kwargs, n_out)
+
+
+_MSDA_ARGS = ("Tensor value, Tensor spatial_shapes, Tensor level_start_index, Tensor sampling_locations, "
+              "Tensor attention_weights")
+
+
+@_op("ms_deform_attn", f"({_MSDA_ARGS}) -> Tensor")
+def _ms_deform_attn(value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
+    _msda_devices(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
+    if value.is_cpu:
+        return _tensor(_no.ms_deform_attn(_np(value), _np(spatial_shapes), _np(level_start_index),
+                                          _np(sampling_locations), _np(attention_weights)))
+    if value.is_cuda:
+        return _msda_on_cuda(_no.ms_deform_attn, value.device, (value, sampling_locations, attention_weights),
+                             spatial_shapes, level_start_index, {})
+    raise _unsupported(value.device)
+
+
+@_ms_deform_attn.register_fake
+def _(value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
+    _msda_devices(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
+    if value.dim() != 4 or sampling_locations.dim() != 6:
+        raise ValueError(f"value must have shape (N, S, M, Dh) and sampling_locations (N, Lq, M, L, P, r); got "
+                         f"value {tuple(value.shape)} and sampling_locations {tuple(sampling_locations.shape)}")
+    return value.new_empty((value.shape[0], sampling_locations.shape[1], value.shape[2] * value.shape[3]))
+
+
+#: the differentiable inputs of ms_deform_attn, by their index in its schema
+_MSDA_WRT = ((0, "value"), (3, "sampling_locations"), (4, "attention_weights"))
+
+
+@_op("ms_deform_attn_backward", f"(Tensor grad_out, {_MSDA_ARGS}, bool[] wants) -> (Tensor, Tensor, Tensor)")
+def _ms_deform_attn_backward(grad_out, value, spatial_shapes, level_start_index, sampling_locations,
+                             attention_weights, wants):
+    _msda_devices(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
+    wrt = [name for (_, name), want in zip(_MSDA_WRT, wants) if want]
+    like = (value, sampling_locations, attention_weights)
+    if value.is_cpu:
+        grads = _no.ms_deform_attn_backward(_np(grad_out), _np(value), _np(spatial_shapes), _np(level_start_index),
+                                            _np(sampling_locations), _np(attention_weights), wrt=wrt)
+        grads = [None if g is None else _tensor(g) for g in grads]
+    elif value.is_cuda:
+        grads = _msda_on_cuda(_no.ms_deform_attn_backward, value.device, (grad_out, *like), spatial_shapes,
+                              level_start_index, {"wrt": wrt}, 3)
+    else:
+        raise _unsupported(value.device)
+    return tuple(_or_empty(g, t) for g, t in zip(grads, like))
+
+
+@_ms_deform_attn_backward.register_fake
+def _(grad_out, value, spatial_shapes, level_start_index, sampling_locations, attention_weights, wants):
+    return tuple(t.new_empty(t.shape) if want else _empty(t)
+                 for t, want in zip((value, sampling_locations, attention_weights), wants))
+
+
+def _ms_deform_attn_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _ms_deform_attn_bwd(ctx, grad):
+    wants = [bool(ctx.needs_input_grad[i]) for i, _ in _MSDA_WRT]
+    if not any(wants):
+        return (None,) * 5
+    grads = _ms_deform_attn_backward(grad, *ctx.saved_tensors, wants)
+    gv, gl, ga = (g if want else None for g, want in zip(grads, wants))
+    return gv, None, None, gl, ga
+
+
+_ms_deform_attn.register_autograd(_ms_deform_attn_bwd, setup_context=_ms_deform_attn_setup)
+_ms_deform_attn.register_vmap(_no_vmap("ms_deform_attn"))
+_ms_deform_attn_backward.register_vmap(_no_vmap("ms_deform_attn_backward"))
+_MS_DEFORM_ATTN = _OPS.ms_deform_attn.default
+
+
+def _table(a):
+    """spatial_shapes / level_start_index as a tensor: a tensor as it is; a list, tuple
+    or NumPy array by its values."""
+    return a if isinstance(a, torch.Tensor) else torch.as_tensor(a)
+
+
+def ms_deform_attn(value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
+    """Multi-scale deformable attention, as :func:`numba_ops.ms_deform_attn` (mmcv's and
+    Deformable DETR's ``multi_scale_deformable_attn_pytorch``): ``value`` (N, S, M, Dh),
+    ``spatial_shapes`` int (L, 2) or (L, 3), ``level_start_index`` int (L,),
+    ``sampling_locations`` (N, Lq, M, L, P, r) in [0, 1], ``attention_weights``
+    (N, Lq, M, L, P); returns (N, Lq, M * Dh). Differentiable in ``value``,
+    ``sampling_locations`` and ``attention_weights``. The int tables may be tensors
+    (on the CPU or on value's device), lists or arrays.
+
+    >>> import torch, numba_ops.torch as nt
+    >>> value = torch.arange(4.0).reshape(1, 4, 1, 1)  # one 2x2 level, one head, one channel
+    >>> loc = torch.full((1, 1, 1, 1, 1, 2), 0.5)      # its centre
+    >>> nt.ms_deform_attn(value, [[2, 2]], [0], loc, torch.ones(1, 1, 1, 1, 1))
+    tensor([[[1.5000]]])
+    """
+    if _fwad._current_level >= 0:
+        _refuse_forward_ad(value, sampling_locations, attention_weights)
+    return _MS_DEFORM_ATTN(value, _table(spatial_shapes), _table(level_start_index), sampling_locations,
+                           attention_weights)
+
+
+class MSDeformAttn(torch.nn.Module):
+    """Deformable DETR's multi-scale deformable attention module on numba_ops' kernels:
+    the constructor, parameters (names, shapes, initialisation) and ``forward`` of
+    ``MSDeformAttn`` in Deformable DETR (``models/ops/modules/ms_deform_attn.py``), so
+    its checkpoints' ``state_dict``\\ s load unchanged.
+
+    Parameters
+    ----------
+    d_model : int, default 256
+        The channels of queries, inputs and output; divisible by ``n_heads``.
+    n_levels : int, default 4
+        The feature levels.
+    n_heads : int, default 8
+        The attention heads (each has ``d_model // n_heads`` channels).
+    n_points : int, default 4
+        The sampling points per head and level.
+
+    Attributes
+    ----------
+    sampling_offsets : torch.nn.Linear
+        ``d_model -> n_heads * n_levels * n_points * 2``: each point's (x, y) offset.
+        Weight 0; bias head h's direction (angle 2*pi*h/n_heads, scaled so its larger
+        coordinate is +-1) times point index + 1, the same for every level.
+    attention_weights : torch.nn.Linear
+        ``d_model -> n_heads * n_levels * n_points``: the points' logits (softmax over
+        levels and points per head). Weight and bias 0.
+    value_proj, output_proj : torch.nn.Linear
+        ``d_model -> d_model``: Xavier-uniform weights, bias 0.
+
+    Examples
+    --------
+    >>> import torch, numba_ops.torch as nt
+    >>> attn = nt.MSDeformAttn(d_model=32, n_levels=2, n_heads=4, n_points=2)
+    >>> shapes = torch.tensor([[4, 4], [2, 2]])
+    >>> starts = torch.tensor([0, 16])
+    >>> query, ref = torch.randn(1, 5, 32), torch.rand(1, 5, 2, 2)
+    >>> attn(query, ref, torch.randn(1, 20, 32), shapes, starts).shape
+    torch.Size([1, 5, 32])
+    """
+
+    def __init__(self, d_model=256, n_levels=4, n_heads=8, n_points=4):
+        super().__init__()
+        if d_model % n_heads != 0:
+            raise ValueError(f"d_model must be divisible by n_heads; got {d_model} and {n_heads}")
+        #: Deformable DETR's CUDA batching knob, kept for code that reads it; no effect here
+        self.im2col_step = 64
+        self.d_model = d_model
+        self.n_levels = n_levels
+        self.n_heads = n_heads
+        self.n_points = n_points
+        self.sampling_offsets = torch.nn.Linear(d_model, n_heads * n_levels * n_points * 2)
+        self.attention_weights = torch.nn.Linear(d_model, n_heads * n_levels * n_points)
+        self.value_proj = torch.nn.Linear(d_model, d_model)
+        self.output_proj = torch.nn.Linear(d_model, d_model)
+        self._reset_parameters()
+
+    def _reset_parameters(self) -> None:
+        """Deformable DETR's initialisation (see the class docstring)."""
+        init = torch.nn.init
+        M, L, P = self.n_heads, self.n_levels, self.n_points
+        init.constant_(self.sampling_offsets.weight, 0.0)
+        angles = torch.arange(M, dtype=torch.float32) * (2.0 * math.pi / M)
+        directions = torch.stack([angles.cos(), angles.sin()], -1)
+        directions = directions / directions.abs().max(-1, keepdim=True).values
+        steps = torch.arange(1, P + 1, dtype=torch.float32).view(1, 1, P, 1)
+        with torch.no_grad():
+            self.sampling_offsets.bias.copy_((directions.view(M, 1, 1, 2) * steps).expand(M, L, P, 2).reshape(-1))
+        init.constant_(self.attention_weights.weight, 0.0)
+        init.constant_(self.attention_weights.bias, 0.0)
+        for linear in (self.value_proj, self.output_proj):
+            init.xavier_uniform_(linear.weight)
+            init.constant_(linear.bias, 0.0)
+
+    def forward(self, query, reference_points, input_flatten, input_spatial_shapes, input_level_start_index,
+                input_padding_mask=None):
+        """``query`` (N, Lq, d_model); ``reference_points`` (N, Lq, n_levels, 2), points
+        in [0, 1] ((0, 0) the top-left corner, (1, 1) the bottom-right), or (N, Lq,
+        n_levels, 4), boxes (cx, cy, w, h); ``input_flatten`` (N, S, d_model), the
+        levels' positions row-major, level after level; ``input_spatial_shapes`` int
+        (n_levels, 2), each level's (H, W); ``input_level_start_index`` int (n_levels,);
+        ``input_padding_mask`` bool (N, S), True where ``input_flatten`` is padding (its
+        values count as 0), or None. Returns (N, Lq, d_model).
+
+        A point is the reference point plus its offset divided by the level's (W, H);
+        with boxes, the box centre plus offset / n_points * (w, h) / 2."""
+        N, Lq, _ = query.shape
+        S = input_flatten.shape[1]
+        M, L, P = self.n_heads, self.n_levels, self.n_points
+        value = self.value_proj(input_flatten)
+        if input_padding_mask is not None:
+            value = value.masked_fill(input_padding_mask[..., None], 0.0)
+        value = value.view(N, S, M, self.d_model // M)
+        offsets = self.sampling_offsets(query).view(N, Lq, M, L, P, 2)
+        weights = self.attention_weights(query).view(N, Lq, M, L * P).softmax(-1).view(N, Lq, M, L, P)
+        shapes = _table(input_spatial_shapes)
+        ref = reference_points[:, :, None, :, None, :]
+        if reference_points.shape[-1] == 2:
+            normaliser = shapes.flip(-1).to(offsets)  # each level's (W, H)
+            locations = ref + offsets / normaliser[None, None, None, :, None, :]
+        elif reference_points.shape[-1] == 4:
+            locations = ref[..., :2] + offsets / P * ref[..., 2:] * 0.5
+        else:
+            raise ValueError(f"reference_points must have 2 (x, y) or 4 (cx, cy, w, h) entries on its last axis; "
+                             f"got shape {tuple(reference_points.shape)}")
+        out = ms_deform_attn(value, shapes, input_level_start_index, locations, weights)
+        return self.output_proj(out)
+
+    def extra_repr(self) -> str:
+        return f"d_model={self.d_model}, n_levels={self.n_levels}, n_heads={self.n_heads}, n_points={self.n_points}"
+
+
 # --- ONNX export -------------------------------------------------------------------------
 
 def _affine_warp_schema():
@@ -644,6 +892,24 @@ def _affine_warp_schema():
                     OpSchema.Attribute("align_corners", OpSchema.AttrType.INT, "0 or 1")])
 
 
+def _msda_schema():
+    """The ``numba_ops::MMCVMultiScaleDeformableAttention`` node: MMDeploy's node of that
+    name (inputs and their order; ``im2col_step`` optional, no effect) in numba_ops'
+    domain, any level rank."""
+    from onnx.defs import OpSchema
+    floats = ["tensor(float16)", "tensor(bfloat16)", "tensor(float)", "tensor(double)"]
+    return OpSchema(
+        "MMCVMultiScaleDeformableAttention", "numba_ops", 1,
+        doc="Multi-scale deformable attention (numba_ops.ms_deform_attn).",
+        inputs=[OpSchema.FormalParameter("value", "T"),
+                OpSchema.FormalParameter("value_spatial_shapes", "tensor(int64)"),
+                OpSchema.FormalParameter("value_level_start_index", "tensor(int64)"),
+                OpSchema.FormalParameter("sampling_locations", "T"),
+                OpSchema.FormalParameter("attention_weights", "T")],
+        outputs=[OpSchema.FormalParameter("output", "T")],
+        type_constraints=[("T", floats, "value, sampling_locations, attention_weights and output")],
+        attributes=[OpSchema.Attribute("im2col_step", OpSchema.AttrType.INT, "accepted, no effect", required=False)])
+
 def onnx_translations():
     """The ``custom_translation_table`` that exports the ops with
     ``torch.onnx.export(model, args, dynamo=True, custom_translation_table=...)``.
@@ -651,8 +917,11 @@ def onnx_translations():
     ``numba_ops::deform_conv`` becomes ONNX DeformConv (opset 19), ``grid_sample``
     GridSample (opset 20: modes "linear", "nearest", "cubic"), ``affine_grid``
     AffineGrid (opset 20), ``affine_warp`` a ``numba_ops::AffineWarp`` node (domain
-    ``numba_ops``, opset 1). Export at ``opset_version`` 20 or later (20 is
-    torch's default). ``numba_ops.onnx.session`` runs the model, every rank
+    ``numba_ops``, opset 1), ``ms_deform_attn`` a
+    ``numba_ops::MMCVMultiScaleDeformableAttention`` node (inputs value,
+    value_spatial_shapes, value_level_start_index, sampling_locations,
+    attention_weights: MMDeploy's node of that name, in domain ``numba_ops``). Export
+    at ``opset_version`` 20 or later (20 is torch's default). ``numba_ops.onnx.session`` runs the model, every rank
     included; onnxruntime alone runs the 2-D DeformConv, GridSample and AffineGrid.
 
     Needs onnxscript (which ``torch.onnx``'s dynamo exporter needs too).
@@ -674,6 +943,7 @@ def onnx_translations():
     from onnxscript.values import Op, Opset
 
     affine_warp_op = Op(Opset("numba_ops", 1), "AffineWarp", _affine_warp_schema())
+    msda_op = Op(Opset("numba_ops", 1), "MMCVMultiScaleDeformableAttention", _msda_schema())
 
     def int64s(values):
         """A 1-D int64 value of ``values`` (Python ints, or symbolic sizes of a dynamic shape)."""
@@ -703,6 +973,10 @@ def onnx_translations():
         size = op.Shape(x) if size is None else int64s(size)
         return affine_warp_op(x, theta, size, mode=mode, padding_mode=padding_mode, align_corners=int(align_corners))
 
+    def ms_deform_attn_onnx(value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
+        return msda_op(value, op.Cast(spatial_shapes, to=7), op.Cast(level_start_index, to=7), sampling_locations,
+                       attention_weights)
+
     del onnxscript
     return {_DEFORM_CONV: deform_conv_onnx, _GRID_SAMPLE: grid_sample_onnx, _AFFINE_GRID: affine_grid_onnx,
-            _AFFINE_WARP: affine_warp_onnx}
+            _AFFINE_WARP: affine_warp_onnx, _MS_DEFORM_ATTN: ms_deform_attn_onnx}
