@@ -5,11 +5,11 @@ Each op's front end (``numba_ops/<op>.py``) lists, per float dtype name, a few
 tiny calls of its public function (``warm_calls(dtype)``: ``(args, kwargs)``
 pairs) that together reach every kernel variant its launchers compile: each
 rank, each path (direct, serial, parallel), with and without the optional
-inputs; where onnxruntime is installed, deform_conv also compiles the task that
-``numba_ops.onnx.session`` runs for its DeformConv nodes, per rank
-(``onnx._capi.warm_task``). ``warm`` makes those calls on each requested device;
-numba compiles what is not in its cache yet and saves it there, so a later
-process loads instead of compiling. The kernels are ``cache=True`` (CPU and CUDA), so a second
+inputs; where onnxruntime is installed, each op also compiles the tasks that
+``numba_ops.onnx.session`` runs for its nodes (``onnx._capi.warm_calls``,
+``warm_task``). ``warm`` makes those calls on each requested device; numba
+compiles what is not in its cache yet and saves it there, so a later process
+loads instead of compiling. The kernels are ``cache=True`` (CPU and CUDA), so a second
 ``warm`` finds everything cached and only loads.
 
 What was compiled is read from numba's own dispatchers (their per-signature
@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Iterable
 
 #: every public op, in the package's order; ``warm`` takes those whose front end is installed
-ALL_OPS = ("affine_grid", "deform_conv", "grid_sample", "affine_warp")
+ALL_OPS = ("affine_grid", "deform_conv", "grid_sample", "affine_warp", "ms_deform_attn")
 
 
 def available_ops():
@@ -232,8 +232,8 @@ def warm(ops: str | Iterable[str] | None = None, dtypes: str | Iterable[Any] | N
     Parameters
     ----------
     ops : str or iterable of str, optional
-        Op names ("affine_grid", "deform_conv", "grid_sample", "affine_warp");
-        default: every op of this build.
+        Op names ("affine_grid", "deform_conv", "grid_sample", "affine_warp",
+        "ms_deform_attn"); default: every op of this build.
     dtypes : str or iterable, optional
         Float dtype names ("float16", "bfloat16", "float32", "float64") or
         dtypes; default: all four.

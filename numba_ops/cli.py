@@ -298,7 +298,7 @@ def _parser():
     p.add_argument("--rounds", type=_positive_int, help=argparse.SUPPRESS)
     p = sub.add_parser("warm", help="compile every kernel variant into numba's on-disk cache; exit 1 on a failure")
     p.add_argument("--op", action="extend", nargs="+", metavar="OP",
-                   help="affine_grid, deform_conv, grid_sample, affine_warp; default: all")
+                   help="affine_grid, deform_conv, grid_sample, affine_warp, ms_deform_attn; default: all")
     p.add_argument("--dtype", action="extend", nargs="+", metavar="T", choices=NAMES,
                    help="default: all four")
     p.add_argument("--device", action="extend", nargs="+", metavar="D", choices=("cpu", "cuda"),

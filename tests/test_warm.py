@@ -254,6 +254,25 @@ def test_warm_result(capsys):
     assert again["loaded"] == r["compiled"] + r["loaded"] and again["cache_dir"] == r["cache_dir"]
 
 
+
+def test_warm_ms_deform_attn_and_its_session_task():
+    """``ms_deform_attn`` is an op name of warm: its forward and backward warm-up calls,
+    and, where onnxruntime is installed, the compiled task of the session's
+    MMCVMultiScaleDeformableAttention node."""
+    assert "ms_deform_attn" in _warm.ALL_OPS and "ms_deform_attn" in _warm.available_ops()
+    front = __import__("numba_ops.ms_deform_attn", fromlist=["warm_calls"])
+    calls = len(front.warm_calls(DTYPE)) + len(front.warm_backward_calls(DTYPE))
+    seen = []
+    r = numba_ops.warm("ms_deform_attn", DTYPE, "cpu", progress=lambda i, n, label, t: seen.append(label),
+                       quiet=True, force=True)
+    if _warm._session_installed():
+        from numba_ops.onnx import _capi
+        calls += 1
+        assert [x for x in seen if "onnxruntime session" in x and "MMCVMultiScaleDeformableAttention" in x]
+        assert ("_ms_deform_attn_task", (DTYPE,)) in _capi._TASK_FNS
+    assert r["failures"] == [] and r["calls"] == calls
+
+
 JOBS = r"""
 import json
 import numba_ops
@@ -304,8 +323,8 @@ def test_warm_calls_in_a_fresh_process(op):
         assert "ml_dtypes" not in sys.modules
         for name in sorted(NAMES):
             calls = front.warm_calls(name)
-            assert calls and all(a.dtype.name in (name, "uint8") for args, _ in calls for a in args
-                                 if hasattr(a, "dtype")), name
+            assert calls and all(a.dtype.name in (name, "uint8", "int64") for args, _ in calls for a in args
+                                 if hasattr(a, "dtype")), name  # (int64: ms_deform_attn's level shapes, starts)
         print("@@ok")
     """)
     p = subprocess.run([sys.executable, "-c", code, op], capture_output=True, text=True, cwd=ROOT, timeout=300)
