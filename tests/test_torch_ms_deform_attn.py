@@ -13,7 +13,8 @@
 - ``torch.onnx.export(dynamo=True)`` through ``onnx_translations()``: one
   ``numba_ops::MMCVMultiScaleDeformableAttention`` node, run by ``numba_ops.onnx``'s
   evaluator and session;
-- 16-bit dtypes, tables as lists, errors, vmap's and forward AD's refusal.
+- 16-bit dtypes, tables as lists, errors, vmap's and forward AD's refusal; CUDA tensors
+  (on a side stream, the tables on either device) where torch has a GPU.
 """
 import math
 
@@ -446,3 +447,29 @@ def test_onnx_export_dynamic_batch_boxes():
             want = layer(*args).numpy()
         for got in _run(proto, {k: v.numpy() for k, v in zip(names, args)}):
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+# --- CUDA (where torch has a GPU and numba_ops can use it) -----------------------------
+
+@pytest.mark.skipif(not torch.cuda.is_available() or "cuda" not in numba_ops.devices(),
+                    reason="needs a GPU that torch and numba_ops both use")
+@pytest.mark.cuda
+@pytest.mark.parametrize("tables_on", ["cpu", "cuda"])
+@pytest.mark.parametrize("r", [2, 3], ids=["2d", "3d"])
+def test_cuda_matches_cpu(r, tables_on):
+    """Forward and the three gradients on CUDA tensors, on a side stream, against the
+    CPU; the int tables on the CPU or on the GPU."""
+    v, shapes, starts, loc, attn = msda_inputs(r, dtype=torch.float32)
+    dev = [t.detach().cuda().requires_grad_() for t in (v, loc, attn)]
+    tabs = (shapes.to(tables_on), starts.to(tables_on))
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        out = nt.ms_deform_attn(dev[0], *tabs, dev[1], dev[2])
+        grads = torch.autograd.grad(out.square().sum(), dev)
+    torch.cuda.current_stream().wait_stream(stream)
+    assert out.is_cuda and all(g.is_cuda for g in grads)
+    want = nt.ms_deform_attn(v, shapes, starts, loc, attn)
+    want_g = torch.autograd.grad(want.square().sum(), (v, loc, attn))
+    torch.testing.assert_close(out.cpu(), want.detach(), rtol=1e-5, atol=1e-5)
+    for g, w in zip(grads, want_g):
+        torch.testing.assert_close(g.cpu(), w, rtol=1e-4, atol=1e-4)
