@@ -170,7 +170,10 @@ def grid_sample_backward(grad_y: ArrayLike, x: ArrayLike, grid: ArrayLike, *, mo
     weights differentiated from ``floor`` of the position (the right-hand derivative
     at an integer), zero for ``"nearest"``, zero where ``border`` clamps and the
     sign flipped where ``reflection`` mirrors; a tap outside a zeros-padded input
-    contributes nothing. A grid position that is not finite gets NaN for its own
+    contributes nothing. In ``"linear"`` mode a coordinate exactly on the first or
+    last index counts as clamped under ``border`` and ``reflection`` (zero
+    gradient, as PyTorch's ``clip_coordinates_set_grad``: identity grids land
+    exactly there). A grid position that is not finite gets NaN for its own
     gradient and adds nothing to ``grad_x``.
 
     Parameters

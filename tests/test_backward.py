@@ -230,10 +230,19 @@ def test_right_hand_derivative_at_integers():
     ("zeros", -0.6, 2.0 * 2),  # only the tap at 0 inside, weight pos + 1: the slope x[0]
     ("reflection", 4.3, -3.0 * 2),  # mirrored about 3.5: the slope of [2, 3] with its sign flipped
     ("reflection", 1.4, 2.0 * 2),  # inside: the slope
+    ("border", 0.0, 0.0),  # exactly on the first index: clamped (PyTorch's clip_coordinates_set_grad)
+    ("border", 3.0, 0.0),  # ... on the last
+    ("zeros", 0.0, -1.0 * 2),  # zeros clamps nothing: the right-hand slope
+    ("reflection", 0.0, 0.0),  # on the first index: clamped
+    ("reflection", 4.0, 0.0),  # mirrored onto the last index (3): clamped
+    ("reflection", -1.0, 0.0),  # mirrored onto the first
+    ("reflection", 5.0, -3.0 * 2),  # mirrored onto 2: the right-hand slope there ([2, 3]), flipped
 ])
 def test_padding_derivative_conventions(padding, pos, want):
     """Linear along a row x = (2, 1, 3, 6), align_corners=False (d pos / d grid = size / 2
-    = 2): border-clamped positions have no gradient, reflected ones the mirrored slope."""
+    = 2): border-clamped positions have no gradient, reflected ones the mirrored slope;
+    a position exactly on the first or last index (or mirrored onto one) counts as
+    clamped under border and reflection, as PyTorch's."""
     x = np.array([[[[2.0, 1.0, 3.0, 6.0]]]])
     grid = np.array([[[[grid_coord(pos, 4, False), 0.0]]]])
     _, gg = gs_grads(np.ones((1, 1, 1, 1)), x, grid, padding_mode=padding)
@@ -295,10 +304,9 @@ def test_grid_sample_vs_torch(r, mode, padding, align):
 
 @pytest.mark.parametrize(*sampler_matrix([2]))
 def test_grid_sample_integer_positions_vs_torch(r, mode, padding, align):
-    """Exact integer positions (right-hand derivatives, from floor, as PyTorch's). Under
-    border/reflection only 1 .. size - 2: at exactly 0 PyTorch's clip gives 0 (the
-    clamped side's derivative) where the contract's right-hand derivative is the
-    slope to element 1."""
+    """Exact integer positions (right-hand derivatives, from floor, as PyTorch's), the
+    edges included (clamped under border and reflection: zero gradient) and outside
+    them (reflection's mirrors)."""
     torch_or_skip()
     xs = (1, 2, 4, 8) if not align else (1, 2, 5, 3)  # sizes where the grid values are exact
     rng = np.random.default_rng(5 + align)
@@ -307,8 +315,7 @@ def test_grid_sample_integer_positions_vs_torch(r, mode, padding, align):
     grid = np.empty((1,) + outs + (2,))
     for k in range(2):
         size = xs[3 - k]
-        lo, hi = (-2, size + 1) if padding == "zeros" else (1, size - 2)
-        pos = rng.integers(lo, hi + 1, (1,) + outs).astype(np.float64)
+        pos = rng.integers(-2, size + 2, (1,) + outs).astype(np.float64)
         grid[..., k] = grid_coord(pos, size, align)
         np.testing.assert_array_equal(unnormalize(grid[..., k], size, align), pos)
     attrs = dict(mode=mode, padding_mode=padding, align_corners=align)
@@ -417,6 +424,74 @@ def test_affine_warp_vs_torch(r, mode, padding, align):
     gy = rng.standard_normal(y.shape) * agree
     yt.backward(torch.from_numpy(gy))
     gx, gt = numba_ops.affine_warp_backward(gy, x, theta, size, **attrs)
+    assert_close(gx, xt.grad.numpy(), PEER)
+    assert_close(gt, tt.grad.numpy(), PEER)
+
+
+# --- identity grids: positions exactly on every index, the edges included ------------------
+
+#: x shapes per rank: small, and of unequal sizes per axis
+ID_SHAPES = {2: (2, 3, 5, 6), 3: (1, 2, 4, 5, 3)}
+#: ... for affine_warp, which computes its positions as affine_grid does: sizes whose
+#: positions PyTorch's affine_grid gives bit for bit too (without align_corners its
+#: linspace rounds sizes 3, 6 or 7 an ulp off the integer, to the other side of the kink)
+AW_ID_SHAPES = {2: (2, 3, 5, 4), 3: (1, 2, 4, 5, 2)}
+#: the default run's combinations: those the tests above compile anyway in float64
+#: (test_padding_derivative_conventions: 2-D linear with every padding)
+ID_DEFAULT = {(2, "linear", "zeros"), (2, "linear", "border"), (2, "linear", "reflection"),
+              (2, "cubic", "reflection"), (3, "linear", "zeros")}
+
+
+def identity_case(torch, xs, align, seed):
+    """``(x, theta, grid, grad_y)`` in float64 for an x of shape ``xs``: an identity theta
+    (N, r, r+1), PyTorch's affine_grid of it (exact integer positions with
+    align_corners, and within an ulp of them without), random x and grad_y."""
+    rng = np.random.default_rng(seed)
+    r = len(xs) - 2
+    theta = np.zeros((xs[0], r, r + 1))
+    theta[:, :, :r] = np.eye(r)
+    grid = torch.nn.functional.affine_grid(torch.from_numpy(theta), list(xs), align_corners=bool(align)).numpy()
+    if align:  # the first and last indices are sampled exactly
+        for k in range(r):
+            pos = unnormalize(grid[..., k], xs[1 + r - k], align)
+            assert pos.min() == 0.0 and pos.max() == xs[1 + r - k] - 1
+    return rng.standard_normal(xs), theta, grid, rng.standard_normal(xs)
+
+
+@pytest.mark.parametrize(*no_3d_cubic(sampler_matrix([2, 3], default=ID_DEFAULT)))
+def test_grid_sample_identity_grid_vs_torch(r, mode, padding, align):
+    """grid_sample_backward at an identity grid equals PyTorch's autograd (float64), every
+    position compared: under border and reflection a linear position exactly on the
+    first or last index has zero gradient (PyTorch's clip_coordinates_set_grad)."""
+    torch = torch_or_skip()
+    x, _, grid, gy = identity_case(torch, ID_SHAPES[r], align, 60 + r + align)
+    xt = torch.tensor(x, requires_grad=True)
+    gt = torch.tensor(grid, requires_grad=True)
+    yt = torch.nn.functional.grid_sample(xt, gt, mode=TORCH_MODE[mode], padding_mode=padding,
+                                         align_corners=bool(align))
+    yt.backward(torch.from_numpy(gy))
+    gx, gg = gs_grads(gy, x, grid, mode=mode, padding_mode=padding, align_corners=align)
+    assert_close(gx, xt.grad.numpy(), PEER)
+    assert_close(gg, gt.grad.numpy(), PEER)
+
+
+@pytest.mark.parametrize(*no_3d_cubic(sampler_matrix([2, 3], default=ID_DEFAULT)))
+def test_affine_warp_identity_vs_torch(r, mode, padding, align):
+    """affine_warp_backward at an identity theta equals PyTorch's autograd through
+    affine_grid + grid_sample (float64), every position compared."""
+    torch = torch_or_skip()
+    F = torch.nn.functional
+    x, theta, grid, gy = identity_case(torch, AW_ID_SHAPES[r], align, 70 + r + align)
+    ours = numba_ops.affine_grid(theta, x.shape, align)
+    for k in range(r):  # the same positions (the kinks' side included), so the same derivatives
+        size = x.shape[1 + r - k]
+        np.testing.assert_array_equal(unnormalize(ours[..., k], size, align), unnormalize(grid[..., k], size, align))
+    xt = torch.tensor(x, requires_grad=True)
+    tt = torch.tensor(theta, requires_grad=True)
+    yt = F.grid_sample(xt, F.affine_grid(tt, list(x.shape), align_corners=bool(align)), mode=TORCH_MODE[mode],
+                       padding_mode=padding, align_corners=bool(align))
+    yt.backward(torch.from_numpy(gy))
+    gx, gt = numba_ops.affine_warp_backward(gy, x, theta, mode=mode, padding_mode=padding, align_corners=align)
     assert_close(gx, xt.grad.numpy(), PEER)
     assert_close(gt, tt.grad.numpy(), PEER)
 

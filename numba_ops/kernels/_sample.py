@@ -315,18 +315,36 @@ def grad_taps_at(mode, i, frac, finite, size, per, padding, align, zero):
     to the position (PyTorch's: taken from ``floor``, so the right-hand one at an
     integer; 0 for nearest); a padded tap keeps its own weight's derivative, so a
     border-clamped position gets 0 and a reflected one the mirrored sign, as the
-    derivative of the padded sum. Weights and derivatives are NaN at a non-finite
-    position."""
+    derivative of the padded sum. Linear mode follows PyTorch's bilinear, which pads
+    the coordinate before taking ``floor``: under border and reflection a position
+    exactly on the first or last index (or a reflection of one) counts as clamped,
+    derivative 0 (``clip_coordinates_set_grad``; identity grids land exactly there),
+    and under reflection an integer position in a mirrored stretch takes the taps
+    ``i - 1, i`` (weights 0, 1: the reflected coordinate's right-hand derivative).
+    Cubic differentiates each padded tap's weight, unclamped, as PyTorch's bicubic
+    does. Weights and derivatives are NaN at a non-finite position."""
     one = as_compute(zero, 1)
     s = one if finite else as_compute(zero, np.nan)
     if mode == NEAREST:
         i0, w0, ok0 = nearest_at(i, frac, finite, size, per, padding, align, zero)
         return (i0, i0, i0, i0, w0, zero, zero, zero, zero * s, zero, zero, zero, ok0, False, False, False)
     if mode == LINEAR:
-        i0, i1, w0, w1, ok0, ok1 = linear_at(i, frac, finite, size, per, padding, align, zero)
-        # two taps padded onto one element (a border clamp, a reflection's edge): their
-        # derivatives cancel, exactly 0 (not -1 + 1 after rounding in the other axes' weights)
-        d = zero * s if (i0 == i1) & ok0 & ok1 else s
+        # PyTorch reflects the coordinate first and takes floor after: at an integer in a
+        # mirrored stretch (i in [size, per), reduced) those are the taps i - 1, i with
+        # weights 0, 1 (the same sample, the mirrored side's derivative)
+        back = (padding == REFLECTION) & (frac == zero) & (i >= size)
+        if back:
+            i0, i1, w0, w1, ok0, ok1 = linear_at(i - 1, one, finite, size, per, padding, align, zero)
+        else:
+            i0, i1, w0, w1, ok0, ok1 = linear_at(i, frac, finite, size, per, padding, align, zero)
+        # clamped (PyTorch's clip_coordinates_set_grad): two taps padded onto one element
+        # (a border clamp, a reflection's edge), whose derivatives cancel, exactly 0 (not
+        # -1 + 1 after rounding in the other axes' weights); and, under border and
+        # reflection, a position exactly on an edge element (the first index under
+        # border; the first or last one, or a mirror of them, under reflection)
+        at = i1 if back else i0  # the element the position is on when frac is 0
+        on_edge = (padding != ZEROS) & (frac == zero) & ((at == 0) | (at == size - 1))
+        d = zero * s if ((i0 == i1) & ok0 & ok1) | on_edge else s
         return (i0, i1, i1, i1, w0, w1, zero, zero, -d, d, zero, zero, ok0, ok1, False, False)
     i0, i1, i2, i3, w0, w1, w2, w3, ok0, ok1, ok2, ok3 = cubic_at(i, frac, finite, size, per, padding, align, zero)
     d0, d1, d2, d3 = cubic_dweights(frac, one)
