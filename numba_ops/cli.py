@@ -112,10 +112,12 @@ def _run_case(case, device, through="evaluator"):
             return session(_node_model(case)).run(None, feeds)[0]
         from onnx.reference import ReferenceEvaluator
 
-        from .onnx import ops
-        sess = ReferenceEvaluator(case.node, new_ops=ops(device))
+        from .onnx import mmdeploy_ops, ops
+        sess = ReferenceEvaluator(case.node, new_ops=ops(device) + mmdeploy_ops(device))
         return sess.run(None, feeds)[0]
     import numba_ops
+    if case.op == "ms_deform_attn":
+        return numba_ops.ms_deform_attn(*case.inputs, device=device)
     if case.op == "AffineGrid":
         return numba_ops.affine_grid(*case.inputs, device=device, **case.attrs)
     if case.op == "GridSample":
@@ -128,10 +130,11 @@ def _node_model(case):
     from onnx import helper
     ins = [helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(v.dtype), v.shape)
            for n, v in zip(case.node.input, case.inputs) if n]
-    out = helper.make_tensor_value_info(case.node.output[0], helper.np_dtype_to_tensor_dtype(case.expected.dtype),
+    # (the output has the first input's dtype: the expected values may be float64's)
+    out = helper.make_tensor_value_info(case.node.output[0], helper.np_dtype_to_tensor_dtype(case.inputs[0].dtype),
                                         None)
-    return helper.make_model(helper.make_graph([case.node], case.name, ins, [out]),
-                             opset_imports=[helper.make_opsetid("", 22)])
+    opsets = [helper.make_opsetid("", 22)] + ([helper.make_opsetid(case.node.domain, 1)] if case.node.domain else [])
+    return helper.make_model(helper.make_graph([case.node], case.name, ins, [out]), opset_imports=opsets)
 
 
 def _session_missing():
@@ -176,8 +179,8 @@ def cmd_check(args):
     device = args.device or "cpu"
     if not _usable(device, "check"):
         return 2
-    from .benchmark.cases import onnx_backend_cases, seed_cases
-    cases = seed_cases()
+    from .benchmark.cases import ms_deform_attn_cases, onnx_backend_cases, seed_cases
+    cases = seed_cases() + ms_deform_attn_cases()
     skipped = None
     try:
         cases += onnx_backend_cases()
@@ -199,7 +202,7 @@ def cmd_check(args):
         status = "PASS" if why is None else "FAIL"
         failed += why is not None
         source = "ort" if through == "session" else case.source
-        line = f"{status}  {source:<4}  {case.op:<10}  {case.name}  ({ms:.1f} ms)"
+        line = f"{status}  {source:<4}  {case.op:<14}  {case.name}  ({ms:.1f} ms)"
         print(line if why is None else f"{line}\n      {why}", flush=True)
     if skipped:
         print("SKIP  " + skipped)
@@ -213,7 +216,7 @@ def cmd_check(args):
             why = f"{type(exc).__name__}: {exc}"
         ms = (time.perf_counter() - t0) * 1e3
         failed += why is not None
-        line = f"{'PASS' if why is None else 'FAIL'}  grad  {case.op:<10}  {case.name}  ({ms:.1f} ms)"
+        line = f"{'PASS' if why is None else 'FAIL'}  grad  {case.op:<14}  {case.name}  ({ms:.1f} ms)"
         print(line if why is None else f"{line}\n      {why}", flush=True)
     total = len(runs) + len(grads)
     passed = total - failed
@@ -263,7 +266,8 @@ def _parser():
     p.add_argument("--cuda", action="store_true",
                    help="instead: registers, spills, shared memory and occupancy of every CUDA kernel on "
                         "sm_80 (A100) and sm_90 (H100/H200), from ptxas (no GPU needed)")
-    p = sub.add_parser("check", help="run the ONNX conformance cases of both ops; exit 1 on any failure")
+    p = sub.add_parser("check", help="run the ONNX conformance cases of the ops (and ms_deform_attn's against a "
+                                     "float64 oracle); exit 1 on any failure")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cpu")
     p = sub.add_parser("bench", help="the benchmark table against the installed peers, or the regression "
                                      "check against a git revision (--against REV)")

@@ -17,8 +17,9 @@ from numba_ops.benchmark import protocol
 
 ROOT = Path(__file__).resolve().parents[1]
 SAVED_RUN = ROOT / "tests" / "data" / "bench_run.json"  # an example saved run (bench --json), with machine metadata
-N_CHECK_CASES = 72  # 8 ONNX backend cases of AffineGrid/DeformConv, 18 of GridSample, 8 operator-page examples,
-# the 26 backend cases once more through numba_ops.onnx.session, and 12 gradient checks (numba_ops.gradcheck)
+N_CHECK_CASES = 80  # 8 ONNX backend cases of AffineGrid/DeformConv, 18 of GridSample, 8 operator-page examples,
+# 4 ms_deform_attn cases against a float64 oracle, the 26 backend cases and the 4 ms_deform_attn ones once more
+# through numba_ops.onnx.session, and 12 gradient checks (numba_ops.gradcheck)
 N_GRAD_CASES = 12
 
 
@@ -98,9 +99,28 @@ def test_check_passes():
     lines = [ln for ln in out.splitlines() if ln.startswith(("PASS", "FAIL"))]
     assert len(lines) == N_CHECK_CASES and all(ln.startswith("PASS") for ln in lines), out
     for name in ("test_affine_grid_3d_align_corners", "test_deform_conv_with_multiple_offset_groups",
-                 "test_cc_deform_conv_with_mask_bias"):
+                 "test_cc_deform_conv_with_mask_bias", "ms_deform_attn_3d"):
         assert name in out
     assert f"{N_CHECK_CASES} cases: {N_CHECK_CASES} passed, 0 failed" in out
+
+
+def test_check_ms_deform_attn_cases():
+    """check's ms_deform_attn cases: its float64 oracle agrees with the tests' own, the
+    cases reach the levels' edges, points far outside and not finite, and the function
+    (and the MMDeploy node, in the evaluator) is within the API's accuracy of them."""
+    import numpy as np
+    from reference import ms_deform_attn_ref
+
+    from numba_ops import _accuracy
+    from numba_ops.benchmark.cases import ms_deform_attn_cases
+    cases = ms_deform_attn_cases()
+    assert len(cases) == 4 and {c.node.domain for c in cases} == {"mmdeploy", "mmcv", "numba_ops"}
+    assert {c.inputs[1].shape[1] for c in cases} == {2, 3}
+    assert np.isnan(cases[-1].expected).any()
+    for c in cases:
+        value, shapes, starts, loc, attn = c.inputs
+        np.testing.assert_allclose(c.expected, ms_deform_attn_ref(value, shapes, loc, attn), rtol=1e-12, atol=1e-12)
+        assert _accuracy.compare(numba_ops.ms_deform_attn(*c.inputs), c.expected, value.dtype) is None, c.name
 
 
 def test_check_fails_on_a_broken_kernel(tmp_path):

@@ -475,6 +475,91 @@ def seed_cases():
     return out
 
 
+def ms_deform_attn_f64(value, spatial_shapes, sampling_locations, attention_weights):
+    """Multi-scale deformable attention by its definition, in float64, point by point:
+    each level of ``value`` (N, S, M, Dh) sampled n-linearly at ``loc * size - 0.5`` on
+    every axis (GridSample of ``2 * loc - 1``, zeros padding, ``align_corners=False``:
+    corners outside the level count 0), weighted by the attention weights; a point
+    whose location is not finite makes its head's channels NaN. Returns (N, Lq, M * Dh)."""
+    import itertools
+    import math
+    value = np.asarray(value, np.float64)
+    loc = np.asarray(sampling_locations, np.float64)
+    attn = np.asarray(attention_weights, np.float64)
+    N, S, M, Dh = value.shape
+    _, Lq, _, L, P, r = loc.shape
+    out = np.zeros((N, Lq, M, Dh))
+    bad = np.zeros((N, Lq, M), bool)
+    start = 0
+    for lv in range(L):
+        shape = tuple(int(v) for v in spatial_shapes[lv])  # outermost axis first
+        size = math.prod(shape)
+        level = value[:, start:start + size].reshape((N,) + shape + (M, Dh))
+        for n, q, m, p in itertools.product(range(N), range(Lq), range(M), range(P)):
+            xyz = [float(loc[n, q, m, lv, p, r - 1 - k]) for k in range(r)]  # (locations are innermost first)
+            if not all(math.isfinite(c) for c in xyz):
+                bad[n, q, m] = True
+                continue
+            pos = [c * shape[k] - 0.5 for k, c in enumerate(xyz)]
+            base = [math.floor(c) for c in pos]
+            for corner in itertools.product((0, 1), repeat=r):
+                idx = [b + c for b, c in zip(base, corner)]
+                if all(0 <= i < size_k for i, size_k in zip(idx, shape)):
+                    w = math.prod(1 - abs(c - i) for c, i in zip(pos, idx))
+                    out[n, q, m] += attn[n, q, m, lv, p] * w * level[(n, *idx, m)]
+        start += size
+    out[bad] = np.nan
+    return out.reshape(N, Lq, M * Dh)
+
+
+#: ms_deform_attn's conformance cases: name -> (node domain, dtype, level shapes, (N, Lq, M,
+#: Dh, P), the locations' range, special locations {(n, q, m, level, point): location})
+_MSDA_CASES = {
+    "ms_deform_attn_2d_mmdeploy": ("mmdeploy", "float32", [[6, 5], [3, 3], [1, 2]], (2, 5, 2, 4, 2), (-0.2, 1.2), {}),
+    "ms_deform_attn_2d_float64_mmcv": ("mmcv", "float64", [[4, 7], [2, 3]], (1, 6, 3, 2, 3), (-0.2, 1.2), {}),
+    "ms_deform_attn_3d": ("numba_ops", "float32", [[3, 4, 2], [2, 2, 3], [1, 1, 1]], (1, 4, 2, 3, 2),
+                          (-0.2, 1.2), {}),
+    "ms_deform_attn_2d_edges_and_nonfinite": (
+        "mmdeploy", "float32", [[4, 4], [2, 1]], (1, 4, 2, 3, 2), (0.0, 1.0),
+        {(0, 0, 0, 0, 0): (0.0, 0.0), (0, 0, 0, 1, 1): (1.0, 1.0), (0, 1, 0, 0, 0): (0.625, 0.375),
+         (0, 1, 1, 0, 1): (1e30, -1e30), (0, 2, 1, 1, 0): (np.nan, 0.5), (0, 3, 0, 0, 1): (np.inf, 0.5)}),
+}
+
+
+def ms_deform_attn_cases():
+    """A small conformance set of ``ms_deform_attn`` against ``ms_deform_attn_f64``:
+    2-D levels (MMDeploy's ``MMCVMultiScaleDeformableAttention`` node, domains
+    ``mmdeploy`` and ``mmcv``), 3-D levels (the node of domain ``numba_ops``), points
+    on the levels' edges, texel centres, far outside and not finite. Each case holds
+    its node where onnx is installed (else None: the function is called)."""
+    try:
+        from onnx import helper
+    except ImportError:
+        helper = None
+    out = []
+    for i, (name, (domain, dtype, shapes, (N, Lq, M, Dh, P), span, special)) in enumerate(_MSDA_CASES.items()):
+        rng = np.random.default_rng(10 + i)
+        dt = np_dtype(dtype)
+        shapes = np.array(shapes, np.int64)
+        starts = np.concatenate(([0], np.cumsum(np.prod(shapes, axis=1))[:-1])).astype(np.int64)
+        L, r = shapes.shape
+        value = rng.standard_normal((N, int(np.prod(shapes, axis=1).sum()), M, Dh)).astype(dt)
+        loc = rng.uniform(*span, (N, Lq, M, L, P, r)).astype(dt)
+        for at, xy in special.items():
+            loc[at] = xy
+        attn = rng.uniform(0, 1, (N, Lq, M, L, P)).astype(dt)
+        inputs = [value, shapes, starts, loc, attn]
+        node = None
+        if helper is not None:
+            node = helper.make_node("MMCVMultiScaleDeformableAttention", ["value", "value_spatial_shapes",
+                                                                         "value_level_start_index",
+                                                                         "sampling_locations", "attention_weights"],
+                                    ["output"], domain=domain, im2col_step=64)
+        out.append(ConformanceCase(name, "ref", "ms_deform_attn", inputs, {},
+                                   ms_deform_attn_f64(value, shapes, loc, attn), node=node))
+    return out
+
+
 def onnx_backend_cases():
     """ONNX's backend node cases for AffineGrid, DeformConv and GridSample.
 
