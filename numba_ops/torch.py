@@ -50,6 +50,7 @@ tensor([[1., 1.],
         [1., 1.]])
 """
 import math
+import operator
 
 import ml_dtypes
 import numpy as np
@@ -121,6 +122,21 @@ def _on_cuda(fn, device, tensors, kwargs, n_out=1):
     if n_out == 1:
         return _cuda_tensor(out, device)
     return tuple(None if o is None else _cuda_tensor(o, device) for o in out)
+
+
+def _one_device(**tensors):
+    """A ValueError naming both devices unless the tensors (by name; None: absent) are
+    on one device. Every op checks in its kernel and in its fake implementation: a
+    call that mixes in a meta tensor dispatches to the latter."""
+    first = None
+    for name, t in tensors.items():
+        if t is None:
+            continue
+        if first is None:
+            first = name, t.device
+        elif t.device != first[1]:
+            raise ValueError(f"numba_ops.torch: all tensors must be on one device; got {first[0]} on {first[1]} "
+                             f"and {name} on {t.device}")
 
 
 def _unsupported(device):
@@ -197,6 +213,7 @@ _GS_ATTRS = "str mode='linear', str padding_mode='zeros', bool align_corners=Fal
 
 @_op("grid_sample", f"(Tensor x, Tensor grid, {_GS_ATTRS}) -> Tensor")
 def _grid_sample(x, grid, mode="linear", padding_mode="zeros", align_corners=False):
+    _one_device(x=x, grid=grid)
     if x.is_cpu:
         return _tensor(_no.grid_sample(_np(x), _np(grid), mode=mode, padding_mode=padding_mode,
                                        align_corners=align_corners))
@@ -208,6 +225,7 @@ def _grid_sample(x, grid, mode="linear", padding_mode="zeros", align_corners=Fal
 
 @_grid_sample.register_fake
 def _(x, grid, mode="linear", padding_mode="zeros", align_corners=False):
+    _one_device(x=x, grid=grid)
     if x.dim() < 3 or grid.dim() != x.dim():
         raise ValueError(f"grid must have shape (N, O1..Or, r) for X of shape (N, C, D1..Dr); "
                          f"got X {tuple(x.shape)} and grid {tuple(grid.shape)}")
@@ -217,6 +235,7 @@ def _(x, grid, mode="linear", padding_mode="zeros", align_corners=False):
 @_op("grid_sample_backward", "(Tensor grad_y, Tensor x, Tensor grid, str mode, str padding_mode, "
                              "bool align_corners, bool want_x, bool want_grid) -> (Tensor, Tensor)")
 def _grid_sample_backward(grad_y, x, grid, mode, padding_mode, align_corners, want_x, want_grid):
+    _one_device(grad_y=grad_y, x=x, grid=grid)
     wrt = ("x",) * want_x + ("grid",) * want_grid
     attrs = {"mode": mode, "padding_mode": padding_mode, "align_corners": align_corners, "wrt": wrt}
     if x.is_cpu:
@@ -231,6 +250,7 @@ def _grid_sample_backward(grad_y, x, grid, mode, padding_mode, align_corners, wa
 
 @_grid_sample_backward.register_fake
 def _(grad_y, x, grid, mode, padding_mode, align_corners, want_x, want_grid):
+    _one_device(grad_y=grad_y, x=x, grid=grid)
     return (x.new_empty(x.shape) if want_x else _empty(x)), (grid.new_empty(grid.shape) if want_grid else _empty(grid))
 
 
@@ -259,6 +279,7 @@ _grid_sample.register_autograd(_grid_sample_bwd, setup_context=_save_two)
 
 @_op("affine_warp", f"(Tensor x, Tensor theta, SymInt[]? size=None, {_GS_ATTRS}) -> Tensor")
 def _affine_warp(x, theta, size=None, mode="linear", padding_mode="zeros", align_corners=False):
+    _one_device(x=x, theta=theta)
     if x.is_cpu:
         return _tensor(_no.affine_warp(_np(x), _np(theta), size, mode=mode, padding_mode=padding_mode,
                                        align_corners=align_corners))
@@ -271,6 +292,7 @@ def _affine_warp(x, theta, size=None, mode="linear", padding_mode="zeros", align
 
 @_affine_warp.register_fake
 def _(x, theta, size=None, mode="linear", padding_mode="zeros", align_corners=False):
+    _one_device(x=x, theta=theta)
     if size is None:
         return x.new_empty(x.shape)
     if len(size) != x.dim():
@@ -281,6 +303,7 @@ def _(x, theta, size=None, mode="linear", padding_mode="zeros", align_corners=Fa
 @_op("affine_warp_backward", "(Tensor grad_y, Tensor x, Tensor theta, SymInt[]? size, str mode, str padding_mode, "
                              "bool align_corners, bool want_x, bool want_theta) -> (Tensor, Tensor)")
 def _affine_warp_backward(grad_y, x, theta, size, mode, padding_mode, align_corners, want_x, want_theta):
+    _one_device(grad_y=grad_y, x=x, theta=theta)
     wrt = ("x",) * want_x + ("theta",) * want_theta
     attrs = {"mode": mode, "padding_mode": padding_mode, "align_corners": align_corners, "wrt": wrt}
     if x.is_cpu:
@@ -296,6 +319,7 @@ def _affine_warp_backward(grad_y, x, theta, size, mode, padding_mode, align_corn
 
 @_affine_warp_backward.register_fake
 def _(grad_y, x, theta, size, mode, padding_mode, align_corners, want_x, want_theta):
+    _one_device(grad_y=grad_y, x=x, theta=theta)
     return ((x.new_empty(x.shape) if want_x else _empty(x)),
             (theta.new_empty(theta.shape) if want_theta else _empty(theta)))
 
@@ -324,6 +348,7 @@ def _dc_attrs(kernel_shape, strides, pads, dilations, group, offset_group):
 @_op("deform_conv", f"(Tensor x, Tensor w, Tensor offset, Tensor? b=None, Tensor? mask=None, {_DC_ATTRS}) -> Tensor")
 def _deform_conv(x, w, offset, b=None, mask=None, kernel_shape=None, strides=None, pads=None, dilations=None,
                  group=1, offset_group=1):
+    _one_device(x=x, w=w, offset=offset, b=b, mask=mask)
     if x.is_cpu:
         return _tensor(_no.deform_conv(_np(x), _np(w), _np(offset), _np(b), _np(mask), kernel_shape=kernel_shape,
                                        strides=strides, pads=pads, dilations=dilations, group=group,
@@ -354,6 +379,7 @@ def _dc_out_shape(x, w, kernel_shape, strides, pads, dilations):
 @_deform_conv.register_fake
 def _(x, w, offset, b=None, mask=None, kernel_shape=None, strides=None, pads=None, dilations=None, group=1,
       offset_group=1):
+    _one_device(x=x, w=w, offset=offset, b=b, mask=mask)
     return x.new_empty(_dc_out_shape(x, w, kernel_shape, strides, pads, dilations))
 
 
@@ -363,6 +389,7 @@ def _(x, w, offset, b=None, mask=None, kernel_shape=None, strides=None, pads=Non
                              f"(Tensor, Tensor, Tensor, Tensor, Tensor)")
 def _deform_conv_backward(grad_y, x, w, offset, b, mask, kernel_shape, strides, pads, dilations, group,
                           offset_group, wants):
+    _one_device(grad_y=grad_y, x=x, w=w, offset=offset, b=b, mask=mask)
     wrt = [n for n, want in zip(("x", "w", "offset", "b", "mask"), wants) if want]
     inputs = (x, w, offset, b, mask)
     if x.is_cpu:
@@ -382,6 +409,7 @@ def _deform_conv_backward(grad_y, x, w, offset, b, mask, kernel_shape, strides, 
 
 @_deform_conv_backward.register_fake
 def _(grad_y, x, w, offset, b, mask, kernel_shape, strides, pads, dilations, group, offset_group, wants):
+    _one_device(grad_y=grad_y, x=x, w=w, offset=offset, b=b, mask=mask)
     return tuple(t.new_empty(t.shape) if want and t is not None else _empty(x)
                  for t, want in zip((x, w, offset, b, mask), wants))
 
@@ -440,6 +468,16 @@ def _refuse_forward_ad(*tensors):
                 "implemented for numba_ops' operators; use reverse mode (backward, torch.autograd.grad)")
 
 
+#: PyTorch's and ONNX opset 16's names of GridSample's modes, as numba_ops names them
+_MODE_ALIASES = {"bilinear": "linear", "bicubic": "cubic"}
+
+
+def _mode(value):
+    """``mode`` in numba_ops' names ("bilinear" -> "linear", "bicubic" -> "cubic"); any
+    other value as it is (numba_ops says what is wrong with it)."""
+    return _MODE_ALIASES.get(value, value) if isinstance(value, str) else value
+
+
 def _align(value):
     return value if value is True or value is False else _as_bool(value, "align_corners")
 
@@ -472,9 +510,10 @@ def affine_grid(theta, size, align_corners=False):
 
 def grid_sample(x, grid, *, mode="linear", padding_mode="zeros", align_corners=False):
     """Sample ``x`` (N, C, D1..Dr), r = 1..3, at ``grid`` (N, O1..Or, r) (ONNX GridSample),
-    as :func:`numba_ops.grid_sample`: ``mode`` "linear", "nearest" or "cubic";
-    ``padding_mode`` "zeros", "border" or "reflection". Differentiable in ``x`` and
-    ``grid`` ("nearest": the grid's gradient is 0).
+    as :func:`numba_ops.grid_sample`: ``mode`` "linear", "nearest" or "cubic" (or
+    PyTorch's and ONNX opset 16's names "bilinear" and "bicubic"); ``padding_mode``
+    "zeros", "border" or "reflection". Differentiable in ``x`` and ``grid``
+    ("nearest": the grid's gradient is 0).
 
     >>> import torch, numba_ops.torch as nt
     >>> x = torch.tensor([[[[0.0, 1.0], [2.0, 3.0]]]])
@@ -483,13 +522,14 @@ def grid_sample(x, grid, *, mode="linear", padding_mode="zeros", align_corners=F
     """
     if _fwad._current_level >= 0:
         _refuse_forward_ad(x, grid)
-    return _GRID_SAMPLE(x, grid, mode, padding_mode, _align(align_corners))
+    return _GRID_SAMPLE(x, grid, _mode(mode), padding_mode, _align(align_corners))
 
 
 def affine_warp(x, theta, size=None, *, mode="linear", padding_mode="zeros", align_corners=False):
     """``grid_sample(x, affine_grid(theta, size))`` in one pass, as
     :func:`numba_ops.affine_warp`: ``x`` (N, C, [D,] H, W), ``theta`` (N, 2, 3) or
-    (N, 3, 4), ``size`` default ``x.shape``. Differentiable in ``x`` and ``theta``.
+    (N, 3, 4), ``size`` default ``x.shape``; ``mode`` and ``padding_mode`` as
+    :func:`grid_sample`'s. Differentiable in ``x`` and ``theta``.
 
     >>> import torch, numba_ops.torch as nt
     >>> x = torch.arange(4.0).reshape(1, 1, 2, 2)
@@ -499,7 +539,7 @@ def affine_warp(x, theta, size=None, *, mode="linear", padding_mode="zeros", ali
     """
     if _fwad._current_level >= 0:
         _refuse_forward_ad(x, theta)
-    return _AFFINE_WARP(x, theta, _ints(size, "size"), mode, padding_mode, _align(align_corners))
+    return _AFFINE_WARP(x, theta, _ints(size, "size"), _mode(mode), padding_mode, _align(align_corners))
 
 
 def deform_conv(x, w, offset, b=None, mask=None, *, kernel_shape=None, strides=None, pads=None, dilations=None,
@@ -522,13 +562,37 @@ def deform_conv(x, w, offset, b=None, mask=None, *, kernel_shape=None, strides=N
 
 # --- modules ----------------------------------------------------------------------------
 
+def _index(value):
+    """``value`` as a Python int if it is an integer (int, NumPy integer, anything with
+    ``__index__``) and no bool; else None."""
+    if isinstance(value, (bool, np.bool_)):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
+def _int(value, name):
+    """An int argument of the modules (NumPy integers too, as torchvision takes them) as a Python int."""
+    v = _index(value)
+    if v is None:
+        raise ValueError(f"{name} must be an int; got {value!r}")
+    return v
+
+
 def _tuple(value, n, name):
-    if isinstance(value, int) and not isinstance(value, bool):
-        return (value,) * n
-    value = tuple(value)
-    if len(value) != n or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+    """An int or a sequence of ``n`` ints (NumPy integers too) as a tuple of Python ints."""
+    v = _index(value)
+    if v is not None:
+        return (v,) * n
+    try:
+        items = tuple(_index(v) for v in value)
+    except TypeError:
+        items = ()
+    if len(items) != n or None in items:
         raise ValueError(f"{name} must be an int or a tuple of {n} ints; got {value!r}")
-    return value
+    return items
 
 
 class _DeformConvNd(torch.nn.Module):
@@ -538,6 +602,9 @@ class _DeformConvNd(torch.nn.Module):
                  bias=True):
         super().__init__()
         nd = self._nd
+        in_channels = _int(in_channels, "in_channels")
+        out_channels = _int(out_channels, "out_channels")
+        groups = _int(groups, "groups")
         if in_channels % groups != 0:
             raise ValueError("in_channels must be divisible by groups")
         if out_channels % groups != 0:

@@ -521,7 +521,7 @@ def test_layouts():
 def test_errors_pass_through():
     x, g = torch.randn(1, 1, 3, 3), torch.zeros(1, 2, 2, 2)
     with pytest.raises(ValueError, match="mode"):
-        nt.grid_sample(x, g, mode="bilinear")
+        nt.grid_sample(x, g, mode="area")
     with pytest.raises(ValueError, match="padding_mode"):
         nt.grid_sample(x, g, padding_mode="wrap")
     with pytest.raises(ValueError, match="align_corners"):
@@ -539,6 +539,89 @@ def test_errors_pass_through():
     # a uint8 result is not differentiable (torch's rule for integer outputs)
     th = torch.zeros(1, 2, 3, requires_grad=True)
     assert not nt.affine_warp(torch.zeros(1, 1, 3, 3, dtype=torch.uint8), th).requires_grad
+
+
+def test_mode_names_of_pytorch_and_onnx_opset_16():
+    """grid_sample and affine_warp take "bilinear" and "bicubic" for "linear" and "cubic"
+    (the same results and gradients: the operator gets numba_ops' name); "bilinear"
+    matches torch.nn.functional.grid_sample."""
+    rng = np.random.default_rng(17)
+    x = t64(rng.standard_normal((1, 2, 4, 5)))
+    grid = t64(knot_free_grid(rng, 1, (3, 2), (4, 5), False))
+    theta = t64(random_theta(rng, 1, 2))
+    for alias, mode, padding in (("bilinear", "linear", "zeros"), ("bicubic", "cubic", "reflection")):
+        for fn, pos in ((nt.grid_sample, grid), (nt.affine_warp, theta)):
+            y = fn(x, pos, mode=alias, padding_mode=padding)
+            want = fn(x, pos, mode=mode, padding_mode=padding)
+            assert torch.equal(y, want)
+            gy = torch.randn_like(y)
+            for a, b in zip(torch.autograd.grad(y, (x, pos), gy), torch.autograd.grad(want, (x, pos), gy)):
+                assert torch.equal(a, b)
+    ref = torch.nn.functional.grid_sample(x, grid, mode="bilinear", align_corners=False)
+    torch.testing.assert_close(nt.grid_sample(x, grid, mode="bilinear"), ref, rtol=1e-12, atol=1e-12)
+
+
+def test_tensors_on_different_devices():
+    """Every op: tensors on two devices are a ValueError naming both (a CPU tensor with
+    a meta one here; meta calls dispatch to the fake implementations, so both paths
+    check), never a silent read of the other device's memory."""
+    ops = torch.ops.numba_ops
+    x, g, th, dc, att = _small_inputs()
+    x, g, th = (t.detach() for t in (x, g, th))
+    dc = {k: v.detach() for k, v in dc.items()}
+    meta = lambda t: torch.empty_like(t, device="meta")  # noqa: E731
+    gy = x.new_zeros((1, 2, 3, 2))
+    a = [att[k] for k in ("kernel_shape", "strides", "pads", "dilations", "group", "offset_group")]
+    layer = nt.DeformConv2d(2, 3, (2, 2), padding=1)
+    calls = [
+        lambda m: nt.grid_sample(x, m(g)),
+        lambda m: nt.grid_sample(m(x), g),
+        lambda m: nt.affine_warp(x, m(th)),
+        lambda m: nt.affine_warp(m(x), th, mode="bicubic"),
+        lambda m: nt.deform_conv(dc["x"], dc["w"], m(dc["offset"]), dc["b"], dc["mask"], **att),
+        lambda m: nt.deform_conv(dc["x"], dc["w"], dc["offset"], dc["b"], m(dc["mask"]), **att),
+        lambda m: nt.deform_conv(m(dc["x"]), m(dc["w"]), m(dc["offset"]), dc["b"], None, **att),
+        lambda m: layer(torch.zeros(1, 2, 4, 5), m(torch.zeros(1, 8, 5, 6))),
+        lambda m: ops.grid_sample_backward(m(gy), x, g, "linear", "zeros", False, True, True),
+        lambda m: ops.affine_warp_backward(x, m(x), th, None, "linear", "zeros", False, True, True),
+        lambda m: ops.deform_conv_backward(m(torch.zeros(1, 2, 3, 3)), dc["x"], dc["w"], dc["offset"], dc["b"],
+                                           dc["mask"], *a, [True] * 5),
+        lambda m: nt.ms_deform_attn(torch.zeros(1, 4, 2, 3), [[2, 2]], [0], m(torch.zeros(1, 2, 2, 1, 1, 2)),
+                                    torch.zeros(1, 2, 2, 1, 1)),
+    ]
+    for i, call in enumerate(calls):
+        with pytest.raises(ValueError, match=r"one device.* on (cpu|meta) and .* on (meta|cpu)"):
+            call(meta)
+            pytest.fail(f"call {i}: no error")
+    # the check itself, for a CPU and a CUDA tensor (none here: objects with their devices)
+    on = lambda d: type("T", (), {"device": torch.device(d)})()  # noqa: E731
+    with pytest.raises(ValueError, match=r"got x on cpu and grid on cuda:0"):
+        nt._one_device(x=on("cpu"), grid=on("cuda:0"))
+    nt._one_device(x=on("cuda:1"), grid=None, theta=on("cuda:1"))
+
+
+def test_modules_take_numpy_integers():
+    """The DeformConv modules take NumPy integers wherever torchvision takes ints (kept
+    as Python ints): the same layer, parameters and results as from ints."""
+    torch.manual_seed(4)
+    ref = nt.DeformConv2d(4, 6, 3, stride=1, padding=(1, 1), dilation=1, groups=2)
+    torch.manual_seed(4)
+    i64 = np.int64
+    ours = nt.DeformConv2d(i64(4), i64(6), i64(3), stride=np.int32(1), padding=(i64(1), np.uint8(1)),
+                           dilation=np.array([1, 1]), groups=np.int16(2))
+    assert repr(ours) == repr(ref)
+    for name in ("in_channels", "out_channels", "groups"):
+        assert type(getattr(ours, name)) is int
+    for name in ("kernel_size", "stride", "padding", "dilation"):
+        assert getattr(ours, name) == getattr(ref, name) and all(type(v) is int for v in getattr(ours, name))
+    assert all(torch.equal(a, b) for a, b in zip(ours.parameters(), ref.parameters()))
+    x, off = torch.randn(1, 4, 5, 5), torch.randn(1, 18, 5, 5)
+    assert torch.equal(ours(x, off), ref(x, off))
+    assert nt.DeformConv3d(i64(2), i64(2), (i64(1), 2, np.int8(3)), bias=False).weight.shape == (2, 2, 1, 2, 3)
+    for bad in (dict(in_channels=2.0), dict(groups=True), dict(kernel_size=(3, 3.0)), dict(kernel_size=np.bool_(3))):
+        args = dict(in_channels=2, out_channels=2, kernel_size=3) | bad
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            nt.DeformConv2d(**args)
 
 
 def test_size_arguments():
