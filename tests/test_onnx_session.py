@@ -909,3 +909,26 @@ def test_deformable_detr_encoder_model(rng):
     got, = s.run(None, feeds)
     assert got.shape == want.shape and got.dtype == np.float32
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
+
+
+def test_ms_deform_attn_concurrent_runs_of_other_levels(rng):
+    """Runs of one session from several threads at once, each with level shapes of its
+    own (the same input shapes: only the values, which key the plan, differ): every
+    result is its own function's."""
+    from concurrent.futures import ThreadPoolExecutor
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 2
+    s = session(_msda_model("mmdeploy", "float32"), so)
+    cases = []
+    for shapes in ([[8, 6], [4, 3]], [[6, 8], [3, 4]], [[12, 4], [2, 6]], [[4, 12], [6, 2]]):
+        shapes = np.array(shapes, np.int64)
+        feeds = _msda_feeds(rng, "float32", shapes, np.array([0, 48], np.int64), N=1, Lq=200, M=2, Dh=8, P=4)
+        cases.append((feeds, numba_ops.ms_deform_attn(*feeds.values())))
+
+    def one(i):
+        feeds, want = cases[i % len(cases)]
+        _equal(s.run(None, feeds)[0], want)
+        return True
+
+    with ThreadPoolExecutor(4) as pool:
+        assert all(pool.map(one, range(48)))
