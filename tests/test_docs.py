@@ -24,6 +24,7 @@ DOC_MODULES = ["numba_ops", "numba_ops.affine_grid", "numba_ops.deform_conv", "n
 #: small arguments, so that the scripts stay quick (their defaults are a user's)
 EXAMPLE_ARGS = {"augment_batch.py": ["--n", "3", "--size", "32"],
                 "dask_volume.py": ["--n", "2", "--size", "8", "--chunk", "1"],
+                "deformable_detr_encoder.py": ["--steps", "20", "--repeat", "3"],
                 "register_volumes.py": ["--size", "24"],
                 "train_deformable_3d.py": ["--steps", "20", "--size", "10"]}
 
@@ -56,8 +57,8 @@ def test_every_public_function_has_an_example():
 
 #: the examples that do real work (seconds each: LocalClusters, ONNX exports, training) run
 #: in the full pass (``--full``, which CI runs); the others also by default
-_HEAVY = {"augment_batch.py", "dask_volume.py", "onnx_deformable_layer.py", "register_volumes.py",
-          "train_deformable_3d.py"}
+_HEAVY = {"augment_batch.py", "dask_volume.py", "deformable_detr_encoder.py", "onnx_deformable_layer.py",
+          "register_volumes.py", "train_deformable_3d.py"}
 
 
 @pytest.mark.parametrize("script", [pytest.param(p, marks=pytest.mark.full) if p.name in _HEAVY else p
