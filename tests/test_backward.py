@@ -1140,6 +1140,28 @@ def test_layouts_and_inputs_untouched(name, inputs, call):
         np.testing.assert_array_equal(a, k)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=lambda d: np.dtype(d).name)
+def test_gradients_hold_no_larger_buffer(dtype):
+    """Each returned gradient owns its memory or is a view of a buffer of its own size:
+    never of a larger working buffer, which it would keep alive (grid_sample's and
+    affine_warp's grad_x with one image: 4 units, and as many scatter buffers)."""
+    rng = np.random.default_rng(12)
+    x = rng.standard_normal((1, 2, 64, 64)).astype(dtype)
+    grid = rng.uniform(-1.1, 1.1, (1, 128, 128, 2)).astype(dtype)  # 16384 positions: 4 units
+    gy = rng.standard_normal((1, 2, 128, 128)).astype(dtype)
+    theta = np.array([[[0.9, 0.3, 0.05], [-0.25, 1.1, -0.1]]], dtype)
+    ins, att = dc_case(rng, N=1, C=4, D=(16, 16), oC=4, k=(3, 3), pads=[1] * 4)
+    ins = cast(ins, dtype)
+    grads = {"grid_sample": numba_ops.grid_sample_backward(gy, x, grid),
+             "affine_warp": numba_ops.affine_warp_backward(gy, x, theta, gy.shape),
+             "affine_grid": (numba_ops.affine_grid_backward(grid, (1, 1, 128, 128)),),
+             "deform_conv": dc_grads(rng.standard_normal((1, 4, 16, 16)).astype(dtype), ins, att)}
+    for name, gs in grads.items():
+        for i, g in enumerate(gs):
+            assert isinstance(g, np.ndarray), (name, i)
+            assert g.base is None or g.base.nbytes <= g.nbytes, (name, i, g.nbytes, g.base.nbytes)
+
+
 def test_empty_inputs():
     """N = 0, empty outputs and no channels: gradients of the right shapes, zero."""
     def check(grads, shapes):

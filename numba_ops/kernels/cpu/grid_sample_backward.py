@@ -20,10 +20,11 @@ float64.
 into ``units_per_image(N, P)`` units, a function of the shape alone; each unit
 scatters into a grad_x buffer of its own (unit ``k`` of every image into buffer
 ``k``), so no two threads ever add to one element, and the buffers are summed in
-their fixed order afterwards (``_sum_buffers``); theta's partial sums are kept per
-unit and added in order too. The units' count is small (``GX_SPLIT`` per call at
-most): the extra memory is ``units_per_image - 1`` copies of ``x`` in the compute
-type, and none for four or more images.
+their fixed order afterwards (``_sum_buffers``, into an array of x's size: the
+returned gradient owns its memory); theta's partial sums are kept per unit and
+added in order too. The units' count is small (``GX_SPLIT`` per call at most): the
+extra memory while the call runs is ``units_per_image`` copies of ``x`` in the
+compute type, and none for four or more images.
 
 The input is seen as 3-D with leading axes of size 1 (one tap of weight 1 each);
 the rank, mode and padding reach the kernel as tokens (tuples whose length numba
@@ -297,15 +298,16 @@ def _parallel(xf, gyf, src, gxb, gpos, gth, dims, isz, osz, rtok, mtok, ptok, al
 
 
 @njit(cache=True, parallel=True, nogil=True)
-def _sum_buffers(gxb, U, M):
-    """``gxb[:M] = sum of the U buffers gxb[k*M:(k+1)*M]``, added in the order k = 0, 1, ..."""
+def _sum_buffers(gxb, U, M, out):
+    """``out = sum of the U buffers gxb[k*M:(k+1)*M]`` (``out``: M elements), added in the
+    order k = 0, 1, ..."""
     chunk = 1 << 14
     for c in prange((M + chunk - 1) // chunk):
         for i in range(c * chunk, min(M, (c + 1) * chunk)):
             s = gxb[i]
             for k in range(1, U):
                 s += gxb[k * M + i]
-            gxb[i] = s
+            out[i] = s
 
 
 _sum_buffers_serial = _runtime.serial_twin(_sum_buffers)
@@ -342,8 +344,12 @@ def run(x, gy, src, out_spatial, mode, padding, align, affine, want_x, want_pos)
                      gpos, gth, dims, _three(x.shape[2:]), _three(out_spatial), RANK[r], TOKEN[mode], TOKEN[padding],
                      bool(align), bool(affine), bool(want_x), bool(want_pos), zero)
         if want_x and U > 1:
-            _runtime.call(_sum_buffers_serial, _sum_buffers, U * N * C * S, gxb, U, N * C * S)
-    gx = gxb[:N * C * S].reshape(x.shape) if want_x else None
+            # into an array of x's size: the gradient never keeps the U buffers alive
+            # (a view of their first would hold U times its own memory)
+            out = np.empty(N * C * S, ct)
+            _runtime.call(_sum_buffers_serial, _sum_buffers, U * N * C * S, gxb, U, N * C * S, out)
+            gxb = out
+    gx = gxb.reshape(x.shape) if want_x else None
     if not want_pos:
         return gx, None
     if affine:
