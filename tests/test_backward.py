@@ -21,6 +21,11 @@ run takes a covering subset of each matrix (``F64_DEFAULT``, ``F32_DEFAULT``,
 ``helpers.deform_default``), the rest is marked ``full``.
 """
 import itertools
+import json
+import os
+import subprocess
+import sys
+import textwrap
 
 import numpy as np
 import pytest
@@ -975,6 +980,54 @@ def test_deterministic_across_thread_counts(name, monkeypatch):
         assert a is not None
         np.testing.assert_array_equal(a, b)
         np.testing.assert_array_equal(b, c)
+
+
+#: the thread counts the subprocesses run at (more threads than this VM's cores too)
+_THREAD_COUNTS = (1, 2, 3, 5, 8)
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+_THREADS_CHILD = textwrap.dedent("""
+    import hashlib, json, sys
+    import numba
+    import numpy as np
+    from numba_ops.kernels.cpu import _runtime
+    import test_backward as tb
+    n = int(sys.argv[1])
+    assert numba.config.NUMBA_NUM_THREADS == n == _runtime.num_threads(), (n, _runtime.num_threads())
+    lock = tb._CountingLock(_runtime.POOL_LOCK)
+    _runtime.POOL_LOCK = lock
+    cases = tb._parallel_cases()
+    out = {}
+    for name in sys.argv[2:]:
+        h = hashlib.sha256()
+        for g in cases[name]():
+            h.update(f"{g.dtype.str}{g.shape}".encode())
+            h.update(np.ascontiguousarray(g).tobytes())
+        out[name] = h.hexdigest()
+    print(json.dumps({"hashes": out, "parallel_launches": lock.entered}))
+""")
+
+
+@pytest.mark.full  # five fresh processes: ~20 s (the default run: 1 and 2 threads in-process, above)
+def test_bit_identical_across_numba_num_threads():
+    """Every backward of ``_parallel_cases`` (grid_sample_backward in three modes and
+    ranks, affine_warp_backward, affine_grid_backward, deform_conv_backward) in fresh
+    processes at NUMBA_NUM_THREADS = 1, 2, 3, 5 and 8 (each pool of its size, the work
+    dealt into 4 pieces per thread): the same bits at every count, on the parallel
+    path at every count above 1."""
+    names = list(_parallel_cases())
+    results = {}
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([_HERE, os.environ.get("PYTHONPATH", "")]))
+    for n in _THREAD_COUNTS:
+        env["NUMBA_NUM_THREADS"] = str(n)
+        proc = subprocess.run([sys.executable, "-c", _THREADS_CHILD, str(n), *names], capture_output=True,
+                              text=True, env=env, cwd=_HERE, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        got = json.loads(proc.stdout.strip().splitlines()[-1])
+        assert (got["parallel_launches"] > 0) == (n > 1), (n, got)
+        results[n] = got["hashes"]
+    for n in _THREAD_COUNTS[1:]:
+        assert results[n] == results[1], f"NUMBA_NUM_THREADS={n} differs from 1"
 
 
 # --- dtypes -------------------------------------------------------------------------------
