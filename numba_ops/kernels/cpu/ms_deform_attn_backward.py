@@ -36,14 +36,15 @@ DTYPES = NAMES  # the dtypes these kernels take (the dispatcher checks them)
 @njit(**INTERNAL, fastmath={"reassoc", "contract"})
 def _units(gy, v, shapes, starts, loc, attn, gv, gl, ga, want_v, want_l, want_a, one, u0, u1):
     """Units ``u0:u1`` (``(n * M + m) * L + l``). ``gy`` (N, Lq, M, Dh) the output's
-    gradient; ``gv``, ``gl``, ``ga`` value's, the locations' and the weights' gradients
-    (``gv`` zeroed; each may be a dummy when its ``want_*`` is False).
+    gradient; ``loc`` (N, M, L, Lq, P, r) and ``attn`` (N, M, L, Lq, P) unit-major (a
+    unit's points contiguous), ``gl`` and ``ga`` their gradients in the same layout,
+    ``gv`` value's (zeroed); each gradient may be a dummy when its ``want_*`` is False.
 
     A 2-D or 3-D point whose taps are all inside (``_msda.interior``) reads and
     scatters the four corners of a plane in one pass over the channels; others take
     every axis' padded taps (``axis_grad_taps``) corner by corner."""
     N, Lq, M, Dh = gy.shape[0], gy.shape[1], gy.shape[2], gy.shape[3]
-    L, P, r = loc.shape[3], loc.shape[4], loc.shape[5]
+    L, P, r = loc.shape[2], loc.shape[4], loc.shape[5]
     S = v.shape[1]
     vf = flat(v)
     gf = flat(gy)
@@ -64,10 +65,10 @@ def _units(gy, v, shapes, starts, loc, attn, gv, gl, ga, want_v, want_l, want_a,
         for q in range(Lq):
             og = ((n * Lq + q) * M + m) * Dh
             for p in range(P):
-                a = attn[n, q, m, lv, p]
-                lx = loc[n, q, m, lv, p, 0]
-                ly = loc[n, q, m, lv, p, 1] if r > 1 else zero
-                lz = loc[n, q, m, lv, p, 2] if r > 2 else zero
+                a = attn[n, m, lv, q, p]
+                lx = loc[n, m, lv, q, p, 0]
+                ly = loc[n, m, lv, q, p, 1] if r > 1 else zero
+                lz = loc[n, m, lv, q, p, 2] if r > 2 else zero
                 kx, fx, okx = interior(lx, W, one)
                 ky, fy, oky = interior(ly, H, one)
                 kz, fz, okz = interior(lz, D, one) if r > 2 else (np.int64(0), zero, True)
@@ -117,10 +118,10 @@ def _units(gy, v, shapes, starts, loc, attn, gv, gl, ga, want_v, want_l, want_a,
                     z0, z1, wz0, wz1, dz0, dz1, iz0, iz1, fnz = axis_grad_taps(lz, D, one)
                     if not (fnx and fny and fnz):  # NaN for its own gradients, nothing scattered
                         if want_a:
-                            ga[n, q, m, lv, p] = nan
+                            ga[n, m, lv, q, p] = nan
                         if want_l:
                             for i in range(r):
-                                gl[n, q, m, lv, p, i] = nan
+                                gl[n, m, lv, q, p, i] = nan
                         continue
                     for cz in range(2):
                         ckz, wz, dz, inz = (z0, wz0, dz0, iz0) if cz == 0 else (z1, wz1, dz1, iz1)
@@ -148,13 +149,13 @@ def _units(gy, v, shapes, starts, loc, attn, gv, gl, ga, want_v, want_l, want_a,
                                     for d in range(Dh):
                                         gvf[np.uint64(o + d)] += c * gf[np.uint64(og + d)]
                 if want_a:
-                    ga[n, q, m, lv, p] = sa
+                    ga[n, m, lv, q, p] = sa
                 if want_l:
-                    gl[n, q, m, lv, p, 0] = a * sx
+                    gl[n, m, lv, q, p, 0] = a * sx
                     if r > 1:
-                        gl[n, q, m, lv, p, 1] = a * sy
+                        gl[n, m, lv, q, p, 1] = a * sy
                     if r > 2:
-                        gl[n, q, m, lv, p, 2] = a * sz
+                        gl[n, m, lv, q, p, 2] = a * sz
 
 
 _units_op = opaque(_units)
@@ -162,39 +163,54 @@ _units_op = opaque(_units)
 
 @njit(cache=True, nogil=True)
 def _serial(gy, v, shapes, starts, loc, attn, gv, gl, ga, want_v, want_l, want_a, one):
-    units = gy.shape[0] * gy.shape[2] * loc.shape[3]
+    units = gy.shape[0] * gy.shape[2] * loc.shape[2]
     _units_op(gy, v, shapes, starts, loc, attn, gv, gl, ga, want_v, want_l, want_a, one, 0, units)
 
 
 @njit(cache=True, parallel=True, nogil=True)
 def _parallel(gy, v, shapes, starts, loc, attn, gv, gl, ga, want_v, want_l, want_a, one, nchunks):
-    units = gy.shape[0] * gy.shape[2] * loc.shape[3]
+    units = gy.shape[0] * gy.shape[2] * loc.shape[2]
     nchunks = min(units, nchunks)
     for c in prange(nchunks):
         _units_op(gy, v, shapes, starts, loc, attn, gv, gl, ga, want_v, want_l, want_a, one,
                   c * units // nchunks, (c + 1) * units // nchunks)
 
 
+def unit_major(a):
+    """``a`` (N, Lq, M, L, ...) as the C-contiguous (N, M, L, Lq, ...) in its compute
+    type: a unit's points contiguous (a copy)."""
+    return compute_view(a.transpose((0, 2, 3, 1) + tuple(range(4, a.ndim))))
+
+
 def launch(grad_out, value, shapes, starts, loc, attn, want_value, want_loc, want_attn, stream=None):
     """NumPy inputs validated by the front end (grad_out (N, Lq, M * Dh)); returns
     ``(grad_value, grad_locations, grad_weights)`` in value's dtype, None for those not
-    wanted. ``stream`` is ignored on the CPU."""
+    wanted. ``stream`` is ignored on the CPU.
+
+    The locations and weights go to the kernel unit-major (``unit_major``): a unit
+    walks its points in memory order instead of 32 bytes of every kilobyte (a quarter
+    of the encoder's backward here), and their gradients come back the same way."""
     dt = value.dtype
     ct = compute(dt)
     N, S, M, Dh = value.shape
-    Lq = loc.shape[1]
+    Lq, L = loc.shape[1], loc.shape[3]
+    lt, at = unit_major(loc), unit_major(attn)
     gv = np.zeros(value.shape if want_value else (0, 0, 0, 0), ct)
-    gl = np.zeros(loc.shape if want_loc else (0,) * 6, ct)
-    ga = np.zeros(attn.shape if want_attn else (0,) * 5, ct)
-    units = N * M * loc.shape[3]
+    gl = np.zeros(lt.shape if want_loc else (0,) * 6, ct)
+    ga = np.zeros(at.shape if want_attn else (0,) * 5, ct)
+    units = N * M * L
     if units and Lq and loc.shape[4] and Dh and (want_value or want_loc or want_attn):
-        work = N * Lq * M * loc.shape[3] * loc.shape[4] * Dh * (1 << loc.shape[5]) * 2
+        work = N * Lq * M * L * loc.shape[4] * Dh * (1 << loc.shape[5]) * 2
         gy = compute_view(grad_out).reshape(N, Lq, M, Dh)
         _runtime.run(_serial, _parallel, work, gy, compute_view(value), level_table(shapes),
-                     np.ascontiguousarray(starts, np.int64), compute_view(loc), compute_view(attn), gv, gl, ga,
+                     np.ascontiguousarray(starts, np.int64), lt, at, gv, gl, ga,
                      bool(want_value), bool(want_loc), bool(want_attn), ONE[ct])
 
-    def public(g, want):
-        return None if not want else (g if ct == dt else g.astype(dt))
+    def public(g, want, query_major=False):
+        if not want:
+            return None
+        if query_major:  # back to (N, Lq, M, L, ...)
+            g = np.ascontiguousarray(g.transpose((0, 3, 1, 2) + tuple(range(4, g.ndim))), dt)
+        return g if g.dtype == dt else g.astype(dt)
 
-    return public(gv, want_value), public(gl, want_loc), public(ga, want_attn)
+    return public(gv, want_value), public(gl, want_loc, True), public(ga, want_attn, True)
