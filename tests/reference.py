@@ -7,6 +7,7 @@ import numpy as np
 
 from numba_ops._accuracy import compare
 from numba_ops.benchmark.cases import affine_grid_f64 as affine_grid_ref  # noqa: F401  (one definition, shared with `numba-ops check`)
+from numba_ops.benchmark.cases import ms_deform_attn_f64 as ms_deform_attn_ref  # noqa: F401  (likewise)
 
 
 def assert_api_close(got, want, dtype):
@@ -184,29 +185,3 @@ def in_threads(fn, n):
     for t in threads:
         t.join()
     return results
-
-
-@np.errstate(invalid="ignore", over="ignore")
-def ms_deform_attn_ref(value, spatial_shapes, sampling_locations, attention_weights):
-    """Multi-scale deformable attention in float64, point by point: each level of
-    ``value`` (N, S, M, Dh) sampled n-linearly (corners outside count 0) at
-    ``loc * size - 0.5`` on every axis (GridSample of ``2 * loc - 1``, zeros,
-    align_corners False), weighted by the attention weights; a non-finite location
-    makes its head's channels NaN."""
-    value = np.asarray(value, np.float64)
-    loc = np.asarray(sampling_locations, np.float64)
-    attn = np.asarray(attention_weights, np.float64)
-    N, S, M, Dh = value.shape
-    _, Lq, _, L, P, r = loc.shape
-    out = np.zeros((N, Lq, M, Dh))
-    start = 0
-    for lv, shape in enumerate(spatial_shapes):
-        shape = tuple(int(s) for s in shape)
-        size = int(np.prod(shape))
-        for n, m in itertools.product(range(N), range(M)):
-            level = value[n, start:start + size, m].reshape(shape + (Dh,))
-            for q, p in itertools.product(range(Lq), range(P)):
-                pos = [loc[n, q, m, lv, p, r - 1 - k] * shape[k] - 0.5 for k in range(r)]  # outermost axis first
-                out[n, q, m] += attn[n, q, m, lv, p] * _sample(level, pos)
-        start += size
-    return out.reshape(N, Lq, M * Dh)
