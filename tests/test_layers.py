@@ -26,12 +26,12 @@ PACKAGE = ROOT / "numba_ops"
 
 RUNTIME = {"numba_ops", "numba_ops._accuracy", "numba_ops._dispatch", "numba_ops._dtypes", "numba_ops._shapes",
            "numba_ops._validate", "numba_ops._warm", "numba_ops.affine_grid", "numba_ops.affine_warp",
-           "numba_ops.deform_conv", "numba_ops.grid_sample", "numba_ops.onnx", "numba_ops.onnx._ort", "numba_ops.onnx._capi",
-           "numba_ops.onnx._specs", "numba_ops.dask",
+           "numba_ops.deform_conv", "numba_ops.grid_sample", "numba_ops.ms_deform_attn", "numba_ops.onnx",
+           "numba_ops.onnx._ort", "numba_ops.onnx._capi", "numba_ops.onnx._specs", "numba_ops.dask",
            "numba_ops.torch"}
 #: the ops' front ends (Python API, ONNX, Dask): never the benchmark's case table
 FRONT_ENDS = {"numba_ops.affine_grid", "numba_ops.affine_warp", "numba_ops.deform_conv", "numba_ops.grid_sample",
-              "numba_ops.onnx", "numba_ops.onnx._ort", "numba_ops.onnx._capi", "numba_ops.onnx._specs", "numba_ops.dask",
+              "numba_ops.ms_deform_attn", "numba_ops.onnx", "numba_ops.onnx._ort", "numba_ops.onnx._capi", "numba_ops.onnx._specs", "numba_ops.dask",
               "numba_ops.torch"}
 CASE_TABLE = "numba_ops.benchmark.cases"
 CLI = {"numba_ops.cli", "numba_ops.__main__"}

@@ -81,3 +81,12 @@ def axis_grad_taps(loc, size, one):
                                                                                    zero)
     s = as_compute(one, size)
     return i0, i1, w0, w1, d0 * s, d1 * s, in0, in1, finite
+
+
+def level_table(shapes):
+    """The kernels' (L, 3) int64 table of the levels' sizes, innermost axis first
+    ((W, H, D) for a (D, H, W) level), 0 for the axes a level lacks (host code)."""
+    shapes = np.asarray(shapes, np.int64)
+    table = np.zeros((shapes.shape[0], 3), np.int64)
+    table[:, :shapes.shape[1]] = shapes[:, ::-1]
+    return table

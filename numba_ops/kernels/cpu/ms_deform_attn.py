@@ -18,7 +18,7 @@ import numpy as np
 from numba import njit, prange
 
 from .._dtypes import NAMES, compute
-from .._msda import axis_taps, interior
+from .._msda import axis_taps, interior, level_table
 from . import _runtime
 from ._opaque import INTERNAL, opaque
 from ._views import flat
@@ -120,15 +120,6 @@ def _parallel(v, shapes, starts, loc, attn, out, one, nchunks):
     nchunks = min(units, nchunks)
     for c in prange(nchunks):
         _rows_op(v, shapes, starts, loc, attn, out, one, c * units // nchunks, (c + 1) * units // nchunks)
-
-
-def level_table(shapes):
-    """The kernels' (L, 3) int64 table of the levels' sizes, innermost axis first
-    ((W, H, D) for a (D, H, W) level), 0 for the axes a level lacks."""
-    shapes = np.asarray(shapes, np.int64)
-    table = np.zeros((shapes.shape[0], 3), np.int64)
-    table[:, :shapes.shape[1]] = shapes[:, ::-1]
-    return table
 
 
 def launch_plan(vshape, lshape):

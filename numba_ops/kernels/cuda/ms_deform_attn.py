@@ -29,9 +29,8 @@ import numpy as np
 from numba import cuda
 
 from .._dtypes import NAMES, compute, storage
-from .._msda import axis_taps
+from .._msda import axis_taps, level_table
 from .._scalar import load, store
-from ..cpu.ms_deform_attn import level_table
 from . import _device
 
 DTYPES = NAMES  # the dtypes these kernels take (the dispatcher checks them)
