@@ -52,7 +52,6 @@ tensor([[1., 1.],
 import math
 import operator
 
-import ml_dtypes
 import numpy as np
 import torch
 import torch.autograd.forward_ad as _fwad
@@ -63,7 +62,6 @@ from ._validate import as_bool as _as_bool
 __all__ = ["DeformConv1d", "DeformConv2d", "DeformConv3d", "MSDeformAttn", "affine_grid", "affine_warp",
            "deform_conv", "grid_sample", "ms_deform_attn", "onnx_translations"]
 
-_BF16 = ml_dtypes.bfloat16
 _TBF16 = torch.bfloat16
 _I16 = np.int16
 _from_numpy = torch.from_numpy
@@ -72,12 +70,22 @@ _as_tensor = torch.as_tensor
 
 # --- tensors in, tensors out (no copies) -----------------------------------------------
 
+# Importing this module loads neither numba nor ml_dtypes (whose extension alone took
+# 0.7 s, more than the rest of the module): the kernels load on a call's first use, and
+# ml_dtypes' bfloat16 with the first bfloat16 tensor (``_bfloat16``). A NumPy array of a
+# "V" kind among numba_ops' results is bfloat16 (ml_dtypes' types are NumPy void types).
+
+def _bfloat16():
+    from .kernels._dtypes import bfloat16
+    return bfloat16()
+
+
 def _np(t):
     """A CPU tensor as the NumPy array over its memory (bfloat16: its bits, viewed)."""
     if t is None:
         return None
     if t.dtype is _TBF16:
-        return t.detach().view(torch.int16).numpy().view(_BF16)
+        return t.detach().view(torch.int16).numpy().view(_bfloat16())
     return t.detach().numpy()
 
 
@@ -87,7 +95,7 @@ def _tensor(a):
     16-bit gradient cast from a strided view) is copied once."""
     if not a.flags.c_contiguous:
         a = np.ascontiguousarray(a)
-    if a.dtype.type is _BF16:
+    if a.dtype.kind == "V":  # bfloat16
         return _from_numpy(a.view(_I16)).view(_TBF16)
     return _from_numpy(a)
 
@@ -95,7 +103,7 @@ def _tensor(a):
 def _cuda_tensor(a, device):
     """A numba device array (the result of a call on CUDA tensors) as a CUDA tensor
     over its memory (torch reads ``__cuda_array_interface__``; it keeps ``a`` alive)."""
-    if a.dtype.type is _BF16:  # exported as an untyped "<V2": go through the bits
+    if a.dtype.kind == "V":  # bfloat16, exported as an untyped "<V2": go through the bits
         t = _as_tensor(a.view(_I16), device=device).view(_TBF16)
     else:
         t = _as_tensor(a, device=device)

@@ -16,6 +16,8 @@ implementations, torch.compile, ONNX export) and the DeformConv modules.
 import contextlib
 import doctest
 import io
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -492,6 +494,20 @@ def test_dtypes_forward_and_backward(tdt, ndt):
     gx, gt = numba_ops.affine_warp_backward(np.ones(y.shape, ndt), npy(x.detach()), npy(th.detach()))
     np.testing.assert_array_equal(npy(x.grad), gx)
     np.testing.assert_array_equal(npy(th.grad), gt)
+
+
+def test_import_loads_neither_numba_nor_ml_dtypes():
+    """``import numba_ops.torch`` registers the operators without loading numba (the
+    kernels load on first use) or ml_dtypes (0.7 s on its own: loaded by the first
+    bfloat16 tensor, which then goes through as in ``test_dtypes_forward_and_backward``)."""
+    code = ("import sys, torch, numba_ops.torch as nt\n"
+            "print(sorted(m for m in ('numba', 'ml_dtypes', 'llvmlite', 'scipy') if m in sys.modules))\n"
+            "th = torch.tensor([[[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]]], dtype=torch.bfloat16)\n"
+            "g = nt.affine_grid(th, (1, 2, 3, 4))\n"
+            "print(g.dtype, 'ml_dtypes' in sys.modules)\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.split("\n")[:2] == ["[]", "torch.bfloat16 True"]
 
 
 def test_uint8_image():
