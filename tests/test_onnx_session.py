@@ -734,6 +734,34 @@ def test_a_task_that_raises_fails_the_run_and_the_process_lives(rng, monkeypatch
     _equal(session(m).run(None, feeds)[0], numba_ops.grid_sample(x, g))
 
 
+def test_a_plan_that_fails_without_a_status_fails_every_run(rng, monkeypatch):
+    """A compiled node whose plan raises fails its run even where onnxruntime made no
+    status for the error (the compiled code makes one of its own), and the next run with
+    the same shapes plans again and fails again: never a success with the output left
+    unwritten. The session runs once the plan succeeds."""
+    from numba_ops.onnx import _capi
+
+    node = helper.make_node("GridSample", ["X", "G"], ["Y"], name="gs")
+    x, g = _values(rng, (1, 2, 5, 5), "float32"), _values(rng, (1, 3, 3, 2), "float32", uniform=(-1, 1))
+    m, feeds = _model([node], {"X": x, "G": g}, {}, "float32")
+    s = session(m)
+
+    def plan(self):
+        raise ValueError("no plan here")
+
+    monkeypatch.setattr(_capi._Node, "plan", plan)
+    monkeypatch.setattr(_capi, "_status", lambda exc: None)
+    for _ in range(2):
+        with pytest.raises(ValueError, match="no plan here"):  # the recorded error
+            s.run(None, feeds)
+    monkeypatch.setattr(_capi, "record", lambda *a: None)  # no error recorded: onnxruntime's own
+    for _ in range(2):
+        with pytest.raises(Exception, match="numba_ops could not plan the node"):
+            s.run(None, feeds)
+    monkeypatch.undo()
+    _equal(s.run(None, feeds)[0], numba_ops.grid_sample(x, g))
+
+
 def test_mmdeploy_deform_conv_needs_its_four_inputs():
     m = _mmdeploy_model("mmdeploy", {}, {})
     del m.graph.node[0].input[3:]  # weight (and bias) missing

@@ -101,6 +101,9 @@ _DIMS_COUNT, _GET_DIMS, _RELEASE_INFO = API["GetDimensionsCount"], API["GetDimen
 _DATA, _PARALLEL_FOR, _CREATE_STATUS = API["GetTensorMutableData"], API["KernelContext_ParallelFor"], \
     API["CreateStatus"]
 _FAIL = 1  # OrtErrorCode ORT_FAIL
+#: what the planner callback returns where it failed and onnxruntime made no status for its
+#: error: the compiled code makes one of its own (never 0, which would be a success)
+NO_STATUS = -1
 _FLOAT, _UINT8, _INT64, _DOUBLE = 1, 2, 7, 11  # ONNXTensorElementDataType
 _REQUIRED, _OPTIONAL = 0, 1  # OrtCustomOpInputOutputCharacteristic
 
@@ -108,11 +111,12 @@ _REQUIRED, _OPTIONAL = 0, 1  # OrtCustomOpInputOutputCharacteristic
 # S only: the lock, the runs in flight, the plan's validity, the OrtApi table, the planner
 # callback, the input count, the inputs whose values key the plan (a bit per input:
 # AffineGrid's and AffineWarp's size, the attention's level shapes and starts), the node's
-# workspace (busy?, addresses), the message of a task's failure (a C string's address)
-LOCK, INFLIGHT, READY, TABLE, REPLAN, NIN, KEYED, WSBUSY, CFWS, CIWS, ERRMSG = range(11)
+# workspace (busy?, addresses), the messages of a task's failure and of a plan's failure
+# that had no status (C strings' addresses)
+LOCK, INFLIGHT, READY, TABLE, REPLAN, NIN, KEYED, WSBUSY, CFWS, CIWS, ERRMSG, PLANMSG = range(12)
 # the plan, copied into L by each run: the task, how it runs (``MODE``), items per pool
 # round, DeformConv's rounds and packed vector, workspace words, op-specific integers
-PLAN0 = 11
+PLAN0 = 12
 FN, MODE, ITEMS, NSCHED, SCHED, META, NMETA, NFWS, NIWS, A0, A1, A2, A3, A4, A5, A6 = range(PLAN0, PLAN0 + 16)
 PLAN1 = PLAN0 + 16
 # L only: the round under way, the workspaces' addresses, scratch for the C API's outputs,
@@ -248,8 +252,10 @@ def _begin(S, sbase, L, lbase, table, ctx):
     if not same:
         S[READY] = 0
         st = _call(S[REPLAN], (sbase,))
-        if st:
+        if st:  # (READY stays 0: the next run plans again)
             _swap(sbase + 8 * LOCK, np.int64(0))
+            if st == NO_STATUS:
+                return _call(table[_CREATE_STATUS], (np.int64(_FAIL), S[PLANMSG]))
             return st
         S[READY] = 1
     for k in range(PLAN0, PLAN1):
@@ -514,6 +520,7 @@ class _Node:
         self.S[TABLE] = _STATE["table"]
         self.S[REPLAN] = _REPLAN_ADDR
         self.S[ERRMSG] = ctypes.addressof(_TASK_FAILED)
+        self.S[PLANMSG] = ctypes.addressof(_PLAN_FAILED)
         self.S[NIN] = len(self.elems)
         self.S[KEYED] = {"AffineGrid": 1 << 1, "AffineWarp": 1 << 2, MSDA: 1 << 1 | 1 << 2}.get(self.op, 0)
         self.S[DIMS:YD:8] = -2  # nothing seen yet
@@ -625,6 +632,8 @@ def _deform_attrs(attrs):
 
 
 _TASK_FAILED = ctypes.create_string_buffer(b"RuntimeError: a numba_ops kernel failed on onnxruntime's thread")
+_PLAN_FAILED = ctypes.create_string_buffer(b"RuntimeError: numba_ops could not plan the node (its error is raised "
+                                           b"by the session's run)")
 _NP = {_FLOAT: np.float32, _DOUBLE: np.float64, _UINT8: np.uint8, _INT64: np.int64}
 _NODES = {}  # S's address -> _Node
 _STATE = {}  # "table": the OrtApi table's address, "lib": the shim's path, "error": why not available
@@ -646,10 +655,14 @@ def _fn(name, restype, *argtypes):
 
 
 def _status(exc):
-    """An ``OrtStatus`` (as an int) failing the node with ``exc``'s message."""
+    """An ``OrtStatus`` (as an int) failing the node with ``exc``'s message (a fixed one
+    where that message cannot be made); None only where onnxruntime made none."""
     try:
-        return _fn("CreateStatus", ctypes.c_void_p, ctypes.c_int, ctypes.c_char_p)(
-            _FAIL, f"{type(exc).__name__}: {exc}".encode("utf-8", "replace"))
+        msg = f"{type(exc).__name__}: {exc}".encode("utf-8", "replace")
+    except BaseException:  # noqa: B036 (an exception whose str() raises)
+        msg = b"numba_ops: an error whose message could not be formatted"
+    try:
+        return _fn("CreateStatus", ctypes.c_void_p, ctypes.c_int, ctypes.c_char_p)(_FAIL, msg) or None
     except BaseException:  # noqa: B036 (nothing may escape into onnxruntime)
         return None
 
@@ -665,7 +678,7 @@ def _replan(addr):
             record(node.spec, node.text, exc)
         except BaseException:  # noqa: B036
             pass
-        return _status(exc) or 0
+        return _status(exc) or NO_STATUS  # never 0: that would run a plan not made
 
 
 _REPLAN_ADDR = _replan
