@@ -13,10 +13,10 @@ the same order whatever the thread count (deterministic). Per point and corner:
 weight's and the location's gradients, and ``grad_value_row += a * w *
 grad_out_row`` the scatter.
 
-The unit is compiled with ``fastmath`` reassociation, so that the four dot products'
-channel sums vectorise (as partial sums over SIMD lanes): the order of every sum is
-still fixed by the compiled code, not by the threads (15-25 % of the encoder's
-backward here). Working memory: none beyond the gradients themselves. 16-bit inputs are widened to
+The four dot products of an interior point (``_dots``) are compiled with ``fastmath``
+reassociation, so that their channel sums vectorise (as partial sums over SIMD lanes):
+the order of every sum is still fixed by the compiled code, not by the threads or by
+which gradients are asked for (10-20 % of the encoder's backward here). Working memory: none beyond the gradients themselves. 16-bit inputs are widened to
 float32 by the launcher, and the gradients rounded once.
 """
 import numpy as np
@@ -33,7 +33,26 @@ from .ms_deform_attn import ONE, compute_view, level_table
 DTYPES = NAMES  # the dtypes these kernels take (the dispatcher checks them)
 
 
-@njit(**INTERNAL, fastmath={"reassoc", "contract"})
+@njit(cache=True, fastmath={"reassoc"})
+def _dots(vf, gf, o0, o1, o2, o3, og, Dh, zero):
+    """The dot products of four value rows (at ``o0..o3``) with the output gradient's row
+    (at ``og``): the one place that is compiled with reassociation, so that the channel
+    sums vectorise as partial sums over SIMD lanes (their order is fixed by the compiled
+    code, the same on every call and thread count)."""
+    d0 = zero
+    d1 = zero
+    d2 = zero
+    d3 = zero
+    for d in range(Dh):
+        g = gf[np.uint64(og + d)]
+        d0 += vf[np.uint64(o0 + d)] * g
+        d1 += vf[np.uint64(o1 + d)] * g
+        d2 += vf[np.uint64(o2 + d)] * g
+        d3 += vf[np.uint64(o3 + d)] * g
+    return d0, d1, d2, d3
+
+
+@njit(**INTERNAL)
 def _units(gy, v, shapes, starts, loc, attn, gv, gl, ga, want_v, want_l, want_a, one, u0, u1):
     """Units ``u0:u1`` (``(n * M + m) * L + l``). ``gy`` (N, Lq, M, Dh) the output's
     gradient; ``loc`` (N, M, L, Lq, P, r) and ``attn`` (N, M, L, Lq, P) unit-major (a
@@ -81,17 +100,9 @@ def _units(gy, v, shapes, starts, loc, attn, gv, gl, ga, want_v, want_l, want_a,
                         wz = one if r == 2 else (one - fz if cz == 0 else fz)
                         o0 = at + (((kz + cz) * H1 + ky) * W1 + kx) * row
                         o2 = o0 + W1 * row
-                        d0 = zero
-                        d1 = zero
-                        d2 = zero
-                        d3 = zero
+                        d0 = d1 = d2 = d3 = zero
                         if want_l or want_a:
-                            for d in range(Dh):
-                                g = gf[np.uint64(og + d)]
-                                d0 += vf[np.uint64(o0 + d)] * g
-                                d1 += vf[np.uint64(o0 + row + d)] * g
-                                d2 += vf[np.uint64(o2 + d)] * g
-                                d3 += vf[np.uint64(o2 + row + d)] * g
+                            d0, d1, d2, d3 = _dots(vf, gf, o0, o0 + row, o2, o2 + row, og, Dh, zero)
                         if want_v:
                             w0 = a * wz * (one - fy)
                             w1 = a * wz * fy
