@@ -54,20 +54,10 @@ def inputs(name):
 
 
 def torch_path(torch, value, shapes, loc, attn):
-    """mmcv's ``multi_scale_deformable_attn_pytorch``."""
-    import torch.nn.functional as F
-    N, S, M, Dh = value.shape
-    _, Lq, _, L, P, _ = loc.shape
-    values = value.split([int(h * w) for h, w in shapes], dim=1)
-    grids = 2 * loc - 1
-    samples = []
-    for lv, (h, w) in enumerate(shapes):
-        v = values[lv].flatten(2).transpose(1, 2).reshape(N * M, Dh, int(h), int(w))
-        g = grids[:, :, :, lv].transpose(1, 2).flatten(0, 1)
-        samples.append(F.grid_sample(v, g, mode="bilinear", padding_mode="zeros", align_corners=False))
-    a = attn.transpose(1, 2).reshape(N * M, 1, Lq, L * P)
-    out = (torch.stack(samples, dim=-2).flatten(-2) * a).sum(-1).view(N, M * Dh, Lq)
-    return out.transpose(1, 2).contiguous()
+    """mmcv's ``multi_scale_deformable_attn_pytorch`` (one definition, shared with
+    ``numba-ops bench``'s PyTorch peer: ``numba_ops.benchmark.cases.ms_deform_attn_torch``)."""
+    from numba_ops.benchmark.cases import ms_deform_attn_torch
+    return ms_deform_attn_torch(value, shapes, loc, attn)
 
 
 def worker(side, threads):

@@ -1,7 +1,8 @@
 """Run time of each gradient case × device × dtype of the shared case table
 (``numba_ops.benchmark.cases.BACKWARD``, the ``*_bwd`` names of ``numba-ops bench``):
 ``numba_ops.<op>_backward`` on ``grad_y`` and the forward case's inputs, every
-gradient the op has (DeformConv's five; x and the grid or theta; AffineGrid's theta).
+gradient the op has (DeformConv's five; x and the grid or theta; AffineGrid's theta;
+ms_deform_attn's value, locations and weights).
 
 Timed with ``pytest bench --benchmark-enable`` (``tox -e bench``); once, on
 shrunken inputs (``small=True``: the same kernel, mask, mode and padding), as a
@@ -30,6 +31,8 @@ def _wanted_shapes(op, args):
         return [(size[0], nd, nd + 1)]
     if op == "deform_conv_backward":
         return [None if a is None else a.shape for a in args[1:6]]
+    if op == "ms_deform_attn_backward":  # value, sampling_locations, attention_weights
+        return [args[1].shape, args[4].shape, args[5].shape]
     return [args[1].shape, args[2].shape]  # x, and the grid or theta
 
 

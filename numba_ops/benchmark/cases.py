@@ -11,17 +11,22 @@ compared across tools:
 * GridSample: ``gs2d_32x256``, ``gs3d_4x64``, ``gs2d_cubic_8x256``; affine_warp:
   ``aw2d_32x256``, ``aw2d_u8_16x512``; and the grids users make (``gs*_aug_*``,
   ``gs2d_flow_*``, ``aw*_aug_*``: augmentation affines, optical-flow warps);
+* multi-scale deformable attention (``ms_deform_attn``; Deformable DETR's 4 levels of an
+  800x1200 image, 8 heads x 32 channels, 4 points): ``msda_enc_n1`` (the encoder, every
+  position a query), ``msda_dec_300`` (the decoder, 300 queries);
 * gradients (``BACKWARD``, names ending ``_bwd``): ``dc_b2_c64_56_bwd`` (a ResNet-50
   DCNv2 stage, every gradient), ``dc3d_c32_24_bwd``, ``gs2d_aug_32x256_bwd``,
   ``gs2d_flow_c64_4x128_bwd``, ``gs3d_flow_2x96_bwd`` (3-D registration),
-  ``aw3d_reg_128_bwd`` (affine registration of a volume), ``ag3d_4x64_bwd``.
+  ``aw3d_reg_128_bwd`` (affine registration of a volume), ``ag3d_4x64_bwd``,
+  ``msda_enc_n1_bwd``, ``msda_dec_300_bwd`` (value, locations and weights).
 
 Each builder returns ``(args, kwargs, work)``: the positional inputs and the
 attributes of the call (ONNX names), and the amount of work that sets the
 machine's limit for the case (bytes written for AffineGrid, FLOPs of the
 equivalent dense convolution for DeformConv, bytes read and written for
-GridSample and affine_warp). ``small=True`` gives a shrunken case of the same
-structure (kernel, strides, groups, mask; mode, padding) for smoke runs.
+GridSample, affine_warp and ms_deform_attn: value, the locations and weights, the
+output). ``small=True`` gives a shrunken case of the same structure (kernel,
+strides, groups, mask; mode, padding; levels, points) for smoke runs.
 
 A backward case times the gradient function of its op (``op_of`` gives
 ``"<op>_backward"``; ``call`` runs ``numba_ops.<op>_backward``) on the inputs of a
@@ -29,16 +34,20 @@ forward case defined inline in the forward table's format, with ``grad_y`` (the
 forward result's shape, standard normal) first: ``(grad_y, *forward args)``, except
 AffineGrid's ``(grad_grid, size)`` (its gradient does not depend on theta). Every
 gradient the op has is computed (the ``wrt`` default: DeformConv's five, x and the
-positions for the samplers). Its work, and so its limit (``harness._Limits``):
+positions for the samplers, ms_deform_attn's value, locations and weights). Its
+work, and so its limit (``harness._Limits``):
 
 * DeformConv: 2x the FLOPs of the forward's dense convolution (the two GEMMs of a
   convolution's backward, for the columns' and the weights' gradients, each the
   forward's size), at the GEMM rate;
 * GridSample, affine_warp and AffineGrid: the bytes read (grad_y, x, the grid or
-  theta) and written (the gradients), at the write bandwidth.
+  theta) and written (the gradients), at the write bandwidth;
+* ms_deform_attn: the bytes read (grad_out, value, locations, weights) and written
+  (their gradients), at the write bandwidth.
 
 The peer of a backward case (``harness``: PyTorch autograd, torchvision's
-``deform_conv2d`` for DeformConv) runs its forward once, outside the timing, and
+``deform_conv2d`` for DeformConv, mmcv's pure-PyTorch path ``ms_deform_attn_torch``
+for ms_deform_attn) runs its forward once, outside the timing, and
 times ``torch.autograd.grad`` of that result (``retain_graph=True``): the backward
 alone, with the same gradients as ours. onnxruntime has no gradients.
 
@@ -114,8 +123,24 @@ SAMPLE = {
                           padding="border", x_dtype=None),
 }
 
+#: Deformable DETR's feature pyramid: 4 levels (H, W) of an 800x1200 image, S = 19,947
+_DETR_LEVELS = ((100, 150), (50, 75), (25, 38), (13, 19))
+
+#: name -> multi-scale deformable attention case: batch N, the levels' (H, W), M heads of
+#: Dh channels, P points per level and Lq queries (None: the encoder, every position a
+#: query whose reference point is its own centre; else random reference points, the
+#: decoder's); each point its query's reference point on every level plus a normal offset
+#: of ``sigma`` elements, the weights normalised per query and head (``msda_inputs``)
+#: (the decoder's work counts all of value, of which it reads only what its points touch,
+#: which can stay in the caches between calls: its "% of limit" can pass 100%)
+MSDA = {
+    "msda_enc_n1": dict(N=1, levels=_DETR_LEVELS, M=8, Dh=32, P=4, Lq=None, sigma=2.0),
+    "msda_dec_300": dict(N=1, levels=_DETR_LEVELS, M=8, Dh=32, P=4, Lq=300, sigma=2.0),
+}
+
 #: name -> gradient case: the op whose ``*_backward`` it times and its forward case,
-#: ``case``, in that op's table's format (a DEFORM tuple, a SAMPLE dict, an AFFINE dict;
+#: ``case``, in that op's table's format (a DEFORM tuple, a SAMPLE dict, an AFFINE dict,
+#: an MSDA dict;
 #: SAMPLE's theta "register": ``register_theta``, a registration's affines near the
 #: identity). Every gradient is computed.
 BACKWARD = {
@@ -134,6 +159,9 @@ BACKWARD = {
                                                          mode="linear", padding="zeros", x_dtype=None)),
     # theta
     "ag3d_4x64_bwd": dict(op="affine_grid", case=AFFINE["ag3d_4x64"]),
+    # value, sampling_locations and attention_weights: Deformable DETR's encoder and decoder
+    "msda_enc_n1_bwd": dict(op="ms_deform_attn", case=MSDA["msda_enc_n1"]),
+    "msda_dec_300_bwd": dict(op="ms_deform_attn", case=MSDA["msda_dec_300"]),
 }
 
 
@@ -184,14 +212,17 @@ def flow_grid(shape, amplitude, seed=3):
 #: every benchmark case as (op, name), AffineGrid first, the gradients last (op
 #: ``"<op>_backward"``, the numba_ops function the case calls)
 CASES = ([("affine_grid", n) for n in AFFINE] + [("deform_conv", n) for n in DEFORM]
-         + [(c["op"], n) for n, c in SAMPLE.items()] + [(c["op"] + "_backward", n) for n, c in BACKWARD.items()])
+         + [(c["op"], n) for n, c in SAMPLE.items()] + [("ms_deform_attn", n) for n in MSDA]
+         + [(c["op"] + "_backward", n) for n, c in BACKWARD.items()])
 
 
 def op_of(name):
     """The numba_ops function case ``name`` times: ``"affine_grid"``, ``"deform_conv"``,
-    ``"grid_sample"``, ``"affine_warp"``, or one of their ``"*_backward"``."""
+    ``"grid_sample"``, ``"affine_warp"``, ``"ms_deform_attn"``, or one of their ``"*_backward"``."""
     if name in AFFINE:
         return "affine_grid"
+    if name in MSDA:
+        return "ms_deform_attn"
     if name in DEFORM:
         return "deform_conv"
     if name in SAMPLE:
@@ -309,11 +340,58 @@ def sample_inputs(name, dtype="float32", small=False):
     return args, kwargs, X.nbytes + pos.nbytes + X.nbytes  # the result has X's shape and dtype
 
 
+def msda_params(name, small=False):
+    """``(N, levels, M, Dh, P, Lq, sigma)`` of ms_deform_attn case ``name``; ``Lq`` the
+    number of queries (the encoder's: S, every position). ``small``: the same number of
+    levels and points, levels of at most 6x9 (69 positions), 2 heads of 4
+    channels, at most 20 queries for the decoder."""
+    case = _definition(name, MSDA)
+    N, levels, M, Dh, P = case["N"], tuple(tuple(lv) for lv in case["levels"]), case["M"], case["Dh"], case["P"]
+    Lq = case["Lq"]
+    if small:
+        N, M, Dh = min(N, 2), min(M, 2), min(Dh, 4)
+        levels = tuple((max(1, h // 16), max(1, w // 16)) for h, w in levels)  # 6x9, 3x4, 1x2, 1x1
+        Lq = None if Lq is None else min(Lq, 20)
+    S = sum(h * w for h, w in levels)
+    return N, levels, M, Dh, P, S if Lq is None else Lq, case["sigma"]
+
+
+def msda_inputs(name, dtype="float32", small=False):
+    """``((value, spatial_shapes, level_start_index, sampling_locations, attention_weights),
+    {}, bytes)`` for ms_deform_attn case ``name`` (``MSDA``): value standard normal; each
+    point its query's reference point (the encoder's: the query's own centre, the same
+    normalised place on every level; the decoder's: uniform in [0, 1)²) plus a normal
+    offset of ``sigma`` elements of its level; the weights uniform, normalised over each
+    query's and head's levels and points. ``bytes``: the bytes read (value, locations,
+    weights) and written (the result)."""
+    N, levels, M, Dh, P, Lq, sigma = msda_params(name, small)
+    case = _definition(name, MSDA)
+    L = len(levels)
+    rng = np.random.default_rng(6)
+    S = sum(h * w for h, w in levels)
+    if case["Lq"] is None:  # every position of every level, its centre normalised
+        ref = np.concatenate([np.stack(np.meshgrid((np.arange(w) + 0.5) / w, (np.arange(h) + 0.5) / h), -1)
+                              .reshape(-1, 2) for h, w in levels])
+    else:
+        ref = rng.random((Lq, 2))
+    wh = np.array([[w, h] for h, w in levels], np.float64)  # locations are (x, y)
+    loc = ref[None, :, None, None, None, :] + rng.normal(0, sigma, (N, Lq, M, L, P, 2)) / wh[:, None, :]
+    value = rng.standard_normal((N, S, M, Dh), np.float32)
+    attn = rng.random((N, Lq, M, L, P), np.float32)
+    attn /= attn.sum(axis=(-2, -1), keepdims=True)
+    shapes = np.array(levels, np.int64)
+    starts = np.concatenate(([0], np.cumsum(np.prod(shapes, axis=1))[:-1])).astype(np.int64)
+    value, loc, attn = (_cast(a, dtype) for a in (value, loc, attn))
+    out_bytes = N * Lq * M * Dh * value.itemsize
+    return (value, shapes, starts, loc, attn), {}, value.nbytes + loc.nbytes + attn.nbytes + out_bytes
+
+
 def forward_inputs(name, dtype="float32", small=False):
     """``(op, args, kwargs, work)`` of case ``name``'s forward call (for a gradient case,
     the forward case it differentiates: its op, inputs and work)."""
     op = forward_op(name)
-    build = {"affine_grid": affine_inputs, "deform_conv": deform_inputs}.get(op, sample_inputs)
+    build = {"affine_grid": affine_inputs, "deform_conv": deform_inputs,
+             "ms_deform_attn": msda_inputs}.get(op, sample_inputs)
     args, kwargs, work = build(name, dtype, small)
     return op, args, kwargs, work
 
@@ -327,6 +405,8 @@ def forward_out_shape(op, args):
         return tuple(int(s) for s in args[2])
     if op == "grid_sample":
         return tuple(args[0].shape[:2]) + tuple(args[1].shape[1:-1])
+    if op == "ms_deform_attn":  # (N, Lq, M * Dh)
+        return tuple(args[3].shape[:2]) + (args[0].shape[2] * args[0].shape[3],)
     x, w, off = args[:3]  # deform_conv: offset holds the output's spatial shape
     return (x.shape[0], w.shape[0]) + tuple(off.shape[2:])
 
@@ -343,6 +423,8 @@ def backward_parts(name, dtype="float32", small=False):
         work = 2.0 * fwork
     elif op == "affine_grid":  # read grad_grid, write grad_theta
         work = gy.nbytes + fargs[0].nbytes
+    elif op == "ms_deform_attn":  # read grad_out, value, locations, weights; write their gradients
+        work = gy.nbytes + 2 * (fargs[0].nbytes + fargs[3].nbytes + fargs[4].nbytes)
     else:  # read grad_y, x and the grid or theta; write their gradients
         work = gy.nbytes + 2 * (fargs[0].nbytes + fargs[1].nbytes)
     return op, fargs, kwargs, gy, work
@@ -510,6 +592,31 @@ def ms_deform_attn_f64(value, spatial_shapes, sampling_locations, attention_weig
         start += size
     out[bad] = np.nan
     return out.reshape(N, Lq, M * Dh)
+
+
+def ms_deform_attn_torch(value, spatial_shapes, sampling_locations, attention_weights):
+    """mmcv's pure-PyTorch path, ``multi_scale_deformable_attn_pytorch`` (also HF
+    transformers' and ultralytics'), on torch tensors (2-D levels): per level
+    ``F.grid_sample(value_l, 2 * loc - 1, mode="bilinear", padding_mode="zeros",
+    align_corners=False)``, every sample materialised, stacked, weighted and summed.
+    ``spatial_shapes``: the levels' (H, W), any sequence of pairs. The PyTorch peer of
+    the ms_deform_attn cases (``harness``; autograd of it for the gradients), and
+    ``bench/ms_deform_attn.py``'s. Returns (N, Lq, M * Dh)."""
+    import torch
+    import torch.nn.functional as F
+    N, S, M, Dh = value.shape
+    _, Lq, _, L, P, _ = sampling_locations.shape
+    shapes = [(int(h), int(w)) for h, w in spatial_shapes]
+    values = value.split([h * w for h, w in shapes], dim=1)
+    grids = 2 * sampling_locations - 1
+    samples = []
+    for lv, (h, w) in enumerate(shapes):
+        v = values[lv].flatten(2).transpose(1, 2).reshape(N * M, Dh, h, w)
+        g = grids[:, :, :, lv].transpose(1, 2).flatten(0, 1)  # (N * M, Lq, P, 2)
+        samples.append(F.grid_sample(v, g, mode="bilinear", padding_mode="zeros", align_corners=False))
+    a = attention_weights.transpose(1, 2).reshape(N * M, 1, Lq, L * P)
+    out = (torch.stack(samples, dim=-2).flatten(-2) * a).sum(-1).view(N, M * Dh, Lq)
+    return out.transpose(1, 2).contiguous()
 
 
 #: ms_deform_attn's conformance cases: name -> (node domain, dtype, level shapes, (N, Lq, M,

@@ -148,7 +148,8 @@ _TORCH_MODE = {"linear": "bilinear", "nearest": "nearest", "cubic": "bicubic"}
 
 def _torch_forward(op, args, kw, dev, grad=False):
     """``(f, leaves)``: ``f()`` runs forward ``op`` of a case's inputs ``args`` in PyTorch
-    (torchvision's ``deform_conv2d`` for DeformConv) on ``dev``; ``leaves``, the tensors
+    (torchvision's ``deform_conv2d`` for DeformConv, mmcv's pure-PyTorch path
+    ``cases.ms_deform_attn_torch`` for ms_deform_attn) on ``dev``; ``leaves``, the tensors
     made of the float inputs, ``requires_grad`` when ``grad``. Or a string saying why
     PyTorch has no such case."""
     import torch
@@ -174,6 +175,13 @@ def _torch_forward(op, args, kw, dev, grad=False):
         shape = [int(s) for s in args[2]]
         return (lambda: F.grid_sample(x, F.affine_grid(pos, shape, align_corners=opts["align_corners"]),
                                       **opts)), [x, pos]
+    if op == "ms_deform_attn":
+        value, shapes, _, loc, attn = args
+        if shapes.shape[1] != 2:
+            return "mmcv's PyTorch path is 2-D only"
+        vt, lt, at = (tensor(a.astype(np.float32)) for a in (value, loc, attn))
+        levels = [(int(h), int(w)) for h, w in shapes]
+        return (lambda: _cases.ms_deform_attn_torch(vt, levels, lt, at)), [vt, lt, at]
     if op != "deform_conv":
         return f"no PyTorch counterpart of {op} in the bench"
     if args[0].ndim != 4:
@@ -188,7 +196,8 @@ def _torch_backward(name, dev, sync):
     """PyTorch autograd's backward of gradient case ``name``: the forward runs once,
     here, outside the timing; the call times ``torch.autograd.grad`` of its result
     (``retain_graph=True``, so every call walks the same graph) for every float input
-    (DeformConv's five, x and the grid or theta, AffineGrid's theta), with the case's
+    (DeformConv's five, x and the grid or theta, AffineGrid's theta, ms_deform_attn's
+    value, locations and weights), with the case's
     ``grad_y``: the backward alone, the gradients numba_ops computes."""
     import torch
     op, args, kw, gy, _ = _cases.backward_parts(name, "float32")
@@ -497,7 +506,10 @@ _LIMIT_KIND = {"affine_grid": "alloc+fill floor", "deform_conv": "GEMM-bound tim
                "grid_sample": "bytes at write bandwidth", "affine_warp": "bytes at write bandwidth",
                # the gradients (cases.BACKWARD): DeformConv's at 2x its forward's FLOPs
                "deform_conv_backward": "GEMM-bound time", "grid_sample_backward": "bytes at write bandwidth",
-               "affine_warp_backward": "bytes at write bandwidth", "affine_grid_backward": "bytes at write bandwidth"}
+               "affine_warp_backward": "bytes at write bandwidth", "affine_grid_backward": "bytes at write bandwidth",
+               # multi-scale deformable attention: value, locations, weights and the result (the
+               # gradient: grad_out and those three, read, and their gradients written)
+               "ms_deform_attn": "bytes at write bandwidth", "ms_deform_attn_backward": "bytes at write bandwidth"}
 
 
 def _table(results, cases):
@@ -544,8 +556,8 @@ def print_table(report, out=print):
         out("  ".join(str(c).ljust(w) if j == 0 else str(c).rjust(w) for j, (c, w) in enumerate(zip(line, widths))))
     out("ms: warm medians. ours/best peer: our median over the fastest peer's (below 1: faster). "
         "% of limit: the limit's time over our fastest call (AffineGrid: alloc+fill floor; "
-        "DeformConv: dense-conv FLOPs at the GEMM rate; GridSample, affine_warp: bytes read and "
-        "written at the write bandwidth).")
+        "DeformConv: dense-conv FLOPs at the GEMM rate; GridSample, affine_warp, ms_deform_attn: bytes "
+        "read and written at the write bandwidth).")
     if any(r.get("op", "").endswith("_backward") for r in cases.values()):
         out("*_bwd: the gradients (every input's), against PyTorch autograd's backward alone (the forward "
             "made outside the timing); their limit: DeformConv's 2x its forward's dense-conv FLOPs at the "
