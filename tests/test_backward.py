@@ -924,8 +924,12 @@ def _parallel_cases():
     grid3 = np.random.default_rng(7).uniform(-1.1, 1.1, (1, 20, 20, 20, 3))
     gy3 = _rand(8, (1, 2, 20, 20, 20))
     gg2, gg3 = _rand(9, (1, 192, 192, 2)), _rand(10, (2, 32, 32, 32, 3))
+    xc = _rand(11, (1, 32, 32, 32), f32)  # 32 channels: blocks of them are units of their own
+    gyc = _rand(12, (1, 32, 48, 48), f32)
     return {
         "grid_sample-linear-zeros": lambda: gs_grads(gy, x, grid),
+        "grid_sample-channel-blocks": lambda: gs_grads(gyc, xc, grid[:, :48, :48]),
+        "affine_warp-channel-blocks": lambda: numba_ops.affine_warp_backward(gyc, xc, theta, (1, 32, 48, 48)),
         "grid_sample-cubic-reflection": lambda: gs_grads(gy, x, grid, mode="cubic", padding_mode="reflection"),
         "grid_sample-3d-float64": lambda: gs_grads(gy3, x3, grid3, padding_mode="reflection", align_corners=1),
         "affine_warp": lambda: numba_ops.affine_warp_backward(gy, x, theta, (1, 2, 96, 96)),
@@ -1028,6 +1032,39 @@ def test_bit_identical_across_numba_num_threads():
         results[n] = got["hashes"]
     for n in _THREAD_COUNTS[1:]:
         assert results[n] == results[1], f"NUMBA_NUM_THREADS={n} differs from 1"
+
+
+def test_grid_sample_backward_units():
+    """The CPU backward's units (what a pool shares out): channel blocks make them grow
+    with the channels whatever the batch; each block's share is the gradient's, summed
+    in block order (equal to one block's within float64 rounding)."""
+    from numba_ops.kernels.cpu import grid_sample_backward as k
+    for N, C, P, want in [(1, 64, 256 ** 2, 16), (4, 64, 128 ** 2, 16), (32, 3, 256 ** 2, 32),
+                          (1, 1, 128 ** 3, 4), (1, 32, 48 * 48, 2)]:
+        U, B = k.plan_units(N, C, P)
+        assert N * U * B == want, (N, C, P, U, B)
+        assert C // B >= min(C, k.MIN_BLOCK)
+    rng = np.random.default_rng(13)
+    x = rng.standard_normal((2, 12, 7, 9))
+    grid = rng.uniform(-1.1, 1.1, (2, 5, 6, 2))
+    gy = rng.standard_normal((2, 12, 5, 6))
+    theta = np.array([[[0.9, 0.3, 0.05], [-0.25, 1.1, -0.1]]] * 2)
+    for mode, padding in (("linear", "zeros"), ("cubic", "border"), ("nearest", "reflection")):
+        attrs = dict(mode=mode, padding_mode=padding)
+        old = k.MIN_BLOCK
+        try:
+            k.MIN_BLOCK = 4  # three blocks
+            assert k.plan_units(2, 12, 30)[1] == 3
+            blocks = gs_grads(gy, x, grid, **attrs), numba_ops.affine_warp_backward(gy, x, theta, (2, 12, 5, 6),
+                                                                                    **attrs)
+            k.MIN_BLOCK = 1000  # one block
+            one = gs_grads(gy, x, grid, **attrs), numba_ops.affine_warp_backward(gy, x, theta, (2, 12, 5, 6),
+                                                                                 **attrs)
+        finally:
+            k.MIN_BLOCK = old
+        for a, b in zip(blocks, one):
+            np.testing.assert_array_equal(a[0], b[0])  # grad_x: each channel's own
+            np.testing.assert_allclose(a[1], b[1], rtol=1e-12, atol=1e-12)
 
 
 # --- dtypes -------------------------------------------------------------------------------

@@ -1,59 +1,90 @@
 """GridSample's and affine_warp's backward on the CPU: ``@njit(parallel=True)`` over
-fixed units of output positions.
+fixed units of output positions, planned and walked as the forward walks them.
 
-Per output position ``(n, o)`` the kernel takes, axis by axis, the forward's taps and
-weights with the weights' derivatives (``_sample.grad_taps``, shared with the CUDA
-kernels), then for every channel, with ``g = grad_y[n, c, o]``:
+A unit is part ``k`` of the ``U`` parts of one image's output positions
+(``units_per_image``) in block ``b`` of the ``B`` blocks of its channels
+(``channel_blocks``; ``plan_units`` gives both), taken in segments of ``SEG``
+positions. Per segment:
 
-- ``grad_x[n, c, tap] += g * w`` over the position's taps (a tap outside a
-  zeros-padded input contributes nothing);
-- ``d sample / d pos_k = sum over taps of (prod of the other axes' weights) *
-  d w_k * x[tap]``, summed over the channels with weight ``g`` and times
-  ``d pos / d grid`` (``unnormalize_scale``) into the position's grid gradient.
-  ``nearest`` has none (0); a non-finite position gets NaN and scatters nothing.
+1. positions: the grid's values unnormalised (affine_warp: computed from theta row
+   piece by row piece as its forward does, so they are the forward's bit for bit);
+2. plan (``_plan``): the forward's vectorised per-axis pass (``grid_sample._fast_axis``:
+   every position's ``kind``, and the 32-bit ``base`` and weights of interior ones)
+   and, beside it, the weights' derivatives from the same split of the position
+   (``_fast_daxis``, branch-free loops that vectorise); a position that is not
+   interior takes its padded taps with their derivatives one by one
+   (``_sample.grad_taps``, shared with the CUDA kernels), except, under zeros
+   padding, one with every tap of an axis outside (it has no gradient to give);
+3. channel by channel of the block (a channel image's taps and scatter targets stay in cache,
+   ``grad_y`` is read contiguously), every position of the segment:
 
-affine_warp computes each position from theta as affine_grid does (never building
-the grid) and sums ``grid gradient * base coordinates`` into theta's gradient in
+   - ``d sample / d pos_k``: the sample with axis ``k``'s weights replaced by their
+     derivatives; blocks of ``lanes`` interior positions take it from the forward's
+     ``_gather.gathered`` (one call per axis, with that axis' derivative weights),
+     the others from the scalar ``_grad``. Times ``grad_y`` it is summed over the
+     channels, in channel order, then times ``d pos / d grid`` (``unnormalize_scale``)
+     into the grid's gradient; ``nearest`` has none (0), a non-finite position NaN;
+   - ``grad_x[n, c, tap] += grad_y * weight`` over the position's taps (a tap outside
+     a zeros-padded input, and a non-finite position, add nothing).
+
+affine_warp sums ``grid gradient * base coordinates`` into theta's gradient in
 float64.
 
-**Deterministic whatever the thread count.** The positions of each image are cut
-into ``units_per_image(N, P)`` units, a function of the shape alone; each unit
-scatters into a grad_x buffer of its own (unit ``k`` of every image into buffer
-``k``), so no two threads ever add to one element, and the buffers are summed in
-their fixed order afterwards (``_sum_buffers``, into an array of x's size: the
-returned gradient owns its memory); theta's partial sums are kept per unit and
-added in order too. The units' count is small (``GX_SPLIT`` per call at most): the
-extra memory while the call runs is ``units_per_image`` copies of ``x`` in the
-compute type, and none for four or more images.
+**Deterministic whatever the thread count, split by ownership.** The units are a
+function of the shape alone. The channels are independent in grad_x: a block of
+them is its units' own (no copies), so the units' count grows with the channels
+whatever the batch (towards ``TARGET_UNITS``, blocks of ``MIN_BLOCK`` channels at
+least: each block plans its positions again); each block writes its share of the
+grid's gradient (its channels' sum) into a partial of its own, and the partials are
+summed in block order afterwards (``_sum_buffers``). Positions are split into parts
+only for fewer than ``GX_SPLIT`` images: part ``k`` of every image scatters into a
+grad_x buffer of its own (buffer ``k``), so no two threads ever add to one element,
+and the buffers are summed in their fixed order afterwards (into an array of x's
+size: the returned gradient owns its memory). theta's partial sums are kept per unit
+and added in order too. Extra memory while a call runs: ``U - 1`` copies of ``x``
+in the compute type (none for four or more images; 3 for one image), ``B``
+partials of the grid's gradient where ``B > 1`` (``B <= C / MIN_BLOCK``: in all at
+most ``r / MIN_BLOCK`` times grad_y's size, and ``B <= TARGET_UNITS``), and per
+thread a segment's plan (~60 KiB).
 
-The input is seen as 3-D with leading axes of size 1 (one tap of weight 1 each);
-the rank, mode and padding reach the kernel as tokens (tuples whose length numba
-folds to a constant), so each combination compiles into loops of constant trip
-counts. 16-bit inputs are computed in float32 (their gradients rounded once), so
-the kernels compile for float32 and float64 only.
+Not yet: a split of the positions by ownership of grad_x's elements, which would make
+a one-channel volume (1x1x128^3: 4 units) parallel beyond ``GX_SPLIT`` threads
+without copies.
+
+The rank, mode and padding reach the kernel as the input's rank and tokens (tuples
+whose length numba folds to a constant), so each combination compiles into loops of
+constant trip counts. 16-bit inputs are computed in float32 (their gradients rounded
+once), so the kernels compile for float32 and float64 only.
 """
 import numpy as np
 from numba import njit, prange
 
 from .._dtypes import NAMES, compute
-from .._sample import LINEAR, NEAREST, as_compute, grad_taps, unnormalize, unnormalize_scale
-from .._scalar import base_coord
+from .._sample import (CUBIC, LINEAR, NEAREST, ZEROS, as_compute, cubic_dweights, grad_taps, unnormalize,
+                       unnormalize_scale)
 from . import _runtime
 from ._opaque import INTERNAL, opaque
+from .affine_grid import base_coords
+from ._gather import gathered, lanes
+from .grid_sample import AXIS_OUT, GENERIC, _fast_axis, _small, _split
 
 DTYPES = NAMES  # the dtypes these kernels take (the dispatcher checks them)
 
 #: a mode's or padding's token: a tuple as long as its code, so that ``len(tok)`` is a
 #: constant where numba compiles, and LLVM drops the other modes' and paddings' code
 TOKEN = ((), (0,), (0, 0))
-#: the rank's token likewise
-RANK = (None, (0,), (0, 0), (0, 0, 0))
 #: the most grad_x buffers per call (units of one image): the determinism's memory
 GX_SPLIT = 4
-#: positions whose taps are taken in one pass (per axis: 4 taps x SEG entries of 4 arrays)
-SEG = 128
+#: positions planned in one pass (the forward's plan arrays: 3 axes x 4 taps x SEG)
+SEG = 256
 #: positions a unit holds at least (fewer units for small outputs)
 MIN_UNIT = 4096
+#: units a call is cut into at least where its channels allow (``channel_blocks``)
+TARGET_UNITS = 64
+#: channels a unit holds at least: each block plans its positions again (4 images of 64
+#: channels of 128x128, one thread: blocks of 16 cost 5% more CPU time than one block,
+#: blocks of 4 22%)
+MIN_BLOCK = 16
 
 
 def units_per_image(N, P):
@@ -63,238 +94,401 @@ def units_per_image(N, P):
     return max(1, min(-(-GX_SPLIT // max(N, 1)), -(-P // MIN_UNIT)))
 
 
-@njit(**INTERNAL)
-def _units(xf, gyf, src, gxb, gpos, gth, dims, isz, osz, rtok, mtok, ptok, align, affine, want_x, want_pos,
-           zero, u0, u1):
-    """Units ``u0:u1`` (image-major). ``dims = (N, C, P, S, r, U)``; ``isz``/``osz`` the
-    input's/output's spatial sizes as 3 axes (leading 1s); ``src`` the flat grid
-    (N*P*r), or theta (N*r*(r+1)) when ``affine``. Writes grad_x into ``gxb`` (U
-    buffers of N*C*S), the grid gradient into ``gpos`` (N*P*r, grid_sample) or
-    theta's partial sums into ``gth`` (N*U*r*(r+1), float64, affine_warp).
+def channel_blocks(N, C, U):
+    """Blocks of channels per part of an image: a unit owns its channels' grad_x outright
+    (no copies), so the units' count grows with the channels, towards ``TARGET_UNITS``
+    over the ``N * U`` parts, none with fewer than ``MIN_BLOCK`` channels. A function
+    of the shape alone, as ``units_per_image``."""
+    return max(1, min(-(-TARGET_UNITS // max(N * U, 1)), C // MIN_BLOCK))
 
-    A unit goes by segments of ``SEG`` positions: first, axis by axis, a loop over
-    the segment that takes every position's taps (``grad_taps``; a loop of constant
-    mode and padding, so LLVM vectorises it), then position by position the
-    channels."""
-    N, C, P, S, U = dims[0], dims[1], dims[2], dims[3], dims[5]
-    r = len(rtok)  # constants where this compiles (``TOKEN``)
+
+# --- plan: the forward's, with the weights' derivatives ----------------------------------
+
+@njit(cache=True, forceinline=True)
+def _fast_daxis(pos, m, k, size, mtok, ptok, zero, pd):
+    """The weights' derivatives ``pd[k, :, j]`` on spatial axis ``k`` of the positions
+    ``pos[k, :m]`` that the forward's ``_fast_axis`` finds interior (for others the
+    values are overwritten by ``_generic_taps``): branch-free loops over the segment,
+    as ``_fast_axis``'s, so they vectorise. Linear: -1 and +1 (``grad_taps_at``), 0 where
+    the position lies exactly on the first element under border or reflection padding
+    (PyTorch's clamp); cubic: ``cubic_dweights``."""
+    if len(mtok) == LINEAR:
+        edge = len(ptok) != ZEROS
+        for j in range(np.uint64(m)):
+            i, t, sc, finite = _split(pos[k, j], zero, size)
+            d = zero * sc if edge & (t == zero) & (i == np.int32(0)) else sc
+            pd[k, 0, j] = -d
+            pd[k, 1, j] = d
+    elif len(mtok) == CUBIC:
+        one = as_compute(zero, 1)
+        for j in range(np.uint64(m)):
+            i, t, sc, finite = _split(pos[k, j], zero, size)
+            d0, d1, d2, d3 = cubic_dweights(t, one)
+            pd[k, 0, j] = d0 * sc
+            pd[k, 1, j] = d1 * sc
+            pd[k, 2, j] = d2 * sc
+            pd[k, 3, j] = d3 * sc
+
+
+@njit(cache=True, forceinline=True)
+def _generic_taps(r, sh, pos, j, mode, padding, align, zero, pidx, pw, pd, pok):
+    """Position ``j``'s padded taps on every axis with their derivatives
+    (``_sample.grad_taps``, one call per axis); returns whether it is finite."""
+    nd = r + 2
+    finite = True
+    stride = 1
+    for q in range(r):
+        k = r - 1 - q
+        size = sh[nd - 1 - q]
+        (i0, i1, i2, i3, w0, w1, w2, w3, d0, d1, d2, d3, ok0, ok1, ok2, ok3,
+         f) = grad_taps(mode, pos[k, j], size, padding, align, zero)
+        finite &= f
+        pidx[k, 0, j], pidx[k, 1, j], pidx[k, 2, j], pidx[k, 3, j] = i0 * stride, i1 * stride, i2 * stride, i3 * stride
+        pw[k, 0, j], pw[k, 1, j], pw[k, 2, j], pw[k, 3, j] = w0, w1, w2, w3
+        pd[k, 0, j], pd[k, 1, j], pd[k, 2, j], pd[k, 3, j] = d0, d1, d2, d3
+        pok[k, 0, j], pok[k, 1, j], pok[k, 2, j], pok[k, 3, j] = ok0, ok1, ok2, ok3
+        stride *= size
+    return finite
+
+
+@njit(cache=True, forceinline=True)
+def _plan(x, pos, m, mtok, ptok, align, zero, deriv, base, pidx, pw, pd, pok, kind, fin):
+    """The segment's plan: the forward's vectorised per-axis pass (``_fast_axis``:
+    ``kind``, ``base`` and weights of interior positions, 32-bit) and the derivatives'
+    (``_fast_daxis``), then the padded taps of the others one by one (``grad_taps``);
+    ``fin[j]``: whether position ``j`` is finite (an interior one is)."""
+    r = x.ndim - 2
+    sh = x.shape
+    nd = x.ndim
+    if _small(x):
+        _fast_axis(pos, m, r - 1, sh[nd - 1], 1, mtok, zero, base, pw, kind, True)
+        if deriv:
+            _fast_daxis(pos, m, r - 1, sh[nd - 1], mtok, ptok, zero, pd)
+        if r >= 2:
+            _fast_axis(pos, m, r - 2, sh[nd - 2], sh[nd - 1], mtok, zero, base, pw, kind, False)
+            if deriv:
+                _fast_daxis(pos, m, r - 2, sh[nd - 2], mtok, ptok, zero, pd)
+        if r >= 3:
+            _fast_axis(pos, m, r - 3, sh[nd - 3], sh[nd - 2] * sh[nd - 1], mtok, zero, base, pw, kind, False)
+            if deriv:
+                _fast_daxis(pos, m, r - 3, sh[nd - 3], mtok, ptok, zero, pd)
+    else:
+        for j in range(np.uint64(m)):
+            kind[j] = GENERIC
+    for j in range(np.uint64(m)):
+        fin[j] = True
+    for j in range(m):
+        if kind[j] == 0:
+            continue
+        if len(ptok) == ZEROS and (kind[j] & AXIS_OUT):
+            # every tap of an axis outside: no taps to take (``_units`` skips it), NaN
+            # where another axis is not finite
+            f = True
+            for k in range(r):
+                f &= (pos[k, j] - pos[k, j]) == zero
+            fin[j] = f
+        else:
+            fin[j] = _generic_taps(r, sh, pos, j, len(mtok), len(ptok), align, zero, pidx, pw, pd, pok)
+
+
+# --- one position's gradients in one channel ---------------------------------------------
+
+@njit(cache=True, forceinline=True)
+def _off(k, t, j, interior, stride, pidx):
+    """Tap ``t``'s flat offset on axis ``k`` (the forward's ``_off``)."""
+    return t * stride if interior else pidx[k, t, j]
+
+
+@njit(cache=True, forceinline=True)
+def _g1(xf, gx, xb, j, g, T, masked, interior, scatter, deriv, pidx, pw, pd, pok, zero):
+    a = zero
+    for tx in range(T):
+        q = xb + _off(0, tx, j, interior, 1, pidx)
+        ok = pok[0, tx, j] if masked else True
+        if deriv:
+            v = xf[q]
+            v = v if ok else zero
+            a += pd[0, tx, j] * v
+        if scatter and ok:
+            gx[q] += g * pw[0, tx, j]
+    return a, zero, zero
+
+
+@njit(cache=True, forceinline=True)
+def _g2(xf, gx, xb, j, g, T, masked, interior, scatter, deriv, s1, pidx, pw, pd, pok, zero):
+    a0 = zero
+    a1 = zero
+    for ty in range(T):
+        by = xb + _off(0, ty, j, interior, s1, pidx)
+        wy = pw[0, ty, j]
+        oky = pok[0, ty, j] if masked else True
+        gy = g * wy
+        sv = zero
+        sd = zero
+        for tx in range(T):
+            q = by + _off(1, tx, j, interior, 1, pidx)
+            ok = (oky & pok[1, tx, j]) if masked else True
+            if deriv:
+                v = xf[q]
+                v = v if ok else zero
+                sv += pw[1, tx, j] * v
+                sd += pd[1, tx, j] * v
+            if scatter and ok:
+                gx[q] += gy * pw[1, tx, j]
+        a0 += pd[0, ty, j] * sv
+        a1 += wy * sd
+    return a0, a1, zero
+
+
+@njit(cache=True, forceinline=True)
+def _g3(xf, gx, xb, j, g, T, masked, interior, scatter, deriv, s1, s2, pidx, pw, pd, pok, zero):
+    a0 = zero
+    a1 = zero
+    a2 = zero
+    for tz in range(T):
+        bz = xb + _off(0, tz, j, interior, s2, pidx)
+        wz = pw[0, tz, j]
+        okz = pok[0, tz, j] if masked else True
+        gz = g * wz
+        szv = zero
+        szy = zero
+        szx = zero
+        for ty in range(T):
+            by = bz + _off(1, ty, j, interior, s1, pidx)
+            wy = pw[1, ty, j]
+            oky = (okz & pok[1, ty, j]) if masked else True
+            gzy = gz * wy
+            sv = zero
+            sd = zero
+            for tx in range(T):
+                q = by + _off(2, tx, j, interior, 1, pidx)
+                ok = (oky & pok[2, tx, j]) if masked else True
+                if deriv:
+                    v = xf[q]
+                    v = v if ok else zero
+                    sv += pw[2, tx, j] * v
+                    sd += pd[2, tx, j] * v
+                if scatter and ok:
+                    gx[q] += gzy * pw[2, tx, j]
+            szv += wy * sv
+            szy += pd[1, ty, j] * sv
+            szx += wy * sd
+        a0 += pd[0, tz, j] * szv
+        a1 += wz * szy
+        a2 += wz * szx
+    return a0, a1, a2
+
+
+@njit(cache=True, forceinline=True)
+def _grad(x, xf, gx, xb, j, g, T, masked, interior, scatter, deriv, s1, s2, pidx, pw, pd, pok, zero):
+    """Position ``j``'s gradients in one channel (the channel image of ``xf`` and of
+    ``gx`` at ``xb``), with ``g`` its ``grad_y``: ``gx[tap] += g * weight`` over its taps
+    (``scatter``), and returned, per spatial axis ``k``, ``d sample / d pos_k`` (the sum
+    over the taps of the other axes' weights times ``d weight_k`` times ``x[tap]``;
+    ``deriv``); the taps as the forward's ``_sample`` takes them (``interior``: from
+    ``xb``; ``masked``: taps outside read and scatter nothing)."""
+    if x.ndim == 3:
+        return _g1(xf, gx, xb, j, g, T, masked, interior, scatter, deriv, pidx, pw, pd, pok, zero)
+    if x.ndim == 4:
+        return _g2(xf, gx, xb, j, g, T, masked, interior, scatter, deriv, s1, pidx, pw, pd, pok, zero)
+    return _g3(xf, gx, xb, j, g, T, masked, interior, scatter, deriv, s1, s2, pidx, pw, pd, pok, zero)
+
+
+# --- units: (image, part of its positions, block of channels), segment by segment ----------
+
+@njit(**INTERNAL)
+def _units(x, xf, gyf, src, gxb, gpos, gth, U, B, osz, mtok, ptok, align, affine, want_x, want_pos, zero, u0,
+           u1):
+    """Units ``u0:u1`` (image-major; unit ``(n, k, b)``: part ``k`` of the ``U`` parts of
+    image ``n``'s positions, in block ``b`` of its ``B`` blocks of channels). ``x``
+    (N, C, D1..Dr) in the compute type, ``xf`` its flat view; ``osz`` the output's
+    spatial sizes as (D, H, W) (D = 1, H = 1 below 3-D); ``src`` the flat grid (N*P*r),
+    or theta (N*r*(r+1)) when ``affine``. Writes grad_x into ``gxb`` (U buffers of
+    N*C*S: part ``k`` into buffer ``k``, block ``b`` into its channels), block ``b``'s
+    share of the grid gradient into ``gpos`` (B*N*P*r: block ``b``'s at ``b*N*P*r``,
+    grid_sample) or theta's partial sums into ``gth`` (N*U*B*r*(r+1), float64,
+    affine_warp)."""
+    r = x.ndim - 2
+    N, C = x.shape[0], x.shape[1]
+    S = 1
+    for q in range(r):
+        S *= x.shape[2 + q]
+    D, H, W = osz[0], osz[1], osz[2]
+    P = D * H * W
+    nd = x.ndim
+    s1 = x.shape[nd - 1]
+    s2 = s1 * x.shape[nd - 2] if r >= 2 else s1
     mode = len(mtok)
-    padding = len(ptok)
     T = 1 if mode == NEAREST else (2 if mode == LINEAR else 4)
-    nt0 = T if r == 3 else 1
-    nt1 = T if r >= 2 else 1
+    masked = len(ptok) == ZEROS
+    deriv = want_pos and mode != NEAREST
     one = as_compute(zero, 1)
     nan = as_compute(zero, np.nan)
     ct = type(zero)
-    lead = 3 - r
-    stride = np.empty(3, np.int64)
-    stride[2] = 1
-    stride[1] = isz[2]
-    stride[0] = isz[1] * isz[2]
-    # per axis, tap and position of the segment: flat offset, weight, d weight / d pos,
-    # inside; the leading (absent) axes keep one tap at offset 0 of weight 1
-    ti = np.zeros((3, 4, SEG), np.int64)
-    tw = np.ones((3, 4, SEG), ct)
-    td = np.zeros((3, 4, SEG), ct)
-    tk = np.ones((3, 4, SEG), np.bool_)
-    fin = np.empty(SEG, np.bool_)
-    oi = np.zeros((3, SEG), np.int64)  # output indices (affine)
-    gv_ = np.empty(SEG, ct)  # one axis' grid values
-    qo = np.zeros(64, np.int64)
-    qw = np.zeros(64, ct)
-    qd = np.zeros((3, 64), ct)
+    # zeroed (the forward's ``scratch``: masked stores to untouched pages are slow)
+    pos = np.zeros((3, SEG), ct)
+    base = np.zeros(SEG, np.int32)
+    pidx = np.zeros((3, 4, SEG), np.int64)
+    pw = np.zeros((3, 4, SEG), ct)
+    pd = np.zeros((3, 4, SEG), ct)
+    pok = np.zeros((3, 4, SEG), np.bool_)
+    kind = np.zeros(SEG, np.uint8)
+    fin = np.zeros(SEG, np.bool_)
+    pwd = np.zeros((3, 3, 4, SEG), ct)  # per axis: the weights with that axis' derivatives
+    dv = np.zeros(3 * SEG, ct)  # one channel's d sample / d pos, per axis and position
+    res = np.zeros(16, ct)
+    V = lanes(pw)
+    bkind = np.zeros(SEG // 8 + 1, np.uint8)
+    ga = np.zeros((3, SEG), ct)  # d loss / d pos, per axis and position, summed over channels
+    bco = np.zeros((3, SEG), ct)  # affine: the positions' base coordinates (x, y, z)
     scl = np.zeros(3, ct)
-    gcoord = np.zeros(3, ct)
-    bc = np.ones(4, ct)  # base coordinates (x, y, z), then 1 (affine)
-    btab = np.zeros((3, max(osz[0], osz[1], osz[2])), ct)
-    if affine:
-        for a in range(3):
-            for i in range(osz[a]):
-                btab[a, i] = base_coord(i, osz[a], align, one)
-    for a in range(lead, 3):
-        scl[a] = unnormalize_scale(isz[a], align, one)
+    for q in range(r):
+        scl[q] = unnormalize_scale(x.shape[2 + q], align, one)
+    xs = base_coords(W, align, one)
+    ys = base_coords(H, align, one)
+    zs = base_coords(D, align, one)
     acc = np.zeros((3, 4), np.float64)
-    deriv = want_pos and mode != NEAREST
+    NCS = N * C * S
     for u in range(u0, u1):
-        n = u // U
-        k = u - n * U
+        n = u // (U * B)
+        k = (u - n * U * B) // B
+        cb = u - (n * U + k) * B
+        c0 = cb * C // B
+        c1 = (cb + 1) * C // B
+        gx = gxb[k * NCS:(k + 1) * NCS]
         acc[:] = 0.0
         j0 = k * P // U
         j1 = (k + 1) * P // U
-        if affine:  # the output index of j0 - 1, advanced position by position (no divisions)
-            t = j0 // osz[2]
-            o2 = j0 - t * osz[2] - 1
-            o0 = t // osz[1]
-            o1 = t - o0 * osz[1]
         for s0 in range(j0, j1, SEG):
             m = min(SEG, j1 - s0)
-            if affine:
-                for jj in range(m):
-                    o2 += 1
-                    if o2 == osz[2]:
-                        o2 = 0
-                        o1 += 1
-                        if o1 == osz[1]:
-                            o1 = 0
-                            o0 += 1
-                    oi[0, jj] = o0
-                    oi[1, jj] = o1
-                    oi[2, jj] = o2
-            for jj in range(m):
-                fin[jj] = True
-            for a in range(lead, 3):
-                ci = 2 - a  # the grid's coordinate of this axis (innermost first)
-                if affine:
-                    # in the forward's (affine_grid's) order of operations, so the
-                    # positions are the forward's bit for bit
-                    th = (n * r + ci) * (r + 1)
-                    if r == 2:
-                        for jj in range(m):
-                            gv_[jj] = (src[th] * btab[2, oi[2, jj]]
-                                       + (src[th + 1] * btab[1, oi[1, jj]] + src[th + 2]))
+            if affine:  # the forward's positions (affine_warp's kernel), row piece by row piece
+                j = 0
+                while j < m:
+                    row = (s0 + j) // W
+                    w0 = s0 + j - row * W
+                    L = min(W - w0, m - j)
+                    h = row % H
+                    d = row // H
+                    for kk in range(r):
+                        th = (n * r + r - 1 - kk) * (r + 1)
+                        size = x.shape[2 + kk]
+                        t0, t1, t2 = src[th], src[th + 1], src[th + 2]
+                        if r == 2:
+                            b = t1 * ys[h] + t2
+                            for q in range(L):
+                                pos[kk, np.uint64(j + q)] = unnormalize(t0 * xs[np.uint64(w0 + q)] + b, size, align,
+                                                                        one)
+                        else:
+                            b = t2 * zs[d] + src[th + 3]
+                            yq = ys[h] * t1
+                            for q in range(L):
+                                pos[kk, np.uint64(j + q)] = unnormalize((t0 * xs[np.uint64(w0 + q)] + b) + yq, size,
+                                                                        align, one)
+                    if want_pos:
+                        for q in range(L):
+                            bco[0, j + q] = xs[w0 + q]
+                            bco[1, j + q] = ys[h]
+                            bco[2, j + q] = zs[d]
+                    j += L
+            else:
+                g0 = np.uint64((n * P + s0) * r)
+                for j in range(np.uint64(m)):
+                    for kk in range(r):
+                        pos[kk, j] = unnormalize(src[g0 + j * np.uint64(r) + np.uint64(r - 1 - kk)],
+                                                 x.shape[2 + kk], align, one)
+            _plan(x, pos, m, mtok, ptok, align, zero, deriv, base, pidx, pw, pd, pok, kind, fin)
+            if deriv:
+                for kk in range(r):
+                    for j in range(np.uint64(m)):
+                        ga[kk, j] = zero
+                # the derivative's weights per axis: axis kk's derivatives, the others' weights
+                for kk in range(r):
+                    for a in range(r):
+                        src_w = pd if a == kk else pw
+                        for t in range(T):
+                            for j in range(np.uint64(m)):
+                                pwd[kk, a, t, j] = src_w[a, t, j]
+            # blocks of ``V`` interior positions: their derivatives gathered (the forward's
+            # ``gathered``, each axis' with its derivative weights)
+            nblk = m // V
+            for q in range(nblk):
+                b0 = kind[q * V]
+                for l in range(1, V):
+                    b0 |= kind[q * V + l]
+                bkind[q] = b0
+            for c in range(c0, c1):  # channel-major: a channel image's taps stay in cache
+                xb = (n * C + c) * S
+                o = (n * C + c) * P + s0
+                if deriv:
+                    for q in range(nblk):
+                        if bkind[q] == 0:
+                            for kk in range(r):
+                                gathered(x, xf, res, dv, kk * SEG + q * V, xb, base, pidx, pwd[kk], pok, q * V, mtok,
+                                         s1, s2, True, False)
+                for j in range(m):
+                    g = gyf[o + j]
+                    kd = kind[j]
+                    vec = j < nblk * V and bkind[j // V] == 0
+                    if kd == 0:
+                        if vec:
+                            if want_x:
+                                _grad(x, xf, gx, xb + base[j], j, g, T, False, True, True, False, s1, s2, pidx, pw,
+                                      pd, pok, zero)
+                            continue
+                        a0, a1, a2 = _grad(x, xf, gx, xb + base[j], j, g, T, False, True, want_x, deriv, s1, s2,
+                                           pidx, pw, pd, pok, zero)
+                    elif masked and (kd & AXIS_OUT):  # every tap of an axis outside: nothing
+                        a0, a1, a2 = zero, zero, zero  # (NaN below where not finite)
                     else:
-                        for jj in range(m):
-                            gv_[jj] = ((src[th] * btab[2, oi[2, jj]] + (src[th + 2] * btab[0, oi[0, jj]] + src[th + 3]))
-                                       + btab[1, oi[1, jj]] * src[th + 1])
-                else:
-                    for jj in range(m):
-                        gv_[jj] = src[(n * P + s0 + jj) * r + ci]
-                size = isz[a]
-                st = stride[a]
-                for jj in range(m):
-                    (i0, i1, i2, i3, w0, w1, w2, w3, d0, d1, d2, d3, ok0, ok1, ok2, ok3,
-                     f) = grad_taps(mode, unnormalize(gv_[jj], size, align, one), size, padding, align, zero)
-                    fin[jj] &= f
-                    ti[a, 0, jj], ti[a, 1, jj], ti[a, 2, jj], ti[a, 3, jj] = i0 * st, i1 * st, i2 * st, i3 * st
-                    tw[a, 0, jj], tw[a, 1, jj], tw[a, 2, jj], tw[a, 3, jj] = w0, w1, w2, w3
-                    td[a, 0, jj], td[a, 1, jj], td[a, 2, jj], td[a, 3, jj] = d0, d1, d2, d3
-                    tk[a, 0, jj], tk[a, 1, jj], tk[a, 2, jj], tk[a, 3, jj] = ok0, ok1, ok2, ok3
-            for jj in range(m):
-                j = s0 + jj
-                finite = fin[jj]
-                scatter = want_x and finite
-                gz = zero
-                gy_ = zero
-                gx_ = zero
-                if mode == LINEAR:
-                    # n-linear: the taps' offsets, weights and flags as scalars, the corners
-                    # in constant loops that unroll into straight-line code on registers
-                    # (d weight / d pos: -1 for the lower tap, +1 for the upper one; 0 for both
-                    # where they are padded onto one element)
-                    oz0, oz1, wz0, wz1 = ti[0, 0, jj], ti[0, 1, jj], tw[0, 0, jj], tw[0, 1, jj]
-                    oy0, oy1, wy0, wy1 = ti[1, 0, jj], ti[1, 1, jj], tw[1, 0, jj], tw[1, 1, jj]
-                    ox0, ox1, wx0, wx1 = ti[2, 0, jj], ti[2, 1, jj], tw[2, 0, jj], tw[2, 1, jj]
-                    kz0, kz1, ky0, ky1 = tk[0, 0, jj], tk[0, 1, jj], tk[1, 0, jj], tk[1, 1, jj]
-                    kx0, kx1 = tk[2, 0, jj], tk[2, 1, jj]
-                    dz0, dz1, dy0, dy1 = td[0, 0, jj], td[0, 1, jj], td[1, 0, jj], td[1, 1, jj]
-                    dx0, dx1 = td[2, 0, jj], td[2, 1, jj]
-                    for c in range(C):
-                        gv = gyf[(n * C + c) * P + j]
-                        xb = (n * C + c) * S
-                        bb = ((k * N + n) * C + c) * S
-                        az = zero
-                        ay = zero
-                        ax = zero
-                        for tz in range(nt0):
-                            kz, oz, wz = (kz1, oz1, wz1) if tz else (kz0, oz0, wz0)
-                            dz = dz1 if tz else dz0
-                            if not kz:
-                                continue
-                            for ty in range(nt1):
-                                ky, oy, wy = (ky1, oy1, wy1) if ty else (ky0, oy0, wy0)
-                                dy = dy1 if ty else dy0
-                                if not ky:
-                                    continue
-                                for tx in range(2):
-                                    kx, ox, wx = (kx1, ox1, wx1) if tx else (kx0, ox0, wx0)
-                                    dx = dx1 if tx else dx0
-                                    if not kx:
-                                        continue
-                                    f = oz + oy + ox
-                                    if deriv:
-                                        v = xf[xb + f]
-                                        ax += (wz * wy * dx) * v
-                                        ay += (wz * dy * wx) * v
-                                        az += (dz * wy * wx) * v
-                                    if scatter:
-                                        gxb[bb + f] += gv * (wz * wy * wx)
-                        gz += gv * az
-                        gy_ += gv * ay
-                        gx_ += gv * ax
-                else:
-                    # the position's taps as one list of inside corners: flat offset, weight,
-                    # and the weight's derivative along each axis (the other axes' weights times d)
-                    nq = 0
-                    for tz in range(nt0):
-                        for ty in range(nt1):
-                            for tx in range(T):
-                                if tk[0, tz, jj] and tk[1, ty, jj] and tk[2, tx, jj]:
-                                    qo[nq] = ti[0, tz, jj] + ti[1, ty, jj] + ti[2, tx, jj]
-                                    qw[nq] = tw[0, tz, jj] * tw[1, ty, jj] * tw[2, tx, jj]
-                                    qd[0, nq] = td[0, tz, jj] * tw[1, ty, jj] * tw[2, tx, jj]
-                                    qd[1, nq] = tw[0, tz, jj] * td[1, ty, jj] * tw[2, tx, jj]
-                                    qd[2, nq] = tw[0, tz, jj] * tw[1, ty, jj] * td[2, tx, jj]
-                                    nq += 1
-                    for c in range(C):
-                        gv = gyf[(n * C + c) * P + j]
-                        xb = (n * C + c) * S
-                        if deriv:
-                            az = zero
-                            ay = zero
-                            ax = zero
-                            for q in range(nq):
-                                v = xf[xb + qo[q]]
-                                az += qd[0, q] * v
-                                ay += qd[1, q] * v
-                                ax += qd[2, q] * v
-                            gz += gv * az
-                            gy_ += gv * ay
-                            gx_ += gv * ax
-                        if scatter:
-                            bb = ((k * N + n) * C + c) * S
-                            for q in range(nq):
-                                gxb[bb + qo[q]] += gv * qw[q]
-                if not want_pos:
-                    continue
-                gcoord[0] = gx_ * scl[2]
-                gcoord[1] = gy_ * scl[1]
-                gcoord[2] = gz * scl[0]
-                if affine:
-                    for q in range(r):
-                        bc[q] = btab[2 - q, oi[2 - q, jj]]
-                for ci in range(r):
-                    gc = gcoord[ci] if finite else nan
-                    if not deriv and finite:
-                        gc = zero
+                        a0, a1, a2 = _grad(x, xf, gx, xb, j, g, T, masked, False, want_x and fin[j], deriv, s1,
+                                           s2, pidx, pw, pd, pok, zero)
+                    if deriv:
+                        dv[j] = a0
+                        if r >= 2:
+                            dv[SEG + j] = a1
+                        if r >= 3:
+                            dv[2 * SEG + j] = a2
+                if deriv:
+                    for kk in range(r):
+                        for j in range(np.uint64(m)):
+                            ga[kk, j] += gyf[o + j] * dv[kk * SEG + j]
+            if not want_pos:
+                continue
+            for j in range(m):
+                for kk in range(r):
+                    ci = r - 1 - kk  # the grid's coordinate of this axis (innermost first)
+                    gc = ga[kk, j] * scl[kk] if deriv else zero
+                    if not fin[j]:
+                        gc = nan
                     if affine:
                         for q in range(r):
-                            acc[ci, q] += np.float64(gc) * np.float64(bc[q])
+                            acc[ci, q] += np.float64(gc) * np.float64(bco[q, j])
                         acc[ci, r] += np.float64(gc)
                     else:
-                        gpos[(n * P + j) * r + ci] = gc
+                        gpos[((cb * N + n) * P + s0 + j) * r + ci] = gc
         if affine and want_pos:
             for ci in range(r):
                 for q in range(r + 1):
-                    gth[((n * U + k) * r + ci) * (r + 1) + q] = acc[ci, q]
+                    gth[(((n * U + k) * B + cb) * r + ci) * (r + 1) + q] = acc[ci, q]
 
 
 _units_op = opaque(_units)
 
 
 @njit(cache=True, nogil=True)
-def _serial(xf, gyf, src, gxb, gpos, gth, dims, isz, osz, rtok, mtok, ptok, align, affine, want_x, want_pos, zero):
-    _units_op(xf, gyf, src, gxb, gpos, gth, dims, isz, osz, rtok, mtok, ptok, align, affine, want_x, want_pos, zero,
-              0, dims[0] * dims[5])
+def _serial(x, xf, gyf, src, gxb, gpos, gth, U, B, osz, mtok, ptok, align, affine, want_x, want_pos, zero):
+    _units_op(x, xf, gyf, src, gxb, gpos, gth, U, B, osz, mtok, ptok, align, affine, want_x, want_pos, zero,
+              0, x.shape[0] * U * B)
 
 
 @njit(cache=True, parallel=True, nogil=True)
-def _parallel(xf, gyf, src, gxb, gpos, gth, dims, isz, osz, rtok, mtok, ptok, align, affine, want_x, want_pos, zero,
+def _parallel(x, xf, gyf, src, gxb, gpos, gth, U, B, osz, mtok, ptok, align, affine, want_x, want_pos, zero,
               nchunks):
-    units = dims[0] * dims[5]
+    units = x.shape[0] * U * B
     nchunks = min(units, nchunks)
     for c in prange(nchunks):
-        _units_op(xf, gyf, src, gxb, gpos, gth, dims, isz, osz, rtok, mtok, ptok, align, affine, want_x, want_pos,
-                  zero, c * units // nchunks, (c + 1) * units // nchunks)
+        _units_op(x, xf, gyf, src, gxb, gpos, gth, U, B, osz, mtok, ptok, align, affine, want_x, want_pos, zero,
+                  c * units // nchunks, (c + 1) * units // nchunks)
 
 
 @njit(cache=True, parallel=True, nogil=True)
@@ -314,13 +508,16 @@ _sum_buffers_serial = _runtime.serial_twin(_sum_buffers)
 
 
 def _as_compute(a, ct):
-    """``a`` flat, C-contiguous, in the compute type ``ct`` (16-bit data upcast: a copy)."""
-    return np.ascontiguousarray(a, dtype=ct).reshape(-1)
+    """``a`` C-contiguous in the compute type ``ct`` (16-bit data upcast: a copy)."""
+    return np.ascontiguousarray(a, dtype=ct)
 
 
-def _three(sizes):
-    """Spatial sizes as three axes, leading 1s first."""
-    return np.array((1,) * (3 - len(sizes)) + tuple(int(s) for s in sizes), np.int64)
+def plan_units(N, C, P, want_x=True, affine=False):
+    """``(U, B)``: the parts of each image's positions (``units_per_image``; one when no
+    grad_x buffers are needed) and the blocks of its channels (``channel_blocks``) of a
+    call; its units, ``N * U * B``, are what a pool shares out."""
+    U = units_per_image(N, P) if want_x or affine else 1
+    return U, channel_blocks(N, C, U)
 
 
 def run(x, gy, src, out_spatial, mode, padding, align, affine, want_x, want_pos):
@@ -332,16 +529,19 @@ def run(x, gy, src, out_spatial, mode, padding, align, affine, want_x, want_pos)
     r = x.ndim - 2
     S = int(np.prod(x.shape[2:], dtype=np.int64))
     P = int(np.prod(out_spatial, dtype=np.int64))
-    U = units_per_image(N, P) if want_x or affine else 1
+    U, B = plan_units(N, C, P, want_x, affine)
     gxb = np.zeros(U * N * C * S if want_x else 0, ct)
-    gpos = np.zeros(N * P * r if want_pos and not affine else 0, ct)
-    gth = np.zeros(N * U * r * (r + 1) if want_pos and affine else 0, np.float64)
+    # the grid's gradient, or with several channel blocks their shares of it (each
+    # written in full by its units), summed in block order afterwards
+    gpos = np.zeros(B * N * P * r if want_pos and not affine else 0, ct)
+    gth = np.zeros(N * U * B * r * (r + 1) if want_pos and affine else 0, np.float64)
     if N * P and (want_x or want_pos):
-        dims = np.array((N, C, P, S, r, U), np.int64)
+        osz = np.array((1,) * (3 - r) + tuple(int(s) for s in out_spatial), np.int64)
         zero = ct.type(0)
         work = N * P * max(C, 1) * 4 ** r
-        _runtime.run(_serial, _parallel, work, _as_compute(x, ct), _as_compute(gy, ct), _as_compute(src, ct), gxb,
-                     gpos, gth, dims, _three(x.shape[2:]), _three(out_spatial), RANK[r], TOKEN[mode], TOKEN[padding],
+        xc = _as_compute(x, ct)
+        _runtime.run(_serial, _parallel, work, xc, xc.reshape(-1), _as_compute(gy, ct).reshape(-1),
+                     _as_compute(src, ct).reshape(-1), gxb, gpos, gth, U, B, osz, TOKEN[mode], TOKEN[padding],
                      bool(align), bool(affine), bool(want_x), bool(want_pos), zero)
         if want_x and U > 1:
             # into an array of x's size: the gradient never keeps the U buffers alive
@@ -349,11 +549,15 @@ def run(x, gy, src, out_spatial, mode, padding, align, affine, want_x, want_pos)
             out = np.empty(N * C * S, ct)
             _runtime.call(_sum_buffers_serial, _sum_buffers, U * N * C * S, gxb, U, N * C * S, out)
             gxb = out
+        if want_pos and not affine and B > 1:
+            out = np.empty(N * P * r, ct)
+            _runtime.call(_sum_buffers_serial, _sum_buffers, B * N * P * r, gpos, B, N * P * r, out)
+            gpos = out
     gx = gxb.reshape(x.shape) if want_x else None
     if not want_pos:
         return gx, None
     if affine:
-        return gx, gth.reshape(N, U, r, r + 1).sum(axis=1)
+        return gx, gth.reshape(N, U * B, r, r + 1).sum(axis=1)
     return gx, gpos.reshape((N,) + tuple(out_spatial) + (r,))
 
 
@@ -364,4 +568,3 @@ def launch(gy, x, grid, mode, padding, align, want_x, want_grid, stream=None):
     gx, gg = run(x, gy, grid, tuple(grid.shape[1:-1]), mode, padding, align, False, want_x, want_grid)
     dt = x.dtype
     return (None if gx is None else gx.astype(dt, copy=False)), (None if gg is None else gg.astype(dt, copy=False))
-
