@@ -483,6 +483,49 @@ def test_runs_from_several_threads(rng):
     assert not failures, failures
 
 
+def test_a_run_compiles_its_task_outside_the_nodes_lock(rng, monkeypatch):
+    """A run whose task is not compiled yet compiles it without holding the node's spin
+    lock: a concurrent run of the node waits for that compilation without spinning a
+    core (here a compilation that takes 2.5 s: the process uses well under a second of
+    CPU time meanwhile; when the lock was held, the waiting run spun all along)."""
+    import time
+
+    from numba_ops.onnx import _capi
+
+    node = helper.make_node("GridSample", ["X", "G"], ["Y"], name="gs")
+    x, g = _values(rng, (1, 2, 5, 5), "float32"), _values(rng, (1, 3, 3, 2), "float32", uniform=(-1, 1))
+    m, feeds = _model([node], {"X": x, "G": g}, {}, "float32")
+    want = numba_ops.grid_sample(x, g)
+    _equal(session(m).run(None, feeds)[0], want)  # (the task is compiled: the slow one below only waits)
+    task_fn = _capi._task_fn
+
+    def slow_task_fn(*args):
+        time.sleep(2.5)
+        return task_fn(*args)
+
+    monkeypatch.setattr(_capi, "_compiled_task", lambda *a: 0, raising=False)  # every plan's task to compile
+    monkeypatch.setattr(_capi, "_task_fn", slow_task_fn)
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = 1  # (no pool of onnxruntime's spinning meanwhile)
+    s = session(m, sess_options=opts)
+    out = [None, None]
+
+    def run(i):
+        out[i] = s.run(None, feeds)[0]
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    cpu = time.process_time()
+    threads[0].start()
+    time.sleep(0.3)  # (the second run comes while the first compiles)
+    threads[1].start()
+    for t in threads:
+        t.join()
+    cpu = time.process_time() - cpu
+    for o in out:
+        _equal(o, want)
+    assert cpu < 0.6, f"{cpu:.2f} s of CPU time while a run waited 2.5 s for a compilation"
+
+
 def test_errors_from_onnxruntime_threads_parallel_mode_and_run_async():
     """Nodes run on onnxruntime's own threads (ORT_PARALLEL, run_async): the error
     still comes out of run, or reaches run_async's callback as its error string."""

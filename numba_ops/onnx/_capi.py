@@ -39,7 +39,9 @@ How the pieces meet:
   none is.
 - Each (op, dtypes, rank, mode, padding) variant is a compiled task (``_task_fn``)
   made when the first session needs it, from numba's disk cache after the first
-  time.
+  time. A plan names its task's variant; the run that finds it not compiled yet
+  compiles it (``_compile``) with the node's lock released, and the runs that need
+  it meanwhile wait on a Python lock, not spinning on the node's.
 - A run-time error (an input shape the op refuses) is raised by ``plan`` inside
   a callback: it is recorded as the Python route records its errors
   (``_specs.record``) and an ``OrtStatus`` fails the node, so ``run`` raises the
@@ -109,22 +111,23 @@ _REQUIRED, _OPTIONAL = 0, 1  # OrtCustomOpInputOutputCharacteristic
 
 # --- a node's state ``S`` and a run's ``L`` (int64 arrays of one layout) -------------------
 # S only: the lock, the runs in flight, the plan's validity, the OrtApi table, the planner
-# callback, the input count, the inputs whose values key the plan (a bit per input:
-# AffineGrid's and AffineWarp's size, the attention's level shapes and starts), the node's
-# workspace (busy?, addresses), the messages of a task's failure and of a plan's failure
-# that had no status (C strings' addresses)
-LOCK, INFLIGHT, READY, TABLE, REPLAN, NIN, KEYED, WSBUSY, CFWS, CIWS, ERRMSG, PLANMSG = range(12)
-# the plan, copied into L by each run: the task, how it runs (``MODE``), items per pool
-# round, DeformConv's rounds and packed vector, workspace words, op-specific integers
-PLAN0 = 12
-FN, MODE, ITEMS, NSCHED, SCHED, META, NMETA, NFWS, NIWS, A0, A1, A2, A3, A4, A5, A6 = range(PLAN0, PLAN0 + 16)
-PLAN1 = PLAN0 + 16
+# and compiler callbacks, the input count, the inputs whose values key the plan (a bit per
+# input: AffineGrid's and AffineWarp's size, the attention's level shapes and starts), the
+# node's workspace (busy?, addresses), the messages of a task's failure and of a plan's
+# failure that had no status (C strings' addresses)
+LOCK, INFLIGHT, READY, TABLE, REPLAN, COMPILE, NIN, KEYED, WSBUSY, CFWS, CIWS, ERRMSG, PLANMSG = range(13)
+# the plan, copied into L by each run: the task (0 until it is compiled) and its variant
+# (``_variant_id``), how it runs (``MODE``), items per pool round, DeformConv's rounds and
+# packed vector, workspace words, op-specific integers
+PLAN0 = 13
+FN, VARIANT, MODE, ITEMS, NSCHED, SCHED, META, NMETA, NFWS, NIWS, A0, A1, A2, A3, A4, A5, A6 = range(PLAN0, PLAN0 + 17)
+PLAN1 = PLAN0 + 17
 # L only: the round under way, the workspaces' addresses, scratch for the C API's outputs,
 # a task's failure
 N0, RD, FWS, IWS, TMP, TMP2, FAILED = range(PLAN1, PLAN1 + 7)
 MAXIN = 5
 PTR = FAILED + 1  # + i: input i's data; + MAXIN: the output's
-DIMS = 40  # + 8 * i: input i's rank (-1: absent; 8: more than 7; 9: too many key values) and sizes
+DIMS = PTR + MAXIN + 1  # + 8 * i: input i's rank (-1: absent; 8: more than 7; 9: too many key values) and sizes
 YD = DIMS + 8 * MAXIN  # the output's rank and sizes (part of the plan)
 TDIMS = YD + 8  # sizes read from onnxruntime
 KEYS = TDIMS + 8  # the keyed inputs' values, input after input (int64)
@@ -230,34 +233,60 @@ def _inputs(L, base, nin, keyed, table, ctx):
 
 
 @njit(cache=True)
+def _lock(sbase):
+    while _swap(sbase + 8 * LOCK, np.int64(1)):  # held for a copy (or a new plan)
+        pass
+
+
+@njit(cache=True)
+def _failure(st, S, table):
+    """The status a run fails with where a callback returned ``st`` (not 0)."""
+    if st == NO_STATUS:
+        return _call(table[_CREATE_STATUS], (np.int64(_FAIL), S[PLANMSG]))
+    return st
+
+
+@njit(cache=True)
 def _begin(S, sbase, L, lbase, table, ctx):
     """A run's inputs, and the plan for their shapes (made where they changed) copied
-    into ``L``, under ``S``'s lock; counts the run in flight. 0 or an error status."""
+    into ``L``, under ``S``'s lock; counts the run in flight. 0 or an error status.
+    A plan whose task is not compiled yet (``FN`` 0) has it compiled without the lock
+    held (seconds: ``_compile``), then is looked at again: the runs that need it wait
+    for that compilation in Python, on a lock, not spinning here."""
     nin = S[NIN]
     st = _inputs(L, lbase, nin, S[KEYED], table, ctx)
     if st:
         return st
-    while _swap(sbase + 8 * LOCK, np.int64(1)):  # held for a copy (or a new plan)
-        pass
-    same = S[READY] != 0
-    for k in range(DIMS, DIMS + 8 * nin):
-        if S[k] != L[k]:
-            S[k] = L[k]
-            same = False
-    if S[KEYED]:
-        for k in range(KEYS, KEYS + KEY_MAX):
+    while True:
+        _lock(sbase)
+        same = S[READY] != 0
+        for k in range(DIMS, DIMS + 8 * nin):
             if S[k] != L[k]:
                 S[k] = L[k]
                 same = False
-    if not same:
-        S[READY] = 0
-        st = _call(S[REPLAN], (sbase,))
-        if st:  # (READY stays 0: the next run plans again)
-            _swap(sbase + 8 * LOCK, np.int64(0))
-            if st == NO_STATUS:
-                return _call(table[_CREATE_STATUS], (np.int64(_FAIL), S[PLANMSG]))
-            return st
-        S[READY] = 1
+        if S[KEYED]:
+            for k in range(KEYS, KEYS + KEY_MAX):
+                if S[k] != L[k]:
+                    S[k] = L[k]
+                    same = False
+        if not same:
+            S[READY] = 0
+            st = _call(S[REPLAN], (sbase,))
+            if st:  # (READY stays 0: the next run plans again)
+                _swap(sbase + 8 * LOCK, np.int64(0))
+                return _failure(st, S, table)
+            S[READY] = 1
+        if S[FN] != 0 or S[MODE] == EMPTY:
+            break
+        variant = S[VARIANT]
+        _swap(sbase + 8 * LOCK, np.int64(0))
+        st = _call(S[COMPILE], (sbase, variant, lbase + 8 * TMP))
+        if st:
+            return _failure(st, S, table)
+        _lock(sbase)
+        if S[VARIANT] == variant and S[FN] == 0:  # (a plan made meanwhile for the same variant too)
+            S[FN] = L[TMP]
+        _swap(sbase + 8 * LOCK, np.int64(0))
     for k in range(PLAN0, PLAN1):
         L[k] = S[k]
     for k in range(YD, YD + 8):
@@ -458,19 +487,45 @@ def _item_callback(call, extra):
     return cfunc(types.void(types.voidptr, types.uintp))(ns["fn"])
 
 
+def _task_key(task, extra):
+    return task.py_func.__name__, tuple(type(e).__name__ if np.isscalar(e) else e for e in extra)
+
+
 def _task_fn(op, elems, rank, attrs):
     """The address of the C callback running one pool item of a node's run
     (``fn(L's address, item)``, as ``KernelContext_ParallelFor`` calls it): compiled
-    (or loaded from numba's disk cache) on first use in the process."""
+    (or loaded from numba's disk cache) on first use in the process, one variant at a
+    time (the others wait on ``_TASK_LOCK``)."""
     task, extra = _variant(op, elems, rank, attrs)
-    key = (task.py_func.__name__, tuple(type(e).__name__ if np.isscalar(e) else e for e in extra))
+    key = _task_key(task, extra)
     with _TASK_LOCK:
         f = _TASK_FNS.get(key)
         if f is None:
-            call = opaque(task)
-
             f = _TASK_FNS[key] = _item_callback(opaque(task), extra)
     return f.address
+
+
+def _compiled_task(op, elems, rank, attrs):
+    """``_task_fn``'s address where that task is compiled in this process already, else 0."""
+    f = _TASK_FNS.get(_task_key(*_variant(op, elems, rank, attrs)))
+    return 0 if f is None else f.address
+
+
+_VARIANTS = []  # a plan's VARIANT - 1 -> _task_fn's arguments
+_VARIANT_IDS = {}
+_VARIANT_LOCK = threading.Lock()  # (not _TASK_LOCK: a plan, under a node's lock, never waits for a compilation)
+
+
+def _variant_id(op, elems, rank, attrs):
+    """The number (from 1) that a plan holds for the task ``_task_fn(op, elems, rank,
+    attrs)``, which ``_compile`` compiles outside the node's lock."""
+    key = (op, tuple(elems), rank, tuple(sorted((k, repr(v)) for k, v in attrs.items())))
+    with _VARIANT_LOCK:
+        i = _VARIANT_IDS.get(key)
+        if i is None:
+            _VARIANTS.append((op, elems, rank, attrs))
+            i = _VARIANT_IDS[key] = len(_VARIANTS)
+    return i
 
 
 def warm_calls(op, dtype):
@@ -519,6 +574,7 @@ class _Node:
         self.S = np.zeros(NS, np.int64)
         self.S[TABLE] = _STATE["table"]
         self.S[REPLAN] = _REPLAN_ADDR
+        self.S[COMPILE] = _COMPILE_ADDR
         self.S[ERRMSG] = ctypes.addressof(_TASK_FAILED)
         self.S[PLANMSG] = ctypes.addressof(_PLAN_FAILED)
         self.S[NIN] = len(self.elems)
@@ -616,8 +672,9 @@ class _Node:
             S[MODE] = EMPTY if not S[A3] else ONE if S[ITEMS] == 1 else POOL
         S[YD] = len(yshape)
         S[YD + 1:YD + 1 + len(yshape)] = yshape
-        if S[MODE] != EMPTY:
-            S[FN] = _task_fn(self.op, self.elems, rank, a)
+        if S[MODE] != EMPTY:  # the task, where it is compiled (else the run compiles it: ``_begin``)
+            S[VARIANT] = _variant_id(self.op, self.elems, rank, a)
+            S[FN] = _compiled_task(self.op, self.elems, rank, a)
         if S[INFLIGHT] == 0:
             self.keep = []
         self.keep.append(keep)
@@ -682,6 +739,25 @@ def _replan(addr):
 
 
 _REPLAN_ADDR = _replan
+
+
+@_callback(ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64)
+def _compile(addr, variant, out):
+    """Compile (or load) the task of the plan's ``variant`` (``_variant_id``), called
+    without the node's lock; its address into the int64 at ``out``. 0 or a status."""
+    try:
+        ctypes.c_int64.from_address(out).value = _task_fn(*_VARIANTS[variant - 1])
+        return 0
+    except BaseException as exc:  # noqa: B036 (an exception escaping a callback is lost)
+        node = _NODES.get(addr)
+        try:
+            record(node.spec, node.text, exc)
+        except BaseException:  # noqa: B036
+            pass
+        return _status(exc) or NO_STATUS
+
+
+_COMPILE_ADDR = _compile
 
 class _OrtCustomOp(ctypes.Structure):
     _fields_ = [("version", ctypes.c_uint32)] + [(f, ctypes.c_void_p) for f in (
