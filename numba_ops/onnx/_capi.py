@@ -25,18 +25,20 @@ How the pieces meet:
   Without a compiler ``library()`` is None and ``reason()`` says why; nodes then
   take the Python route, and ``session`` warns.
 - The C API is a table of function pointers (``OrtApi``); ``API`` names the
-  positions used here, which onnxruntime never moves (new functions are appended).
+  positions used here by onnxruntime's names (``OrtApiSlots``), which onnxruntime
+  never moves (new functions are appended).
   The compiled compute calls them through ``_call`` (an indirect call), so it
   holds no address of this process and numba caches it on disk.
 - Each node is a ``_Node`` whose int64 array ``S`` is the kernel object onnxruntime
   passes back: the input shapes planned for and the plan (thread items, rounds,
-  the kernel's packed parameters, a workspace). A run copies what it needs into an
-  array of its own (``L``: its inputs' and output's addresses, its round), under
-  ``S``'s lock for the few instructions of the copy (and the plan, when the shapes
-  changed), then computes without any lock: concurrent ``run`` calls of one session
-  compute in parallel. The first run takes the node's workspace, a concurrent one
-  allocates its own. Plans that a run in flight may still read are kept until
-  none is.
+  the kernel's packed parameters, a workspace; each op's own words of it, and its
+  inputs, named once: ``DeformConvWords``, ``DeformConvInputs``...). A run copies
+  what it needs into an array of its own (``L``: its inputs' and output's
+  addresses, its round), under ``S``'s lock for the few instructions of the copy
+  (and the plan, when the shapes changed), then computes without any lock:
+  concurrent ``run`` calls of one session compute in parallel. The first run
+  takes the node's workspace, a concurrent one allocates its own. Plans that a
+  run in flight may still read are kept until none is.
 - Each (op, dtypes, rank, mode, padding) variant is a compiled task (``_task_fn``)
   made when the first session needs it, from numba's disk cache after the first
   time. A plan names its task's variant; the run that finds it not compiled yet
@@ -56,6 +58,7 @@ import sys
 import sysconfig
 import tempfile
 import threading
+from typing import NamedTuple
 
 import numpy as np
 from llvmlite import ir
@@ -88,20 +91,30 @@ void *RegisterCustomOps(void *options, const void *api_base) {
 }
 """
 
-#: positions in onnxruntime's OrtApi table (API version 17: KernelContext_ParallelFor)
+class OrtApiSlots(NamedTuple):
+    """The positions of the functions used here in onnxruntime's ``OrtApi`` table, by
+    their names there (onnxruntime_c_api.h; API version 17: KernelContext_ParallelFor).
+    A global of this type is a constant to numba: ``table[API.CreateStatus]``."""
+    CreateStatus: int = 0
+    GetErrorMessage: int = 2
+    CreateCustomOpDomain: int = 26
+    CustomOpDomain_Add: int = 27
+    AddCustomOpDomain: int = 28
+    GetTensorMutableData: int = 51
+    GetDimensionsCount: int = 61
+    GetDimensions: int = 62
+    GetTensorTypeAndShape: int = 65
+    KernelInfoGetAttribute_string: int = 87
+    KernelContext_GetInput: int = 90
+    KernelContext_GetOutput: int = 91
+    ReleaseStatus: int = 93
+    ReleaseTensorTypeAndShapeInfo: int = 99
+    KernelContext_ParallelFor: int = 274
+
+
 API_VERSION = 17
-API = dict(CreateStatus=0, GetErrorMessage=2, CreateCustomOpDomain=26, CustomOpDomain_Add=27, AddCustomOpDomain=28,
-           GetTensorMutableData=51, GetDimensionsCount=61, GetDimensions=62, GetTensorTypeAndShape=65,
-           KernelInfoGetAttribute_string=87, KernelContext_GetInput=90, KernelContext_GetOutput=91,
-           ReleaseStatus=93, ReleaseTensorTypeAndShapeInfo=99, KernelContext_ParallelFor=274)
-API_LEN = max(API.values()) + 1
-# (the positions the compiled code calls, as plain globals: numba freezes them as constants)
-_GET_INPUT, _GET_OUTPUT, _TYPE_AND_SHAPE = API["KernelContext_GetInput"], API["KernelContext_GetOutput"], \
-    API["GetTensorTypeAndShape"]
-_DIMS_COUNT, _GET_DIMS, _RELEASE_INFO = API["GetDimensionsCount"], API["GetDimensions"], \
-    API["ReleaseTensorTypeAndShapeInfo"]
-_DATA, _PARALLEL_FOR, _CREATE_STATUS = API["GetTensorMutableData"], API["KernelContext_ParallelFor"], \
-    API["CreateStatus"]
+API = OrtApiSlots()
+API_LEN = max(API) + 1
 _FAIL = 1  # OrtErrorCode ORT_FAIL
 #: what the planner callback returns where it failed and onnxruntime made no status for its
 #: error: the compiled code makes one of its own (never 0, which would be a success)
@@ -118,18 +131,23 @@ _REQUIRED, _OPTIONAL = 0, 1  # OrtCustomOpInputOutputCharacteristic
 LOCK, INFLIGHT, READY, TABLE, REPLAN, COMPILE, NIN, KEYED, WSBUSY, CFWS, CIWS, ERRMSG, PLANMSG = range(13)
 # the plan, copied into L by each run: the task (0 until it is compiled) and its variant
 # (``_variant_id``), how it runs (``MODE``), items per pool round, DeformConv's rounds and
-# packed vector, workspace words, op-specific integers
+# packed vector, workspace words; then the op's own words (``OPW``: below)
 PLAN0 = 13
-FN, VARIANT, MODE, ITEMS, NSCHED, SCHED, META, NMETA, NFWS, NIWS, A0, A1, A2, A3, A4, A5, A6 = range(PLAN0, PLAN0 + 17)
-PLAN1 = PLAN0 + 17
+FN, VARIANT, MODE, ITEMS, NSCHED, SCHED, META, NMETA, NFWS, NIWS, OPW = range(PLAN0, PLAN0 + 11)
+OP_WORDS = 6
+PLAN1 = OPW + OP_WORDS
 # L only: the round under way, the workspaces' addresses, scratch for the C API's outputs,
 # a task's failure
 N0, RD, FWS, IWS, TMP, TMP2, FAILED = range(PLAN1, PLAN1 + 7)
 MAXIN = 5
 PTR = FAILED + 1  # + i: input i's data; + MAXIN: the output's
-DIMS = PTR + MAXIN + 1  # + 8 * i: input i's rank (-1: absent; 8: more than 7; 9: too many key values) and sizes
-YD = DIMS + 8 * MAXIN  # the output's rank and sizes (part of the plan)
-TDIMS = YD + 8  # sizes read from onnxruntime
+OUT = PTR + MAXIN  # the output's data
+#: the words of an input's shape: its rank (-1: absent; 8: more than 7; 9: too many key
+#: values), then its sizes
+SHAPE_WORDS = 8
+DIMS = OUT + 1  # + SHAPE_WORDS * i: input i's shape
+YD = DIMS + SHAPE_WORDS * MAXIN  # the output's rank and sizes (part of the plan)
+TDIMS = YD + SHAPE_WORDS  # sizes read from onnxruntime
 KEYS = TDIMS + 8  # the keyed inputs' values, input after input (int64)
 #: the keyed inputs' most values, all together (16 levels of 3-D shapes and their starts)
 KEY_MAX = 64
@@ -138,6 +156,102 @@ NS = KEYS + KEY_MAX
 EMPTY, ONE, POOL = range(3)
 #: the most spatial axes of a node here (7 dimensions: ``_inputs`` reads up to 7)
 MAX_RANK = 5
+
+
+def _shape_words(i):
+    return DIMS + SHAPE_WORDS * i
+
+
+#: where input i's data address (``DATA[i]``), rank (``RANK[i]``) and first size
+#: (``SIZES[i]``) are in ``L``; the output's sizes from ``YSIZES``
+DATA = tuple(PTR + i for i in range(MAXIN))
+RANK = tuple(_shape_words(i) for i in range(MAXIN))
+SIZES = tuple(_shape_words(i) + 1 for i in range(MAXIN))
+YSIZES = YD + 1
+
+
+# --- each op: its inputs (ONNX's names, in order) and its words of the plan ----------------
+
+class DeformConvInputs(NamedTuple):
+    X: int = 0
+    W: int = 1
+    offset: int = 2
+    B: int = 3
+    mask: int = 4
+
+
+class DeformConvWords(NamedTuple):
+    how: int  # the launch plan's mode (kernels/cpu/deform_conv: DIRECT, SERIAL, TILED)
+    nf: int  # the float workspace's elements
+    nob: int  # the address of an empty bias (a node without B)
+
+
+class GridSampleInputs(NamedTuple):
+    X: int = 0
+    grid: int = 1
+
+
+class GridSampleWords(NamedTuple):
+    units: int  # segments of output positions (the pool's items share them)
+    align: int  # align_corners
+    grid_size: int  # the grid's elements
+    out_size: int  # the output's elements
+
+
+class AffineWarpInputs(NamedTuple):
+    X: int = 0
+    theta: int = 1
+    size: int = 2  # (keyed)
+
+
+class AffineWarpWords(NamedTuple):
+    units: int
+    align: int
+    out_size: int
+    depth: int  # the output's spatial sizes (depth 1 in 2-D)
+    height: int
+    width: int
+
+
+class AffineGridInputs(NamedTuple):
+    theta: int = 0
+    size: int = 1  # (keyed)
+
+
+class AffineGridWords(NamedTuple):
+    rows: int  # output rows (the pool's items share them)
+    align: int
+    out_size: int
+
+
+class MSDAInputs(NamedTuple):
+    value: int = 0
+    spatial_shapes: int = 1  # (keyed)
+    level_start_index: int = 2  # (keyed)
+    sampling_locations: int = 3
+    attention_weights: int = 4
+
+
+class MSDAWords(NamedTuple):
+    rows: int  # query rows (the pool's items share them)
+    levels: int  # the address of the plan's level table (kernels/_msda.level_table)
+    nlevels: int
+
+
+def _words(block):
+    """The op's words of the plan, from ``OPW`` on (numba freezes the named tuple)."""
+    assert len(block._fields) <= OP_WORDS
+    return block(*range(OPW, OPW + len(block._fields)))
+
+
+DC_IN, DC_W = DeformConvInputs(), _words(DeformConvWords)
+GS_IN, GS_W = GridSampleInputs(), _words(GridSampleWords)
+AW_IN, AW_W = AffineWarpInputs(), _words(AffineWarpWords)
+AG_IN, AG_W = AffineGridInputs(), _words(AffineGridWords)
+MS_IN, MS_W = MSDAInputs(), _words(MSDAWords)
+#: the inputs whose values key an op's plan (a bit per input)
+KEYED_INPUTS = {"AffineGrid": 1 << AG_IN.size, "AffineWarp": 1 << AW_IN.size,
+                MSDA: 1 << MS_IN.spatial_shapes | 1 << MS_IN.level_start_index}
 
 @intrinsic
 def _vp(typingctx, a):
@@ -193,29 +307,29 @@ def _inputs(L, base, nin, keyed, table, ctx):
     0 or an error status."""
     nkey = 0
     for i in range(nin):
-        st = _call(table[_GET_INPUT], (ctx, np.int64(i), base + 8 * TMP))
+        st = _call(table[API.KernelContext_GetInput], (ctx, np.int64(i), base + 8 * TMP))
         if st:
             return st
         v = L[TMP]
-        d0 = DIMS + 8 * i
+        d0 = RANK[i]
         if v == 0:  # an absent optional input
-            L[d0], L[PTR + i] = -1, 0
+            L[d0], L[DATA[i]] = -1, 0
             continue
-        st = _call(table[_TYPE_AND_SHAPE], (v, base + 8 * TMP2))
+        st = _call(table[API.GetTensorTypeAndShape], (v, base + 8 * TMP2))
         if st:
             return st
         info = L[TMP2]
-        _call(table[_DIMS_COUNT], (info, base + 8 * TMP))
+        _call(table[API.GetDimensionsCount], (info, base + 8 * TMP))
         nd = L[TMP]
         if nd > 7:  # no input of these ops: ``plan`` says so
             L[d0] = 8
         else:
-            _call(table[_GET_DIMS], (info, base + 8 * TDIMS, nd))
+            _call(table[API.GetDimensions], (info, base + 8 * TDIMS, nd))
             L[d0] = nd
             for k in range(nd):
                 L[d0 + 1 + k] = L[TDIMS + k]
-        _call(table[_RELEASE_INFO], (info,))
-        st = _call(table[_DATA], (v, base + 8 * (PTR + i)))
+        _call(table[API.ReleaseTensorTypeAndShapeInfo], (info,))
+        st = _call(table[API.GetTensorMutableData], (v, base + 8 * DATA[i]))
         if st:
             return st
         if (keyed >> i) & 1 and nd <= 7:  # the values decide the work: they key the plan
@@ -225,7 +339,7 @@ def _inputs(L, base, nin, keyed, table, ctx):
             if nkey + count > KEY_MAX:
                 L[d0] = 9  # (``plan`` says what is wrong)
             else:
-                vals = carray(_vp(L[PTR + i]), (count,), np.int64)
+                vals = carray(_vp(L[DATA[i]]), (count,), np.int64)
                 for k in range(count):
                     L[KEYS + nkey + k] = vals[k]
                 nkey += count
@@ -242,7 +356,7 @@ def _lock(sbase):
 def _failure(st, S, table):
     """The status a run fails with where a callback returned ``st`` (not 0)."""
     if st == NO_STATUS:
-        return _call(table[_CREATE_STATUS], (np.int64(_FAIL), S[PLANMSG]))
+        return _call(table[API.CreateStatus], (np.int64(_FAIL), S[PLANMSG]))
     return st
 
 
@@ -260,7 +374,7 @@ def _begin(S, sbase, L, lbase, table, ctx):
     while True:
         _lock(sbase)
         same = S[READY] != 0
-        for k in range(DIMS, DIMS + 8 * nin):
+        for k in range(DIMS, DIMS + SHAPE_WORDS * nin):
             if S[k] != L[k]:
                 S[k] = L[k]
                 same = False
@@ -289,7 +403,7 @@ def _begin(S, sbase, L, lbase, table, ctx):
         _swap(sbase + 8 * LOCK, np.int64(0))
     for k in range(PLAN0, PLAN1):
         L[k] = S[k]
-    for k in range(YD, YD + 8):
+    for k in range(YD, YD + SHAPE_WORDS):
         L[k] = S[k]
     L[FWS] = L[IWS] = 0
     if L[NFWS] + L[NIWS] > 0 and S[WSBUSY] == 0:  # the node's workspace, else the run's own
@@ -304,15 +418,15 @@ def _begin(S, sbase, L, lbase, table, ctx):
 def _exec(L, lbase, table, ctx, fw, iw):
     """The output, then the plan's items on onnxruntime's pool; 0 or an error status.
     ``fw``/``iw``: the run's own workspaces where it has not the node's."""
-    st = _call(table[_GET_OUTPUT], (ctx, np.int64(0), lbase + 8 * (YD + 1), L[YD], lbase + 8 * TMP))
+    st = _call(table[API.KernelContext_GetOutput], (ctx, np.int64(0), lbase + 8 * YSIZES, L[YD], lbase + 8 * TMP))
     if st:
         return st
-    st = _call(table[_DATA], (L[TMP], lbase + 8 * (PTR + MAXIN)))
+    st = _call(table[API.GetTensorMutableData], (L[TMP], lbase + 8 * OUT))
     if st or L[MODE] == EMPTY:
         return st
     if L[FWS] == 0 and L[NFWS] + L[NIWS] > 0:
         L[FWS], L[IWS] = fw.ctypes.data, iw.ctypes.data
-    pf = table[_PARALLEL_FOR]
+    pf = table[API.KernelContext_ParallelFor]
     if L[MODE] == ONE:  # (ParallelFor runs a single item in place)
         return _call(pf, (ctx, L[FN], np.int64(1), np.int64(0), lbase))
     if L[NSCHED] == 0:
@@ -344,7 +458,7 @@ def _compute(kernel, ctx):
     iw = np.empty(L[NIWS] if own else 0, np.int64)
     st = _exec(L, lbase, table, c, fw, iw)
     if st == 0 and L[FAILED]:  # a task raised (never expected: the plan checked the inputs)
-        st = _call(table[_CREATE_STATUS], (np.int64(_FAIL), S[ERRMSG]))
+        st = _call(table[API.CreateStatus], (np.int64(_FAIL), S[ERRMSG]))
     if took:
         _swap(sbase + 8 * WSBUSY, np.int64(0))
     _add(sbase + 8 * INFLIGHT, np.int64(-1))
@@ -379,68 +493,72 @@ def _arr_ol(p, shape, z):
 @njit(**INTERNAL)
 def _grid_sample_task(usr, th, xz, gz, xtok, mtok, ptok):
     L = carray(usr, (NS,), np.int64)
-    x = _arr(L[PTR], _dims(L, DIMS + 1, xtok), xz)
-    xf = _arr(L[PTR], (x.size,), xz)
-    gf = _arr(L[PTR + 1], (L[A2],), gz)
-    out = _arr(L[PTR + MAXIN], (L[A3],), xz)
-    gs.units_task(x, xf, gf, out, mtok, ptok, L[A1] != 0, gz, th, L[ITEMS], L[A0])
+    x = _arr(L[DATA[GS_IN.X]], _dims(L, SIZES[GS_IN.X], xtok), xz)
+    xf = _arr(L[DATA[GS_IN.X]], (x.size,), xz)
+    gf = _arr(L[DATA[GS_IN.grid]], (L[GS_W.grid_size],), gz)
+    out = _arr(L[OUT], (L[GS_W.out_size],), xz)
+    gs.units_task(x, xf, gf, out, mtok, ptok, L[GS_W.align] != 0, gz, th, L[ITEMS], L[GS_W.units])
 
 
 @njit(**INTERNAL)
 def _affine_warp_task(usr, th, xz, tz, xtok, mtok, ptok):
     L = carray(usr, (NS,), np.int64)
-    x = _arr(L[PTR], _dims(L, DIMS + 1, xtok), xz)
-    xf = _arr(L[PTR], (x.size,), xz)
+    x = _arr(L[DATA[AW_IN.X]], _dims(L, SIZES[AW_IN.X], xtok), xz)
+    xf = _arr(L[DATA[AW_IN.X]], (x.size,), xz)
     r = x.ndim - 2
-    theta = _arr(L[PTR + 1], (x.shape[0], r, r + 1), tz)
-    out = _arr(L[PTR + MAXIN], (L[A3],), xz)
-    aw.units_task(x, xf, theta, out, L[A2], L[A4], L[A5], mtok, ptok, L[A1] != 0, tz, th, L[ITEMS], L[A0])
+    theta = _arr(L[DATA[AW_IN.theta]], (x.shape[0], r, r + 1), tz)
+    out = _arr(L[OUT], (L[AW_W.out_size],), xz)
+    aw.units_task(x, xf, theta, out, L[AW_W.depth], L[AW_W.height], L[AW_W.width], mtok, ptok, L[AW_W.align] != 0,
+                  tz, th, L[ITEMS], L[AW_W.units])
 
 
 @njit(**INTERNAL)
 def _affine_grid_2d_task(usr, th, tz):
     L = carray(usr, (NS,), np.int64)
-    theta = _arr(L[PTR], (L[DIMS + 1], 2, 3), tz)
-    grid = _arr(L[PTR + MAXIN], (L[YD + 1], L[YD + 2], L[YD + 3], 2), tz)
-    ag.rows_task(theta, grid, 1, L[YD + 2], L[YD + 3], L[A1] != 0, as_compute(tz, 1), th, L[ITEMS], L[A0])
+    theta = _arr(L[DATA[AG_IN.theta]], (L[SIZES[AG_IN.theta]], 2, 3), tz)
+    grid = _arr(L[OUT], (L[YSIZES], L[YSIZES + 1], L[YSIZES + 2], 2), tz)
+    ag.rows_task(theta, grid, 1, L[YSIZES + 1], L[YSIZES + 2], L[AG_W.align] != 0, as_compute(tz, 1), th, L[ITEMS],
+                 L[AG_W.rows])
 
 
 @njit(**INTERNAL)
 def _affine_grid_3d_task(usr, th, tz):
     L = carray(usr, (NS,), np.int64)
-    theta = _arr(L[PTR], (L[DIMS + 1], 3, 4), tz)
-    grid = _arr(L[PTR + MAXIN], (L[A3],), tz)
-    ag.rows_task(theta, grid, L[YD + 2], L[YD + 3], L[YD + 4], L[A1] != 0, as_compute(tz, 1), th, L[ITEMS], L[A0])
+    theta = _arr(L[DATA[AG_IN.theta]], (L[SIZES[AG_IN.theta]], 3, 4), tz)
+    grid = _arr(L[OUT], (L[AG_W.out_size],), tz)
+    ag.rows_task(theta, grid, L[YSIZES + 1], L[YSIZES + 2], L[YSIZES + 3], L[AG_W.align] != 0, as_compute(tz, 1), th,
+                 L[ITEMS], L[AG_W.rows])
 
 
 @njit(**INTERNAL)
 def _ms_deform_attn_task(usr, th, z):
     L = carray(usr, (NS,), np.int64)
-    d, dl, da = DIMS + 1, DIMS + 8 * 3 + 1, DIMS + 8 * 4 + 1  # value's, sampling_locations', attention_weights'
-    v = _arr(L[PTR], (L[d], L[d + 1], L[d + 2], L[d + 3]), z)
-    loc = _arr(L[PTR + 3], (L[dl], L[dl + 1], L[dl + 2], L[dl + 3], L[dl + 4], L[dl + 5]), z)
-    attn = _arr(L[PTR + 4], (L[da], L[da + 1], L[da + 2], L[da + 3], L[da + 4]), z)
-    levels = carray(_vp(L[A1]), (L[A2], 3), np.int64)  # the plan's (L, 3) table, innermost first
-    starts = carray(_vp(L[PTR + 2]), (L[A2],), np.int64)
-    out = _arr(L[PTR + MAXIN], (v.shape[0], loc.shape[1], v.shape[2], v.shape[3]), z)
-    msda.rows_task(v, levels, starts, loc, attn, out, as_compute(z, 1), th, L[ITEMS], L[A0])
+    d, dl, da = SIZES[MS_IN.value], SIZES[MS_IN.sampling_locations], SIZES[MS_IN.attention_weights]
+    v = _arr(L[DATA[MS_IN.value]], (L[d], L[d + 1], L[d + 2], L[d + 3]), z)
+    loc = _arr(L[DATA[MS_IN.sampling_locations]], (L[dl], L[dl + 1], L[dl + 2], L[dl + 3], L[dl + 4], L[dl + 5]), z)
+    attn = _arr(L[DATA[MS_IN.attention_weights]], (L[da], L[da + 1], L[da + 2], L[da + 3], L[da + 4]), z)
+    levels = carray(_vp(L[MS_W.levels]), (L[MS_W.nlevels], 3), np.int64)  # the plan's table, innermost first
+    starts = carray(_vp(L[DATA[MS_IN.level_start_index]]), (L[MS_W.nlevels],), np.int64)
+    out = _arr(L[OUT], (v.shape[0], loc.shape[1], v.shape[2], v.shape[3]), z)
+    msda.rows_task(v, levels, starts, loc, attn, out, as_compute(z, 1), th, L[ITEMS], L[MS_W.rows])
 
 
 @njit(**INTERNAL)
 def _deform_conv_task(usr, th, z, xtok):
     L = carray(usr, (NS,), np.int64)
-    x = _arr(L[PTR], _dims(L, DIMS + 1, xtok), z)
-    w = _arr(L[PTR + 1], _dims(L, DIMS + 9, xtok), z)
-    off = _arr(L[PTR + 2], _dims(L, DIMS + 17, xtok), z)
-    b = _arr(L[PTR + 3] if L[PTR + 3] else L[A2], (L[DIMS + 25] if L[PTR + 3] else 0,), z)
+    x = _arr(L[DATA[DC_IN.X]], _dims(L, SIZES[DC_IN.X], xtok), z)
+    w = _arr(L[DATA[DC_IN.W]], _dims(L, SIZES[DC_IN.W], xtok), z)
+    off = _arr(L[DATA[DC_IN.offset]], _dims(L, SIZES[DC_IN.offset], xtok), z)
+    pb = L[DATA[DC_IN.B]]
+    b = _arr(pb if pb else L[DC_W.nob], (L[SIZES[DC_IN.B]] if pb else 0,), z)
     m = off  # (never read without a mask)
-    if L[PTR + 4]:
-        m = _arr(L[PTR + 4], _dims(L, DIMS + 33, xtok), z)
-    y = _arr(L[PTR + MAXIN], _dims(L, YD + 1, xtok), z)
+    if L[DATA[DC_IN.mask]]:
+        m = _arr(L[DATA[DC_IN.mask]], _dims(L, SIZES[DC_IN.mask], xtok), z)
+    y = _arr(L[OUT], _dims(L, YSIZES, xtok), z)
     meta = carray(_vp(L[META]), (L[NMETA],), np.int64)
-    how = L[A0]
+    how = L[DC_W.how]
     if how == dc.TILED:
-        fws = _arr(L[FWS], (L[A1],), z)
+        fws = _arr(L[FWS], (L[DC_W.nf],), z)
         iws = carray(_vp(L[IWS]), (L[NIWS],), np.int64)
         dc.task(x, w, off, m, b, y, meta, fws, iws, th, L[RD], L[N0])
     else:
@@ -578,8 +696,8 @@ class _Node:
         self.S[ERRMSG] = ctypes.addressof(_TASK_FAILED)
         self.S[PLANMSG] = ctypes.addressof(_PLAN_FAILED)
         self.S[NIN] = len(self.elems)
-        self.S[KEYED] = {"AffineGrid": 1 << 1, "AffineWarp": 1 << 2, MSDA: 1 << 1 | 1 << 2}.get(self.op, 0)
-        self.S[DIMS:YD:8] = -2  # nothing seen yet
+        self.S[KEYED] = KEYED_INPUTS.get(self.op, 0)
+        self.S[DIMS:YD:SHAPE_WORDS] = -2  # nothing seen yet
         self.nob = np.empty(0, self.dtypes[0])
         self.keep = []  # what the plans that runs may still read point into
 
@@ -588,7 +706,7 @@ class _Node:
         input index, arrays of their shapes)."""
         S, out, values, nkey = self.S, [], {}, 0
         for i in range(len(self.elems)):
-            d0 = DIMS + 8 * i
+            d0 = RANK[i]
             nd = int(S[d0])
             if nd == 8:
                 raise ValueError(f"input {i} of {self.op} has more than 7 dimensions")
@@ -620,7 +738,7 @@ class _Node:
                 raise ValueError(f"X must have at most {MAX_RANK} spatial dims here; got shape {x.shape}")
             st = state(x, w, p)
             lp = dc.plan(st, x, w, m is not None, b is not None, self.spec.pool)
-            yshape, rank, S[A0], S[A2] = st.yshape, x.ndim - 2, lp.mode, self.nob.ctypes.data
+            yshape, rank, S[DC_W.how], S[DC_W.nob] = st.yshape, x.ndim - 2, lp.mode, self.nob.ctypes.data
             S[MODE] = EMPTY if lp.mode == dc.EMPTY else POOL if lp.mode == dc.TILED else ONE
             if lp.meta is not None:
                 keep.append(lp.meta)
@@ -631,47 +749,53 @@ class _Node:
                 fws, iws = np.empty(max(1, t.nf), np.int64), np.empty(max(1, t.ni), np.int64)
                 keep += [sched, fws, iws]
                 S[SCHED], S[NSCHED], S[ITEMS] = sched.ctypes.data, sched.size // 2, t.plan.nth
-                S[A1], S[NFWS], S[NIWS] = t.nf, fws.size, iws.size
+                S[DC_W.nf], S[NFWS], S[NIWS] = t.nf, fws.size, iws.size
                 S[CFWS], S[CIWS] = fws.ctypes.data, iws.ctypes.data
         elif self.op == MSDA:
-            value, loc, attn = (dummy(shapes[i], self.dtypes[i]) for i in (0, 3, 4))
-            *_, yshape = ms_deform_attn_checked(value, values[1], values[2], loc, attn, "cpu")
+            value, loc, attn = (dummy(shapes[i], self.dtypes[i])
+                                for i in (MS_IN.value, MS_IN.sampling_locations, MS_IN.attention_weights))
+            level_shapes, starts = values[MS_IN.spatial_shapes], values[MS_IN.level_start_index]
+            *_, yshape = ms_deform_attn_checked(value, level_shapes, starts, loc, attn, "cpu")
             _, work, rows = msda.launch_plan(value.shape, loc.shape)
-            levels = msda.level_table(values[1])
+            levels = msda.level_table(level_shapes)
             keep.append(levels)
             rank = 0  # (one task for every rank)
             S[ITEMS] = pool_items(work, rows, self.spec.pool)
-            S[A0], S[A1], S[A2] = rows, levels.ctypes.data, levels.shape[0]
+            S[MS_W.rows], S[MS_W.levels], S[MS_W.nlevels] = rows, levels.ctypes.data, levels.shape[0]
             S[MODE] = EMPTY if not int(np.prod(yshape)) else ONE if S[ITEMS] == 1 else POOL
         elif self.op == "AffineGrid":
-            theta = shapes[0]
-            mode_args = affine_grid_checked(dummy(theta, self.dtypes[0]), values[1].tolist(),
+            theta = shapes[AG_IN.theta]
+            mode_args = affine_grid_checked(dummy(theta, self.dtypes[AG_IN.theta]), values[AG_IN.size].tolist(),
                                             a.get("align_corners") or 0)
             yshape, work, rows = ag.launch_plan(mode_args[1])
             rank = len(yshape) - 2
             S[ITEMS] = pool_items(work, rows, self.spec.pool)
-            S[A0], S[A1], S[A3] = rows, mode_args[2], int(np.prod(yshape))
+            S[AG_W.rows], S[AG_W.align], S[AG_W.out_size] = rows, mode_args[2], int(np.prod(yshape))
             S[MODE] = EMPTY if not work else ONE if S[ITEMS] == 1 else POOL
         else:
             mode, padding, align = _sample_attrs(a)
-            x, other = dummy(shapes[0], self.dtypes[0]), dummy(shapes[1], self.dtypes[1])
+            xi, oi = (GS_IN.X, GS_IN.grid) if self.op == "GridSample" else (AW_IN.X, AW_IN.theta)
+            x, other = dummy(shapes[xi], self.dtypes[xi]), dummy(shapes[oi], self.dtypes[oi])
             if self.op == "GridSample":
                 *_, (mcode, _, align), yshape = grid_sample_checked(x, other, mode, padding, align, "cpu")
                 yshape, work, units = gs.launch_plan(x.shape, other.shape, mcode)
-                S[A2] = other.size
+                S[GS_W.units], S[GS_W.align], S[GS_W.grid_size] = units, align, other.size
             else:
-                size = values[2].reshape(-1).tolist()  # (as the Python route reads it)
+                size = values[AW_IN.size].reshape(-1).tolist()  # (as the Python route reads it)
                 if len(size) >= 2 and x.ndim >= 2:
                     size[1] = x.shape[1]  # (AffineGrid's C is ignored: X's)
                 *_, (mcode, _, align), yshape = affine_warp_checked(x, other, size, mode, padding, align, "cpu")
                 work, units = aw.launch_plan(x.shape, yshape, mcode)
-                S[A2], S[A4], S[A5] = yshape[2] if len(yshape) == 5 else 1, yshape[-2], yshape[-1]
+                S[AW_W.units], S[AW_W.align] = units, align
+                S[AW_W.depth], S[AW_W.height], S[AW_W.width] = yshape[2] if len(yshape) == 5 else 1, yshape[-2], \
+                    yshape[-1]
             rank = x.ndim - 2
             S[ITEMS] = pool_items(work, units, self.spec.pool)
-            S[A0], S[A1], S[A3] = units, align, int(np.prod(yshape))
-            S[MODE] = EMPTY if not S[A3] else ONE if S[ITEMS] == 1 else POOL
+            size = int(np.prod(yshape))
+            S[GS_W.out_size if self.op == "GridSample" else AW_W.out_size] = size
+            S[MODE] = EMPTY if not size else ONE if S[ITEMS] == 1 else POOL
         S[YD] = len(yshape)
-        S[YD + 1:YD + 1 + len(yshape)] = yshape
+        S[YSIZES:YSIZES + len(yshape)] = yshape
         if S[MODE] != EMPTY:  # the task, where it is compiled (else the run compiles it: ``_begin``)
             S[VARIANT] = _variant_id(self.op, self.elems, rank, a)
             S[FN] = _compiled_task(self.op, self.elems, rank, a)
@@ -708,7 +832,7 @@ def _callback(restype, *argtypes):
 
 def _fn(name, restype, *argtypes):
     return ctypes.CFUNCTYPE(restype, *argtypes)(ctypes.cast(_STATE["table"], ctypes.POINTER(ctypes.c_void_p))
-                                                [API[name]])
+                                                [getattr(API, name)])
 
 
 def _status(exc):
