@@ -13,7 +13,8 @@ channel-last (``xT``, spatial x C), and per tile of ``tile(...)`` output positio
    is skipped) go into a table, then over the offset group's channels at once:
    ``col = mask * S`` (for W's gradient), ``grad_mask = sum_c gcol * S`` and
    ``grad_offset_i = mask * sum_c gcol * dS/dpos_i``, the derivative from ``floor``
-   of the position (``_sample.grad_taps_at``, shared with GridSample and CUDA);
+   of the position (the taps: ``_sample.linear_at``, GridSample's, under zeros
+   padding);
 3. ``grad_W_g += grad_y[n, g, :, tile] @ col_g`` (a GEMM);
 4. ``_scatter`` (parallel over blocks of channels): ``grad_xT[corner, c] += gcol *
    mask * weight`` from the table, each block's channels one thread's, so no two
@@ -33,15 +34,25 @@ tile of positions (``TILE_BYTES`` each), the corner table (``og * K * tile * 2**
 entries), ``x`` and ``grad_x`` of one image channel-last, and float32 copies of
 16-bit inputs (computed in float32, rounded once). The rank is a compile-time
 token; groups and wants are runtime values.
+
+Compile time: each pass is a function of its own over a range of its units
+(``_gy_rows``, ``_gcol``, ``_columns``, ``_gw``, ``_scatter``), called through its
+own compiled code (``_opaque``) by ``_part``, which picks the pass; the serial
+entry runs every unit, the parallel one deals them into a few runs per thread in
+one ``prange`` loop. So a call compiles each pass once, outside numba's parfor
+passes, and one small parallel loop (four parallel kernels, each with a serial
+twin, took 13.8 s to compile for a 2-D float32 call; this 6.8 s), and each run
+allocates its scratch once.
 """
 import numpy as np
 from numba import njit, prange
 
 from .._dtypes import NAMES, compute
-from .._sample import LINEAR, ZEROS, grad_taps_at
+from .._sample import ZEROS, linear_at
 from .._scalar import split_position
 from . import _runtime
 from ._blas import ONE_THREAD, gemm_nn, gemm_tn
+from ._opaque import INTERNAL, opaque
 
 DTYPES = NAMES  # the dtypes these kernels take (the dispatcher checks them)
 
@@ -58,15 +69,19 @@ def tile(P, rows, itemsize):
     return int(max(1, min(P, max(64, TILE_BYTES // max(1, rows * itemsize)))))
 
 
-@njit(cache=True, parallel=True, nogil=True)
-def _columns(xT, off, msk, gcol, col, gmask, goff, cidx, cw, geo, n, p0, T, ndt, want_w, want_off, want_m, zero):
-    """Pass 2 for positions ``p0:p0+T`` of image ``n``; ``xT`` the image channel-last
-    (S x C). ``geo`` (int64): nd, C, og, K, P, S, G, then per axis (outermost first)
-    size, stride of x, output size, conv stride, pad begin, dilation, kernel size;
-    ``ndt`` a tuple of nd entries (nd is a constant where this compiles, so the
-    corner loops unroll). Fills the corner table ``cidx``/``cw`` (og*K*T rows of
-    2**nd: spatial index or -1 outside, weight), ``col`` (G*T*RW) and writes
-    ``gmask`` (N*og*K*P) and ``goff`` (N*og*K*nd*P)."""
+@njit(**INTERNAL)
+def _columns(u0, u1, xT, off, msk, gcol, col, gmask, goff, cidx, cw, geo, at, ndt, wants, zero):
+    """Pass 2, units ``u0:u1`` (a unit: ``UNIT`` positions of one offset group and
+    kernel point) of the tile ``at`` (image ``n``, positions ``p0:p0+T``); ``xT`` the
+    image channel-last (S x C). ``geo`` (int64): nd, C, og, K, P, S, G, then per axis
+    (outermost first) size, stride of x, output size, conv stride, pad begin,
+    dilation, kernel size; ``ndt`` a tuple of nd entries (nd is a constant where this
+    compiles, so the corner loops unroll); ``wants``: W's, the offsets' and the mask's
+    gradients. Fills the corner table ``cidx``/``cw`` (og*K*T rows of 2**nd: spatial
+    index or -1 outside, weight), ``col`` (G*T*RW) and writes ``gmask`` (N*og*K*P)
+    and ``goff`` (N*og*K*nd*P)."""
+    n, p0, T = at
+    want_w, want_off, want_m = wants
     nd = len(ndt)
     C, og, K, P, G = geo[1], geo[2], geo[3], geo[4], geo[6]
     one = zero + 1
@@ -77,27 +92,27 @@ def _columns(xT, off, msk, gcol, col, gmask, goff, cidx, cw, geo, n, p0, T, ndt,
     RW = K * Cg
     nu = (T + UNIT - 1) // UNIT
     want_gcol = want_off or want_m
-    for u in prange(og * K * nu):
+    fr = np.empty(nd, type(zero))  # the upper corner's weight per axis
+    dwt = np.empty(NC * nd, type(zero))  # per corner: d weight / d pos_a
+    s = np.empty(Cog, type(zero))  # per channel: the sample ...
+    ds = np.zeros((nd, Cog), type(zero))  # ... and its derivatives
+    gs = np.empty(nd, type(zero))  # the offsets' gradient sums
+    lo = np.empty(nd, np.int64)
+    hi = np.empty(nd, np.int64)
+    oklo = np.empty(nd, np.bool_)
+    okhi = np.empty(nd, np.bool_)
+    pre = np.empty(nd, type(zero))
+    kofs = np.empty(nd, np.int64)
+    oi = np.empty(nd, np.int64)
+    for u in range(u0, u1):
         gk = u // nu
         q0 = (u - gk * nu) * UNIT
         q1 = min(T, q0 + UNIT)
         g = gk // K
         k = gk - g * K
-        fr = np.empty(nd, type(zero))  # the upper corner's weight per axis
-        dwt = np.empty(NC * nd, type(zero))  # per corner: d weight / d pos_a
-        s = np.empty(Cog, type(zero))  # per channel: the sample ...
-        ds = np.zeros((nd, Cog), type(zero))  # ... and its derivatives
-        gs = np.empty(nd, type(zero))  # the offsets' gradient sums
-        lo = np.empty(nd, np.int64)
-        hi = np.empty(nd, np.int64)
-        oklo = np.empty(nd, np.bool_)
-        okhi = np.empty(nd, np.bool_)
-        pre = np.empty(nd, type(zero))
         # per axis: the kernel point's offset from the output position (its index times
         # the dilation, less the pad), and the output index of the unit's first position,
         # advanced position by position below (no divisions in the loop)
-        kofs = np.empty(nd, np.int64)
-        oi = np.empty(nd, np.int64)
         rem = p0 + q0
         kr = k
         for a in range(nd - 1, -1, -1):
@@ -126,8 +141,8 @@ def _columns(xT, off, msk, gcol, col, gmask, goff, cidx, cw, geo, n, p0, T, ndt,
                 if not near:  # huge: outside, every corner 0
                     i = np.int64(-2)
                     frac = zero
-                t0, t1, _, _, _, _, _, _, _, _, _, _, ok0, ok1, _, _ = grad_taps_at(
-                    LINEAR, i, frac, fa, geo[b], np.int64(0), ZEROS, False, zero)
+                # the two linear taps under zeros padding: the forward's (and grad_taps_at's)
+                t0, t1, _, _, ok0, ok1 = linear_at(i, frac, fa, geo[b], np.int64(0), ZEROS, False, zero)
                 finite &= fa
                 fr[a] = frac
                 lo[a] = t0 * geo[b + 1]
@@ -186,17 +201,17 @@ def _columns(xT, off, msk, gcol, col, gmask, goff, cidx, cw, geo, n, p0, T, ndt,
                 gc = cc // Cg
                 c1 = min(Cog, c0 + (gc + 1) * Cg - cc)
                 rb = np.uint64((gc * T + q) * RW + k * Cg + (cc - gc * Cg) - c0)
-                u0, u1 = np.uint64(c0), np.uint64(c1)
+                u0c, u1c = np.uint64(c0), np.uint64(c1)
                 if want_w:
-                    for c in range(u0, u1):
+                    for c in range(u0c, u1c):
                         col[rb + c] = m * s[c]
                 if want_gcol:
-                    for c in range(u0, u1):
+                    for c in range(u0c, u1c):
                         sm += gcol[rb + c] * s[c]
                     if want_off:
                         for a in range(nd):
                             acc = zero
-                            for c in range(u0, u1):
+                            for c in range(u0c, u1c):
                                 acc += gcol[rb + c] * ds[a, c]
                             gs[a] += acc
                 c0 = c1
@@ -207,24 +222,24 @@ def _columns(xT, off, msk, gcol, col, gmask, goff, cidx, cw, geo, n, p0, T, ndt,
                     goff[(((n * og + g) * K + k) * nd + a) * P + p] = m * gs[a] if finite else nan
 
 
-@njit(cache=True, parallel=True, nogil=True)
-def _scatter(gxT, gcol, msk, cidx, cw, blocks, geo, n, p0, T, ndt, one):
-    """Pass 4: ``grad_xT[corner, c] += gcol * mask * weight`` over the table's corners,
-    a block of channels (``blocks``: starts and ends, within one conv group and one
-    offset group) per thread at a time."""
+@njit(**INTERNAL)
+def _scatter(b0, b1, gxT, gcol, msk, cidx, cw, blocks, geo, at, ndt, one):
+    """Pass 4, blocks ``b0:b1``: ``grad_xT[corner, c] += gcol * mask * weight`` over the
+    table's corners, a block of channels (``blocks``: starts and ends, at most ``BLOCK``,
+    within one conv group and one offset group) at a time."""
+    n, p0, T = at
     nd = len(ndt)
     C, og, K, P, G = geo[1], geo[2], geo[3], geo[4], geo[6]
     NC = 1 << nd
     Cog = C // og
     Cg = C // G
     RW = K * Cg
-    nb = blocks.size // 2
-    for bi in prange(nb):
+    gv = np.empty(BLOCK, gcol.dtype)
+    for bi in range(b0, b1):
         c0 = blocks[2 * bi]
         c1 = blocks[2 * bi + 1]
         g = c0 // Cog
         gc = c0 // Cg
-        gv = np.empty(c1 - c0, gcol.dtype)
         nbc = np.uint64(c1 - c0)
         for k in range(K):
             gk = g * K + k
@@ -244,29 +259,40 @@ def _scatter(gxT, gcol, msk, cidx, cw, blocks, geo, n, p0, T, ndt, one):
                         gxT[xb + c] += wv * gv[c]
 
 
-@njit(cache=True, parallel=True, nogil=True)
-def _gcol(gyf, gyT, wTT, gcol, dims, n, p0, T):
-    """Pass 1: ``gcol[g, q, (k, c)] = sum_oc grad_y[n, g, oc, p0 + q] W[g, oc, c, k]``,
-    one BLAS call per group and 64 positions. ``dims``: oC, P, G, oCg, RW."""
-    oC, P, G, oCg, RW = dims[0], dims[1], dims[2], dims[3], dims[4]
-    for q in prange(T):  # grad_y's tile with the channels innermost (the GEMM's reduction axis)
+@njit(**INTERNAL)
+def _gy_rows(q0, q1, gyf, gyT, dims, at):
+    """Pass 1's first half, positions ``q0:q1`` of the tile: grad_y with the channels
+    innermost (the GEMM's reduction axis). ``dims``: oC, P, G, oCg, RW."""
+    n, p0, _ = at
+    oC, P = dims[0], dims[1]
+    for q in range(q0, q1):
         for oc in range(oC):
             gyT[q * oC + oc] = gyf[(n * oC + oc) * P + p0 + q]
+
+
+@njit(**INTERNAL)
+def _gcol(u0, u1, wTT, gyT, gcol, dims, at):
+    """Pass 1, GEMMs ``u0:u1`` (one per group and 64 positions): ``gcol[g, q, (k, c)] =
+    sum_oc grad_y[n, g, oc, p0 + q] W[g, oc, c, k]``."""
+    T = at[2]
+    oC, G, oCg, RW = dims[0], dims[2], dims[3], dims[4]
     nq = (T + 63) // 64
-    for u in prange(G * nq):
+    for u in range(u0, u1):
         g = u // nq
         q0 = (u - g * nq) * 64
         gemm_tn(wTT, g * RW * oCg, oCg, gyT, q0 * oC + g * oCg, oC, gcol, (g * T + q0) * RW, RW,
                 RW, min(64, T - q0), oCg)
 
 
-@njit(cache=True, parallel=True, nogil=True)
-def _gw(gyf, col, gw, tmp, dims, n, p0, T):
-    """Pass 3: ``grad_W[g, oc, (k, c)] += sum_q grad_y[n, g, oc, p0 + q] col[g, q, (k, c)]``,
-    one BLAS call per group and 16 output channels into ``tmp``, then added (a fixed order)."""
-    oC, P, G, oCg, RW = dims[0], dims[1], dims[2], dims[3], dims[4]
+@njit(**INTERNAL)
+def _gw(u0, u1, gyf, col, gw, tmp, dims, at):
+    """Pass 3, GEMMs ``u0:u1`` (one per group and 16 output channels): ``grad_W[g, oc, (k, c)]
+    += sum_q grad_y[n, g, oc, p0 + q] col[g, q, (k, c)]``, into ``tmp``, then added (a fixed
+    order)."""
+    n, p0, T = at
+    oC, P, oCg, RW = dims[0], dims[1], dims[3], dims[4]
     no = (oCg + 15) // 16
-    for u in prange(G * no):
+    for u in range(u0, u1):
         g = u // no
         o0 = (u - g * no) * 16
         nn = min(16, oCg - o0)
@@ -276,10 +302,53 @@ def _gw(gyf, col, gw, tmp, dims, n, p0, T):
             gw[i] += tmp[i]
 
 
-_columns_serial = _runtime.serial_twin(_columns)
-_scatter_serial = _runtime.serial_twin(_scatter)
-_gcol_serial = _runtime.serial_twin(_gcol)
-_gw_serial = _runtime.serial_twin(_gw)
+_columns_op, _scatter_op, _gy_rows_op, _gcol_op, _gw_op = (opaque(f) for f in (_columns, _scatter, _gy_rows, _gcol,
+                                                                              _gw))
+
+#: the passes of a tile, in order (the units each shares out: positions, GEMMs, units of
+#: ``_columns``, GEMMs, blocks of channels)
+GY_ROWS, GCOL, COLUMNS, GW, SCATTER = range(5)
+
+
+@njit(**INTERNAL)
+def _part(phase, u0, u1, ins, bufs, outs, geo, dims, blocks, at, ndt, wants, zero):
+    """Units ``u0:u1`` of the tile's pass ``phase``. ``ins``: xT, offsets, mask, grad_y,
+    W as the GEMM's B (all flat); ``bufs``: gyT, gcol, col, tmp, cidx, cw, gxT; ``outs``:
+    the flat gradients of W, the mask and the offsets."""
+    xT, off, msk, gyf, wTT = ins
+    gyT, gcol, col, tmp, cidx, cw, gxT = bufs
+    gw, gmask, goff = outs
+    if phase == GY_ROWS:
+        _gy_rows_op(u0, u1, gyf, gyT, dims, at)
+    elif phase == GCOL:
+        _gcol_op(u0, u1, wTT, gyT, gcol, dims, at)
+    elif phase == COLUMNS:
+        _columns_op(u0, u1, xT, off, msk, gcol, col, gmask, goff, cidx, cw, geo, at, ndt, wants, zero)
+    elif phase == GW:
+        _gw_op(u0, u1, gyf, col, gw, tmp, dims, at)
+    else:
+        _scatter_op(u0, u1, gxT, gcol, msk, cidx, cw, blocks, geo, at, ndt, zero + 1)
+
+
+#: one compiled pass for every phase (``_part`` through its own code: the entries compile
+#: only their loops)
+_part_op = opaque(_part)
+
+
+@njit(cache=True, nogil=True)
+def _serial(phase, units, ins, bufs, outs, geo, dims, blocks, at, ndt, wants, zero):
+    _part_op(phase, 0, units, ins, bufs, outs, geo, dims, blocks, at, ndt, wants, zero)
+
+
+@njit(cache=True, parallel=True, nogil=True)
+def _parallel(phase, units, ins, bufs, outs, geo, dims, blocks, at, ndt, wants, zero, nchunks):
+    """``_serial``'s units dealt into ``nchunks`` runs on numba's pool: every unit writes
+    outputs of its own (a GEMM, a unit of positions, a block of channels) in one order,
+    so the split changes no bit."""
+    nc = min(units, nchunks)
+    for c in prange(nc):
+        _part_op(phase, c * units // nc, (c + 1) * units // nc, ins, bufs, outs, geo, dims, blocks, at, ndt, wants,
+                 zero)
 
 
 def _blocks(C, Cg, Cog):
@@ -332,22 +401,25 @@ def launch(gy, x, w, offset, b, mask, p, wants, stream=None):
         gxT = np.empty(S * C if want_x else 0, ct)
         ndt = (0,) * nd  # the rank as a token (see _columns)
         work = C * K * T
+        bufs, outs = (gyT, gcol, col, tmp, cidx, cw, gxT), (gw, gmask, goff)
+        wanted, zero = (want_w, want_off, want_m), ct.type(0)
         with ONE_THREAD:
             for n in range(N):
                 xT = flat(np.asarray(x[n], dtype=ct).reshape(C, S).T)  # channel-last
+                ins = (xT, off, msk, gyf, wTT)
                 if want_x:
                     gxT[:] = 0
                 for p0 in range(0, P, T):
                     Tt = min(T, P - p0)  # (the buffers' first C*K*Tt elements serve a shorter last tile)
-                    if need_gcol:
-                        _runtime.call(_gcol_serial, _gcol, work, gyf, gyT, wTT, gcol, dims, n, p0, Tt)
-                    _runtime.call(_columns_serial, _columns, work, xT, off, msk, gcol, col, gmask, goff, cidx, cw,
-                                  geo, n, p0, Tt, ndt, want_w, want_off, want_m, ct.type(0))
-                    if want_w:
-                        _runtime.call(_gw_serial, _gw, work, gyf, col, gw, tmp, dims, n, p0, Tt)
-                    if want_x:
-                        _runtime.call(_scatter_serial, _scatter, work, gxT, gcol, msk, cidx, cw, blocks, geo, n,
-                                      p0, Tt, ndt, ct.type(1))
+                    at = (n, p0, Tt)
+                    nq = (Tt + 63) // 64
+                    for phase, units, wanted_here in (
+                            (GY_ROWS, Tt, need_gcol), (GCOL, G * nq, need_gcol),
+                            (COLUMNS, og * K * ((Tt + UNIT - 1) // UNIT), True),
+                            (GW, G * ((oCg + 15) // 16), want_w), (SCATTER, blocks.size // 2, want_x)):
+                        if wanted_here:
+                            _runtime.run(_serial, _parallel, work, phase, units, ins, bufs, outs, geo, dims, blocks,
+                                         at, ndt, wanted, zero)
                 if want_x:
                     gx[n] = gxT.reshape(S, C).T.reshape((C,) + spatial)
     gb = None
