@@ -27,8 +27,9 @@ positions. Per segment:
    - ``grad_x[n, c, tap] += grad_y * weight`` over the position's taps (a tap outside
      a zeros-padded input, and a non-finite position, add nothing).
 
-affine_warp sums ``grid gradient * base coordinates`` into theta's gradient in
-float64.
+affine_warp sums theta's gradient in float64 as AffineGrid's backward does: per row
+piece of a segment the sums of the grid's gradient and of it times the positions'
+x base coordinates, the first times the row's y (and z) base coordinates after.
 
 **Deterministic whatever the thread count, split by ownership.** The units are a
 function of the shape alone. The channels are independent in grad_x: a block of
@@ -340,7 +341,8 @@ def _units(x, xf, gyf, src, gxb, gpos, gth, U, B, osz, mtok, ptok, align, affine
     V = lanes(pw)
     bkind = np.zeros(SEG // 8 + 1, np.uint8)
     ga = np.zeros((3, SEG), ct)  # d loss / d pos, per axis and position, summed over channels
-    bco = np.zeros((3, SEG), ct)  # affine: the positions' base coordinates (x, y, z)
+    rows = np.zeros((SEG, 4), np.int64)  # affine: the segment's row pieces (first, length, w, row)
+    nrow = 0
     scl = np.zeros(3, ct)
     for q in range(r):
         scl[q] = unnormalize_scale(x.shape[2 + q], align, one)
@@ -363,6 +365,7 @@ def _units(x, xf, gyf, src, gxb, gpos, gth, U, B, osz, mtok, ptok, align, affine
             m = min(SEG, j1 - s0)
             if affine:  # the forward's positions (affine_warp's kernel), row piece by row piece
                 j = 0
+                nrow = 0
                 while j < m:
                     row = (s0 + j) // W
                     w0 = s0 + j - row * W
@@ -384,11 +387,8 @@ def _units(x, xf, gyf, src, gxb, gpos, gth, U, B, osz, mtok, ptok, align, affine
                             for q in range(L):
                                 pos[kk, np.uint64(j + q)] = unnormalize((t0 * xs[np.uint64(w0 + q)] + b) + yq, size,
                                                                         align, one)
-                    if want_pos:
-                        for q in range(L):
-                            bco[0, j + q] = xs[w0 + q]
-                            bco[1, j + q] = ys[h]
-                            bco[2, j + q] = zs[d]
+                    rows[nrow, 0], rows[nrow, 1], rows[nrow, 2], rows[nrow, 3] = j, L, w0, row
+                    nrow += 1
                     j += L
             else:
                 g0 = np.uint64((n * P + s0) * r)
@@ -429,14 +429,11 @@ def _units(x, xf, gyf, src, gxb, gpos, gth, U, B, osz, mtok, ptok, align, affine
                     g = gyf[o + j]
                     kd = kind[j]
                     vec = j < nblk * V and bkind[j // V] == 0
-                    if kd == 0:
+                    if kd == 0:  # (a gathered block's positions only scatter here)
+                        a0, a1, a2 = _grad(x, xf, gx, xb + base[j], j, g, T, False, True, want_x, deriv and not vec,
+                                           s1, s2, pidx, pw, pd, pok, zero)
                         if vec:
-                            if want_x:
-                                _grad(x, xf, gx, xb + base[j], j, g, T, False, True, True, False, s1, s2, pidx, pw,
-                                      pd, pok, zero)
                             continue
-                        a0, a1, a2 = _grad(x, xf, gx, xb + base[j], j, g, T, False, True, want_x, deriv, s1, s2,
-                                           pidx, pw, pd, pok, zero)
                     elif masked and (kd & AXIS_OUT):  # every tap of an axis outside: nothing
                         a0, a1, a2 = zero, zero, zero  # (NaN below where not finite)
                     else:
@@ -454,18 +451,32 @@ def _units(x, xf, gyf, src, gxb, gpos, gth, U, B, osz, mtok, ptok, align, affine
                             ga[kk, j] += gyf[o + j] * dv[kk * SEG + j]
             if not want_pos:
                 continue
-            for j in range(m):
-                for kk in range(r):
-                    ci = r - 1 - kk  # the grid's coordinate of this axis (innermost first)
+            for kk in range(r):
+                for j in range(m):  # d loss / d grid
                     gc = ga[kk, j] * scl[kk] if deriv else zero
-                    if not fin[j]:
-                        gc = nan
-                    if affine:
-                        for q in range(r):
-                            acc[ci, q] += np.float64(gc) * np.float64(bco[q, j])
-                        acc[ci, r] += np.float64(gc)
-                    else:
-                        gpos[((cb * N + n) * P + s0 + j) * r + ci] = gc
+                    ga[kk, j] = gc if fin[j] else nan
+            if not affine:
+                for j in range(m):
+                    for kk in range(r):
+                        gpos[((cb * N + n) * P + s0 + j) * r + r - 1 - kk] = ga[kk, j]
+                continue
+            # theta's: per row piece the sums of the grid's gradient and of it times x's
+            # base coordinate (float64), times the row's y and z base coordinates after
+            for q in range(nrow):
+                j, L, w0, row = rows[q, 0], rows[q, 1], rows[q, 2], rows[q, 3]
+                for kk in range(r):
+                    ci = r - 1 - kk
+                    sg = 0.0
+                    sx = 0.0
+                    for l in range(L):
+                        g64 = np.float64(ga[kk, j + l])
+                        sg += g64
+                        sx += g64 * np.float64(xs[w0 + l])
+                    acc[ci, 0] += sx
+                    acc[ci, 1] += sg * np.float64(ys[row % H])
+                    if r == 3:
+                        acc[ci, 2] += sg * np.float64(zs[row // H])
+                    acc[ci, r] += sg
         if affine and want_pos:
             for ci in range(r):
                 for q in range(r + 1):
