@@ -59,9 +59,13 @@ pieces are therefore called through their own compiled code (``_opaque``): the
 tile (``_tile``, with its plan and fill), the padding and weight rows, the column
 transpose and the reduction phase are each compiled once, whichever entry calls
 them, and the pool rounds are functions of their own (``_pad_round``,
-``_round``): the parallel entry's loop bodies, which numba compiles into functions
-of their own too, hold one call each, and the serial entry runs the same rounds at
-one thread. The small set-up helpers are inlined as numba IR (``inline="always"``:
+``_round``), reached through one thread's round with the call's set-up (``_task``,
+called through its own code as ``task``): the parallel entry is a loop over the
+rounds whose ``prange`` body (numba compiles it into a function of its own, with
+numba's parfor passes over the whole entry) is that one call, the serial entry runs
+the same rounds at one thread, and the session's task calls it too (a first
+parallel call compiled its entry in 4.3 s with the set-up inlined, this one in
+about 1 s). The small set-up helpers are inlined as numba IR (``inline="always"``:
 typed in their caller, never a module of their own). A call compiles its own rank's
 code: ``tok``, the input's spatial shape, goes down to ``_plan``/``_fill``, whose
 ``len(tok)`` branches numba prunes before typing.
@@ -683,16 +687,18 @@ def _scratch(ws, th, d, nd, ocg, base, per):
 
 
 @njit(cache=True, inline="always")
-def _padded_buffer(buf, nb, sites, tail, C):
+def _padded_buffer(buf, nb, sites, tail, C, zero_tails):
     """nb padded images in ``buf``, each followed by a zero tail at least as long as
-    the corner offsets: samples that are 0 (or NaN) point their base there, so that
-    every corner they read is an exact zero, never an input value."""
+    the corner offsets (written where ``zero_tails``): samples that are 0 (or NaN) point
+    their base there, so that every corner they read is an exact zero, never an input
+    value."""
     per = max(1, (sites + tail) * C)
     xp = shaped(buf[:nb * per], (nb, per))
-    zero = _zero(buf)
-    for i in range(nb):
-        for j in range(sites * C, per):
-            xp[i, j] = zero
+    if zero_tails:
+        zero = _zero(buf)
+        for i in range(nb):
+            for j in range(sites * C, per):
+                xp[i, j] = zero
     return xp
 
 
@@ -878,19 +884,19 @@ _pad_round_op, _round_op = opaque(_pad_round), opaque(_round)
 
 
 @njit(cache=True, inline="always")
-def _entry(x, w, off, m, y, geo, d, fws):
-    """What both tiled entries derive from their arguments: the flat arrays, the weights'
-    buffers in ``fws`` (wr, wmat, the shared columns), the padded images, the corners'
-    offsets, the channel runs and the rows of a padded image. (A flat tuple: numba's
-    array analysis in the parallel entry fails on nested tuples returned by an inlined
-    function; the entries group them.)"""
+def _entry(x, w, off, m, y, geo, d, fws, zero_tails):
+    """What a pool round derives from the call's arguments: the flat arrays, the weights'
+    buffers in ``fws`` (wr, wmat, the shared columns), the padded images (their zero
+    tails written where ``zero_tails``: by one thread in a chunk's set-up round, before
+    any tile round reads them), the corners' offsets, the channel runs and the rows of
+    a padded image."""
     x3, w3, off3, m3, y3 = flat3(x), flat3(w), flat3(off), flat3(m), flat3(y)
     C, oC = x3.shape[1], y3.shape[1]
     K, T, nb, nth = d.K, d.T, d.nb, d.nth
     nw, nxp, ntile_ws, _ = ws_sizes(oC, geo, d)
     wr = fws[:nw]
     rows, sites, tail = padded_extent(geo)
-    xp = _padded_buffer(fws[nw:nw + nxp], nb, sites, tail, C)
+    xp = _padded_buffer(fws[nw:nw + nxp], nb, sites, tail, C, zero_tails)
     shared = fws[nw + nxp + nth * ntile_ws:nw + nxp + nth * ntile_ws + T * K * C]  # (channel split only)
     return (x3, w3, off3, m3, y3, wr, _mutable(_wmat(w3, wr)), shared, xp, _corner_offsets(geo.pstr, C),
             _segments(d), rows)
@@ -907,78 +913,16 @@ def _chunk_rounds(d, n0, nc, ntile, w3, oC):
     return wrows, (_tile_rounds(d) * nc * ntile if csplit else 1)
 
 
-@njit(cache=True, nogil=True)
-def _serial(x, w, off, m, b, y, meta):
-    """The tiled path on the caller's thread: the parallel entry's rounds (``_pad_round``,
-    ``_round``) at one thread, in scratch of its own (serial calls run side by side,
-    e.g. Dask tasks; allocated here: from the launcher it cost small calls ~1 us more).
-    ``meta`` is a one-thread plan: its channel split is the weights read in place
-    (``_deform_plan.plan_sizes``)."""
+@njit(**INTERNAL)
+def _task(x, w, off, m, b, y, meta, fws, iws, th, rd, n0):
+    """Thread ``th``'s share of pool round ``rd`` (-1: the set-up round) of the chunk of
+    images from ``n0``: both entries run their rounds by it, and a pool other than
+    numba's (onnxruntime's, see ``numba_ops.onnx._capi``: ``task``) too, which runs
+    ``schedule``'s rounds in order, each with ``th`` over ``range(d.nth)``, and waits
+    for each round to end before the next."""
     geo, d = unpack_geometry(meta), unpack_plan(meta)
-    nw, nxp, ntile_ws, nint = ws_sizes(y.shape[1], geo, d)
-    fws = np.empty(nw + nxp + ntile_ws + (d.T * d.K * x.shape[1] if d.split != 0 else 0), type(_zero(x)))
-    iws = np.empty(max(1, nint), np.int64)
-    x3, w3, off3, m3, y3, wr, wmat, shared, xp, coff, segs, rows = _entry(x, w, off, m, y, geo, d, fws)
-    io, pad, wts, tok = (off3, m3, b, y3), (xp, coff, segs), (wr, wmat, shared), x.shape[2:]
-    N, oC, P = x3.shape[0], y3.shape[1], y3.shape[2]
-    T, nb = d.T, d.nb
-    ntile = (P + T - 1) // T
-    for n0 in range(0, N, nb):
-        chunk = (n0, min(nb, N - n0))
-        wrows, nrounds = _chunk_rounds(d, n0, chunk[1], ntile, w3, oC)
-        _pad_round_op(0, chunk, (x3, xp, rows), (w3, wr, wrows), geo, d)
-        for rd in range(nrounds):
-            _round_op(0, rd, chunk, tok, geo, d, io, pad, wts, (fws, iws))
-
-
-@njit(cache=True, parallel=True, nogil=True)
-def _parallel(x, w, off, m, b, y, meta, fws, iws):
-    """The tiled path on numba's pool: any rank (C-contiguous arrays, as ``launch``
-    passes them). ``fws``/``iws``: the caller's workspaces (see ``ws_sizes``), reused
-    across calls: fresh scratch pages cost a page fault each, up to a fifth of a call."""
-    geo, d = unpack_geometry(meta), unpack_plan(meta)
-    x3, w3, off3, m3, y3, wr, wmat, shared, xp, coff, segs, rows = _entry(x, w, off, m, y, geo, d, fws)
-    io, pad, wts, tok = (off3, m3, b, y3), (xp, coff, segs), (wr, wmat, shared), x.shape[2:]
-    N, oC, P = x3.shape[0], y3.shape[1], y3.shape[2]
-    T, nb, nth = d.T, d.nb, d.nth
-    ntile = (P + T - 1) // T
-    ws = (fws, iws)
-    for n0 in range(0, N, nb):
-        chunk = (n0, min(nb, N - n0))
-        # round -1: padded rows of this chunk, and (first chunk only) the weights' rows, the
-        # items dealt out in turn (a padded row and a weight row differ several-fold in work:
-        # contiguous halves would leave one thread waiting for the other) (the channel split
-        # reads float32/float64 weights where they lie: no weight rows)
-        wrows, nrounds = _chunk_rounds(d, n0, chunk[1], ntile, w3, oC)
-        imgs, wset = (x3, xp, rows), (w3, wr, wrows)
-        # the tiles, in rounds: the position split runs one round (each thread a contiguous run
-        # of tiles: one image's rows stay in its cache); the channel split two per tile: the
-        # threads fill shares of its positions (each in its own column buffer, then turned into
-        # w's (channel, kernel point) order in the shared one), then each multiplies the shared
-        # columns by its share of the output channels (rows of w, cut at multiples of 16 so
-        # that BLAS's panels stay whole): every weight is packed once per tile, not once per
-        # thread, each GEMM gets the whole tile's positions, and the weights are not reordered.
-        # The reduction split (one group, few output channels per thread) runs three: the fill,
-        # each thread's GEMM of all output channels over its share of w's columns into its own
-        # GEMM tile, then each thread's share of y's rows summed from those partial sums.
-        # (one prange loop for every round: numba compiles each prange loop into a function of its
-        # own; np.int64(th): the gufunc's index is unsigned, its typing pass's signed: one signature)
-        for rd in range(-1, nrounds):
-            for th in prange(nth):
-                if rd < 0:
-                    _pad_round_op(np.int64(th), chunk, imgs, wset, geo, d)
-                else:
-                    _round_op(np.int64(th), rd, chunk, tok, geo, d, io, pad, wts, ws)
-
-
-@njit(cache=True, inline="always")
-def task(x, w, off, m, b, y, meta, fws, iws, th, rd, n0):
-    """Thread ``th``'s share of ``_parallel``'s pool round ``rd`` (-1: the set-up round) of
-    the chunk of images from ``n0``, for a pool other than numba's (onnxruntime's, see
-    ``numba_ops.onnx._capi``): the caller runs ``schedule``'s rounds in order, each with
-    ``th`` over ``range(d.nth)``, and waits for each round to end before the next."""
-    geo, d = unpack_geometry(meta), unpack_plan(meta)
-    x3, w3, off3, m3, y3, wr, wmat, shared, xp, coff, segs, rows = _entry(x, w, off, m, y, geo, d, fws)
+    x3, w3, off3, m3, y3, wr, wmat, shared, xp, coff, segs, rows = _entry(x, w, off, m, y, geo, d, fws,
+                                                                          rd < 0 and th == 0)
     N, oC, P = x3.shape[0], y3.shape[1], y3.shape[2]
     ntile = (P + d.T - 1) // d.T
     chunk = (n0, min(d.nb, N - n0))
@@ -988,6 +932,66 @@ def task(x, w, off, m, b, y, meta, fws, iws, th, rd, n0):
     else:
         _round_op(th, rd, chunk, x.shape[2:], geo, d, (off3, m3, b, y3), (xp, coff, segs), (wr, wmat, shared),
                   (fws, iws))
+
+
+#: a pool round through its own compiled code: the entries and the session's task compile a
+#: call of it, not the rounds' set-up again
+task = opaque(_task)
+
+
+@njit(cache=True, inline="always")
+def _rounds(d, N, P, n0):
+    """The tile rounds of the chunk of images from ``n0`` (``_chunk_rounds``)."""
+    nc = min(d.nb, N - n0)
+    return _tile_rounds(d) * nc * ((P + d.T - 1) // d.T) if d.split != 0 else 1
+
+
+@njit(cache=True, nogil=True)
+def _serial(x, w, off, m, b, y, meta):
+    """The tiled path on the caller's thread: the parallel entry's rounds (``task``) at
+    one thread, in scratch of its own (serial calls run side by side, e.g. Dask tasks;
+    allocated here: from the launcher it cost small calls ~1 us more). ``meta`` is a
+    one-thread plan: its channel split is the weights read in place
+    (``_deform_plan.plan_sizes``)."""
+    geo, d = unpack_geometry(meta), unpack_plan(meta)
+    nw, nxp, ntile_ws, nint = ws_sizes(y.shape[1], geo, d)
+    fws = np.empty(nw + nxp + ntile_ws + (d.T * d.K * x.shape[1] if d.split != 0 else 0), type(_zero(x)))
+    iws = np.empty(max(1, nint), np.int64)
+    N, P = x.shape[0], y.size // max(1, y.shape[0] * y.shape[1])
+    th = np.int64(0)
+    for n0 in range(0, N, d.nb):
+        for rd in range(-1, _rounds(d, N, P, n0)):
+            task(x, w, off, m, b, y, meta, fws, iws, th, rd, n0)
+
+
+@njit(cache=True, parallel=True, nogil=True)
+def _parallel(x, w, off, m, b, y, meta, fws, iws):
+    """The tiled path on numba's pool: any rank (C-contiguous arrays, as ``launch``
+    passes them). ``fws``/``iws``: the caller's workspaces (see ``ws_sizes``), reused
+    across calls: fresh scratch pages cost a page fault each, up to a fifth of a call.
+    Per chunk of images, round -1: padded rows of the chunk, and (first chunk only) the
+    weights' rows, the items dealt out in turn (a padded row and a weight row differ
+    several-fold in work: contiguous halves would leave one thread waiting for the
+    other) (the channel split reads float32/float64 weights where they lie: no weight
+    rows). Then the tiles, in rounds: the position split runs one round (each thread a
+    contiguous run of tiles: one image's rows stay in its cache); the channel split two
+    per tile: the threads fill shares of its positions (each in its own column buffer,
+    then turned into w's (channel, kernel point) order in the shared one), then each
+    multiplies the shared columns by its share of the output channels (rows of w, cut at
+    multiples of 16 so that BLAS's panels stay whole): every weight is packed once per
+    tile, not once per thread, each GEMM gets the whole tile's positions, and the
+    weights are not reordered. The reduction split (one group, few output channels per
+    thread) runs three: the fill, each thread's GEMM of all output channels over its
+    share of w's columns into its own GEMM tile, then each thread's share of y's rows
+    summed from those partial sums. (One prange loop, its body one call: numba compiles
+    a prange loop into a function of its own; np.int64(th): the gufunc's index is
+    unsigned, its typing pass's signed: one signature.)"""
+    d = unpack_plan(meta)
+    N, P = x.shape[0], y.size // max(1, y.shape[0] * y.shape[1])
+    for n0 in range(0, N, d.nb):
+        for rd in range(-1, _rounds(d, N, P, n0)):
+            for th in prange(d.nth):
+                task(x, w, off, m, b, y, meta, fws, iws, np.int64(th), rd, n0)
 
 
 @njit(cache=True, inline="always")
