@@ -85,13 +85,13 @@ GENERIC, AXIS_OUT = 1, 2
 
 
 @njit(cache=True, forceinline=True)
-def _split(p, zero, size):
+def split32(p, zero, size):
     """``(i, t, scale, finite)``: ``floor(p)`` as an int32 and the fraction, of ``p``
     clamped to [-4, size + 2] (far and non-finite positions stay clear of integer
     overflow; no tap of an interior position changes), and the weights' scale (1,
     or NaN for a non-finite position). 32-bit, so that the loops vectorise where
     the CPU has no vector conversion to int64 (AVX2): the caller makes sure that
-    ``size + 2 < 2**31`` (``_small``)."""
+    ``size + 2 < 2**31`` (``small_image``)."""
     finite = (p - p) == zero
     pmin = as_compute(zero, -4)
     pmax = as_compute(zero, size + 2)
@@ -106,7 +106,7 @@ def _mark(j, i, lo, hi, size, finite, stride, base, kind, first):
     """``base[j]``'s share (the first tap's index ``i - lo`` times ``stride``) and the
     axis' ``kind`` bits for taps ``i - lo .. i + hi`` (zeros padding). In 32 bits
     (each result cut to int32: LLVM then keeps the vector lanes 32-bit): the channel
-    image has fewer than 2**31 elements (``_small``)."""
+    image has fewer than 2**31 elements (``small_image``)."""
     first_tap = np.int32(i - lo)
     last_tap = np.int32(i + hi)
     off = np.int32(first_tap * np.int32(stride))
@@ -118,7 +118,7 @@ def _mark(j, i, lo, hi, size, finite, stride, base, kind, first):
 
 
 @njit(cache=True, forceinline=True)
-def _fast_axis(pos, m, k, size, stride, mtok, zero, base, pw, kind, first):
+def fast_axis(pos, m, k, size, stride, mtok, zero, base, pw, kind, first):
     """Spatial axis ``k`` of the positions ``pos[k, :m]``: the weights ``pw[k, :, j]``
     of the mode's taps from the position's fraction (NaN for a non-finite position),
     ``base[j]``'s share (the first tap's index times ``stride``) and the axis' bits
@@ -128,20 +128,20 @@ def _fast_axis(pos, m, k, size, stride, mtok, zero, base, pw, kind, first):
     if len(mtok) == NEAREST:
         half = as_compute(zero, 0.5)
         for j in range(np.uint64(m)):
-            i, t, sc, finite = _split(pos[k, j], zero, size)
+            i, t, sc, finite = split32(pos[k, j], zero, size)
             up = (t > half) | ((t == half) & ((i & np.int32(1)) == np.int32(1)))  # half to even
             i = np.int32(i + np.int32(1)) if up else i
             pw[k, 0, j] = sc
             _mark(j, i, 0, 0, size, finite, stride, base, kind, first)
     elif len(mtok) == LINEAR:
         for j in range(np.uint64(m)):
-            i, t, sc, finite = _split(pos[k, j], zero, size)
+            i, t, sc, finite = split32(pos[k, j], zero, size)
             pw[k, 0, j] = (one - t) * sc
             pw[k, 1, j] = t * sc
             _mark(j, i, 0, 1, size, finite, stride, base, kind, first)
     else:
         for j in range(np.uint64(m)):
-            i, t, sc, finite = _split(pos[k, j], zero, size)
+            i, t, sc, finite = split32(pos[k, j], zero, size)
             c0, c1, c2, c3 = cubic_weights(t, one)
             pw[k, 0, j] = c0 * sc
             pw[k, 1, j] = c1 * sc
@@ -232,7 +232,7 @@ def _generic_at(r, sh, pos, j, mtok, ptok, align, zero, pidx, pw, pok):
 
 #: a segment with fewer than 1 in SPARSE positions GENERIC plans their padded taps one
 #: by one, else for every position in vectorised loops (``_generic``); its interior
-#: positions keep ``_fast_axis``'s weights, which are the padded taps' bit for bit
+#: positions keep ``fast_axis``'s weights, which are the padded taps' bit for bit
 SPARSE = 8
 
 
@@ -243,7 +243,7 @@ def _inside(pos, j, r, sh, lo, hi, zero):
     inside = True
     for k in range(r):
         size = sh[nd - r + k]
-        i, _, _, finite = _split(pos[k, j], zero, size)
+        i, _, _, finite = split32(pos[k, j], zero, size)
         inside &= finite & (i - lo >= 0) & (i + hi <= size - 1)
     return inside
 
@@ -277,9 +277,9 @@ def _probe_interior(pos, m, r, sh, mtok, zero):
 
 
 @njit(cache=True, forceinline=True)
-def _small(x):
+def small_image(x):
     """Whether a channel image of ``x`` has fewer than 2**31 elements: interior
-    positions are planned in 32 bits (``_split``, ``_mark``), others take the padded taps."""
+    positions are planned in 32 bits (``split32``, ``_mark``), others take the padded taps."""
     return x.size // max(x.shape[0] * x.shape[1], 1) < 2 ** 31 - 8
 
 
@@ -287,14 +287,14 @@ def _small(x):
 def plan(x, pos, m, mtok, ptok, align, zero, base, pidx, pw, pok, kind):
     """The plan of a segment of ``m`` positions (``pos[k, :m]`` on spatial axis ``k``
     of ``x``, shape (N, C, D1..Dr)). Zeros padding: every position's ``kind``, the
-    ``base`` and weights of interior ones (``_fast_axis``) and, when some are
+    ``base`` and weights of interior ones (``fast_axis``) and, when some are
     GENERIC, every position's padded taps (``_generic``: vectorised, cheaper for all
     than a scalar loop for a few; ``SPARSE``); returns how many are all-outside.
     Border where few positions are not interior (``_few_padded``), and reflection
     where ``_probe_interior`` guesses that the segment is inside: the same, but a
     position is interior or GENERIC (no tap is masked); returns how many are
     interior. Otherwise, and for channel images of 2**31 elements or more
-    (``_small``), every position GENERIC, with its padded taps; returns 0 (border's
+    (``small_image``), every position GENERIC, with its padded taps; returns 0 (border's
     padded taps are clamps, cheaper than sorting where many positions are not
     interior; reflection's reduce each tap by a period: on interior positions sorting
     measured 2-4x faster). Returned with the count: whether every position
@@ -305,17 +305,17 @@ def plan(x, pos, m, mtok, ptok, align, zero, base, pidx, pw, pok, kind):
     r = x.ndim - 2
     sh = x.shape
     nd = x.ndim
-    if not _small(x) or (len(ptok) == REFLECTION and not _probe_interior(pos, m, r, sh, mtok, zero)) or \
+    if not small_image(x) or (len(ptok) == REFLECTION and not _probe_interior(pos, m, r, sh, mtok, zero)) or \
             (len(ptok) == BORDER and not _few_padded(pos, m, r, sh, mtok, zero)):
         for j in range(np.uint64(m)):
             kind[j] = GENERIC
         _generic(r, sh, pos, m, mtok, ptok, align, zero, pidx, pw, pok)
         return 0, True
-    _fast_axis(pos, m, r - 1, sh[nd - 1], 1, mtok, zero, base, pw, kind, True)
+    fast_axis(pos, m, r - 1, sh[nd - 1], 1, mtok, zero, base, pw, kind, True)
     if r >= 2:
-        _fast_axis(pos, m, r - 2, sh[nd - 2], sh[nd - 1], mtok, zero, base, pw, kind, False)
+        fast_axis(pos, m, r - 2, sh[nd - 2], sh[nd - 1], mtok, zero, base, pw, kind, False)
     if r >= 3:
-        _fast_axis(pos, m, r - 3, sh[nd - 3], sh[nd - 2] * sh[nd - 1], mtok, zero, base, pw, kind, False)
+        fast_axis(pos, m, r - 3, sh[nd - 3], sh[nd - 2] * sh[nd - 1], mtok, zero, base, pw, kind, False)
     ngeneric = 0
     nout = 0
     if len(ptok) != ZEROS:  # every tap is read: a position is interior or GENERIC

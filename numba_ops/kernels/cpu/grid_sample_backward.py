@@ -8,7 +8,7 @@ positions. Per segment:
 
 1. positions: the grid's values unnormalised (affine_warp: computed from theta row
    piece by row piece as its forward does, so they are the forward's bit for bit);
-2. plan (``_plan``): the forward's vectorised per-axis pass (``grid_sample._fast_axis``:
+2. plan (``_plan``): the forward's vectorised per-axis pass (``grid_sample.fast_axis``:
    every position's ``kind``, and the 32-bit ``base`` and weights of interior ones)
    and, beside it, the weights' derivatives from the same split of the position
    (``_fast_daxis``, branch-free loops that vectorise); a position that is not
@@ -67,7 +67,7 @@ from . import _runtime
 from ._opaque import INTERNAL, opaque
 from .affine_grid import base_coords
 from ._gather import gathered, lanes
-from .grid_sample import AXIS_OUT, GENERIC, _fast_axis, _small, _split
+from .grid_sample import AXIS_OUT, GENERIC, fast_axis, small_image, split32
 
 DTYPES = NAMES  # the dtypes these kernels take (the dispatcher checks them)
 
@@ -108,22 +108,22 @@ def channel_blocks(N, C, U):
 @njit(cache=True, forceinline=True)
 def _fast_daxis(pos, m, k, size, mtok, ptok, zero, pd):
     """The weights' derivatives ``pd[k, :, j]`` on spatial axis ``k`` of the positions
-    ``pos[k, :m]`` that the forward's ``_fast_axis`` finds interior (for others the
+    ``pos[k, :m]`` that the forward's ``fast_axis`` finds interior (for others the
     values are overwritten by ``_generic_taps``): branch-free loops over the segment,
-    as ``_fast_axis``'s, so they vectorise. Linear: -1 and +1 (``grad_taps_at``), 0 where
+    as ``fast_axis``'s, so they vectorise. Linear: -1 and +1 (``grad_taps_at``), 0 where
     the position lies exactly on the first element under border or reflection padding
     (PyTorch's clamp); cubic: ``cubic_dweights``."""
     if len(mtok) == LINEAR:
         edge = len(ptok) != ZEROS
         for j in range(np.uint64(m)):
-            i, t, sc, finite = _split(pos[k, j], zero, size)
+            i, t, sc, finite = split32(pos[k, j], zero, size)
             d = zero * sc if edge & (t == zero) & (i == np.int32(0)) else sc
             pd[k, 0, j] = -d
             pd[k, 1, j] = d
     elif len(mtok) == CUBIC:
         one = as_compute(zero, 1)
         for j in range(np.uint64(m)):
-            i, t, sc, finite = _split(pos[k, j], zero, size)
+            i, t, sc, finite = split32(pos[k, j], zero, size)
             d0, d1, d2, d3 = cubic_dweights(t, one)
             pd[k, 0, j] = d0 * sc
             pd[k, 1, j] = d1 * sc
@@ -154,23 +154,23 @@ def _generic_taps(r, sh, pos, j, mode, padding, align, zero, pidx, pw, pd, pok):
 
 @njit(cache=True, forceinline=True)
 def _plan(x, pos, m, mtok, ptok, align, zero, deriv, base, pidx, pw, pd, pok, kind, fin):
-    """The segment's plan: the forward's vectorised per-axis pass (``_fast_axis``:
+    """The segment's plan: the forward's vectorised per-axis pass (``fast_axis``:
     ``kind``, ``base`` and weights of interior positions, 32-bit) and the derivatives'
     (``_fast_daxis``), then the padded taps of the others one by one (``grad_taps``);
     ``fin[j]``: whether position ``j`` is finite (an interior one is)."""
     r = x.ndim - 2
     sh = x.shape
     nd = x.ndim
-    if _small(x):
-        _fast_axis(pos, m, r - 1, sh[nd - 1], 1, mtok, zero, base, pw, kind, True)
+    if small_image(x):
+        fast_axis(pos, m, r - 1, sh[nd - 1], 1, mtok, zero, base, pw, kind, True)
         if deriv:
             _fast_daxis(pos, m, r - 1, sh[nd - 1], mtok, ptok, zero, pd)
         if r >= 2:
-            _fast_axis(pos, m, r - 2, sh[nd - 2], sh[nd - 1], mtok, zero, base, pw, kind, False)
+            fast_axis(pos, m, r - 2, sh[nd - 2], sh[nd - 1], mtok, zero, base, pw, kind, False)
             if deriv:
                 _fast_daxis(pos, m, r - 2, sh[nd - 2], mtok, ptok, zero, pd)
         if r >= 3:
-            _fast_axis(pos, m, r - 3, sh[nd - 3], sh[nd - 2] * sh[nd - 1], mtok, zero, base, pw, kind, False)
+            fast_axis(pos, m, r - 3, sh[nd - 3], sh[nd - 2] * sh[nd - 1], mtok, zero, base, pw, kind, False)
             if deriv:
                 _fast_daxis(pos, m, r - 3, sh[nd - 3], mtok, ptok, zero, pd)
     else:
