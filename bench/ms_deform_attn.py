@@ -121,6 +121,7 @@ def main():
             res = {s: [] for s in sides}
             for _ in range(a.rounds):
                 for s, w in sides.items():
+                    time.sleep(0.5)  # the other side's thread pool stops spinning first
                     res[s].append(w.ask(f"{name} {what} {a.reps}"))
             t = {s: statistics.median(r["t"] for r in res[s]) * 1e3 for s in sides}
             spread = {s: (min(r["t"] for r in res[s]) * 1e3, max(r["t"] for r in res[s]) * 1e3) for s in sides}
