@@ -99,9 +99,10 @@ def parse_wrt(wrt, names, given):
     return {n: (n in asked) and bool(g) for n, g in zip(names, given)}
 
 
-def check_grad_y(grad_y, shape, dtype):
-    """``grad_y`` (an array) must have the forward result's ``shape`` and the inputs' ``dtype``."""
+def check_grad_y(grad_y, shape, dtype, name="grad_y"):
+    """``grad_y`` (an array, called ``name``) must have the forward result's ``shape`` and
+    the inputs' ``dtype``."""
     if tuple(grad_y.shape) != tuple(shape):
-        raise ValueError(f"grad_y must have the forward result's shape {tuple(shape)}; got {tuple(grad_y.shape)}")
+        raise ValueError(f"{name} must have the forward result's shape {tuple(shape)}; got {tuple(grad_y.shape)}")
     if np.dtype(grad_y.dtype) != np.dtype(dtype):
-        raise TypeError(f"grad_y must have the inputs' dtype {np.dtype(dtype)}; got {np.dtype(grad_y.dtype)}")
+        raise TypeError(f"{name} must have the inputs' dtype {np.dtype(dtype)}; got {np.dtype(grad_y.dtype)}")

@@ -242,10 +242,7 @@ def ms_deform_attn_backward(grad_out: ArrayLike, value: ArrayLike, spatial_shape
         (("grad_out", grad_out),))
     want = parse_wrt(wrt, WRT, (True, True, True))
     grad_out = as_array(grad_out, "grad_out", device)
-    try:
-        check_grad_y(grad_out, out_shape, dtype)
-    except (ValueError, TypeError) as exc:
-        raise type(exc)(str(exc).replace("grad_y", "grad_out")) from None
+    check_grad_y(grad_out, out_shape, dtype, "grad_out")
     grads = launcher("ms_deform_attn_backward", device, dtype)(grad_out, value, shapes, starts, loc, attn,
                                                                want["value"], want["sampling_locations"],
                                                                want["attention_weights"], stream=stream)

@@ -83,6 +83,31 @@ def axis_grad_taps(loc, size, one):
     return i0, i1, w0, w1, d0 * s, d1 * s, in0, in1, finite
 
 
+
+@njit(cache=True)
+def corner(c, x, y, z, W1, H1):
+    """Corner ``c`` (0..7; bit 0 picks x's tap, bit 1 y's, bit 2 z's) of a point whose
+    axes' taps are ``x, y, z`` (``axis_taps``' tuples): ``(k, w, inside)``, the corner's
+    position in its level (row-major over ``H1 x W1`` planes), its weight (the axes'
+    weights' product) and whether every axis' tap is inside."""
+    bx, by, bz = c & 1, (c >> 1) & 1, c >> 2
+    kx, wx, ix = (x[1], x[3], x[5]) if bx else (x[0], x[2], x[4])
+    ky, wy, iy = (y[1], y[3], y[5]) if by else (y[0], y[2], y[4])
+    kz, wz, iz = (z[1], z[3], z[5]) if bz else (z[0], z[2], z[4])
+    return (kz * H1 + ky) * W1 + kx, wz * wy * wx, ix & iy & iz
+
+
+@njit(cache=True)
+def grad_corner(c, x, y, z, W1, H1):
+    """``corner`` of ``axis_grad_taps``' tuples, with the weight's derivatives along x, y
+    and z: ``(k, w, dw_x, dw_y, dw_z, inside)``."""
+    bx, by, bz = c & 1, (c >> 1) & 1, c >> 2
+    kx, wx, dx, ix = (x[1], x[3], x[5], x[7]) if bx else (x[0], x[2], x[4], x[6])
+    ky, wy, dy, iy = (y[1], y[3], y[5], y[7]) if by else (y[0], y[2], y[4], y[6])
+    kz, wz, dz, iz = (z[1], z[3], z[5], z[7]) if bz else (z[0], z[2], z[4], z[6])
+    return ((kz * H1 + ky) * W1 + kx, wz * wy * wx, wz * wy * dx, wz * dy * wx, dz * wy * wx,
+            ix & iy & iz)
+
 def level_table(shapes):
     """The kernels' (L, 3) int64 table of the levels' sizes, innermost axis first
     ((W, H, D) for a (D, H, W) level), 0 for the axes a level lacks (host code)."""

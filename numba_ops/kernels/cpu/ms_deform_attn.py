@@ -18,7 +18,7 @@ import numpy as np
 from numba import njit, prange
 
 from .._dtypes import NAMES, compute
-from .._msda import axis_taps, interior, level_table
+from .._msda import axis_taps, corner, interior, level_table
 from . import _runtime
 from ._opaque import INTERNAL, opaque
 from ._views import flat
@@ -78,29 +78,17 @@ def _rows(v, shapes, starts, loc, attn, out, one, u0, u1):
                                 acc[d] += (c0 * vf[np.uint64(o0 + d)] + c1 * vf[np.uint64(o0 + row + d)]
                                            + c2 * vf[np.uint64(o2 + d)] + c3 * vf[np.uint64(o2 + row + d)])
                         continue
-                    x0, x1, wx0, wx1, ix0, ix1, fnx = axis_taps(lx, W, one)
-                    y0, y1, wy0, wy1, iy0, iy1, fny = axis_taps(ly, H, one)
-                    z0, z1, wz0, wz1, iz0, iz1, fnz = axis_taps(lz, D, one)
-                    if not (fnx and fny and fnz):
+                    tx, ty, tz = axis_taps(lx, W, one), axis_taps(ly, H, one), axis_taps(lz, D, one)
+                    if not (tx[6] and ty[6] and tz[6]):
                         finite = False
                         continue
-                    for cz in range(2):
-                        kz, wz, inz = (z0, wz0, iz0) if cz == 0 else (z1, wz1, iz1)
-                        if not inz:
-                            continue
-                        for cy in range(2):
-                            ky, wy, iny = (y0, wy0, iy0) if cy == 0 else (y1, wy1, iy1)
-                            if not iny:
-                                continue
-                            wzy = a * wz * wy
-                            for cx in range(2):
-                                kx, wx, inx = (x0, wx0, ix0) if cx == 0 else (x1, wx1, ix1)
-                                if not inx:
-                                    continue
-                                w = wzy * wx
-                                o = at + ((kz * H1 + ky) * W1 + kx) * row
-                                for d in range(Dh):
-                                    acc[d] += w * vf[np.uint64(o + d)]
+                    for c in range(8):
+                        k, w, inside = corner(c, tx, ty, tz, W1, H1)
+                        if inside:
+                            w = a * w
+                            o = at + k * row
+                            for d in range(Dh):
+                                acc[d] += w * vf[np.uint64(o + d)]
             o = (u * M + m) * Dh
             for d in range(Dh):
                 of[np.uint64(o + d)] = acc[d] if finite else nan

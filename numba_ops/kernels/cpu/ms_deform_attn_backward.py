@@ -16,14 +16,15 @@ grad_out_row`` the scatter.
 The four dot products of an interior point (``_dots``) are compiled with ``fastmath``
 reassociation, so that their channel sums vectorise (as partial sums over SIMD lanes):
 the order of every sum is still fixed by the compiled code, not by the threads or by
-which gradients are asked for (10-20 % of the encoder's backward here). Working memory: none beyond the gradients themselves. 16-bit inputs are widened to
+which gradients are asked for (10-20 % of the encoder's backward here). Working
+memory: none beyond the gradients themselves. 16-bit inputs are widened to
 float32 by the launcher, and the gradients rounded once.
 """
 import numpy as np
 from numba import njit, prange
 
 from .._dtypes import NAMES, compute
-from .._msda import axis_grad_taps, interior
+from .._msda import axis_grad_taps, grad_corner, interior
 from .._sample import as_compute
 from . import _runtime
 from ._opaque import INTERNAL, opaque
@@ -124,41 +125,31 @@ def _units(gy, v, shapes, starts, loc, attn, gv, gl, ga, want_v, want_l, want_a,
                     sy *= fH
                     sz *= fD
                 else:
-                    x0, x1, wx0, wx1, dx0, dx1, ix0, ix1, fnx = axis_grad_taps(lx, W, one)
-                    y0, y1, wy0, wy1, dy0, dy1, iy0, iy1, fny = axis_grad_taps(ly, H, one)
-                    z0, z1, wz0, wz1, dz0, dz1, iz0, iz1, fnz = axis_grad_taps(lz, D, one)
-                    if not (fnx and fny and fnz):  # NaN for its own gradients, nothing scattered
+                    tx, ty, tz = axis_grad_taps(lx, W, one), axis_grad_taps(ly, H, one), axis_grad_taps(lz, D, one)
+                    if not (tx[8] and ty[8] and tz[8]):  # NaN for its own gradients, nothing scattered
                         if want_a:
                             ga[n, m, lv, q, p] = nan
                         if want_l:
                             for i in range(r):
                                 gl[n, m, lv, q, p, i] = nan
                         continue
-                    for cz in range(2):
-                        ckz, wz, dz, inz = (z0, wz0, dz0, iz0) if cz == 0 else (z1, wz1, dz1, iz1)
-                        if not inz:
+                    for c in range(8):
+                        k, w, gwx, gwy, gwz, inside = grad_corner(c, tx, ty, tz, W1, H1)
+                        if not inside:
                             continue
-                        for cy in range(2):
-                            cky, wy, dy, iny = (y0, wy0, dy0, iy0) if cy == 0 else (y1, wy1, dy1, iy1)
-                            if not iny:
-                                continue
-                            for cx in range(2):
-                                ckx, wx, dx, inx = (x0, wx0, dx0, ix0) if cx == 0 else (x1, wx1, dx1, ix1)
-                                if not inx:
-                                    continue
-                                o = at + ((ckz * H1 + cky) * W1 + ckx) * row
-                                if want_l or want_a:
-                                    dot = zero
-                                    for d in range(Dh):
-                                        dot += vf[np.uint64(o + d)] * gf[np.uint64(og + d)]
-                                    sa += wz * wy * wx * dot
-                                    sx += wz * wy * dx * dot
-                                    sy += wz * dy * wx * dot
-                                    sz += dz * wy * wx * dot
-                                if want_v:
-                                    c = a * wz * wy * wx
-                                    for d in range(Dh):
-                                        gvf[np.uint64(o + d)] += c * gf[np.uint64(og + d)]
+                        o = at + k * row
+                        if want_l or want_a:
+                            dot = zero
+                            for d in range(Dh):
+                                dot += vf[np.uint64(o + d)] * gf[np.uint64(og + d)]
+                            sa += w * dot
+                            sx += gwx * dot
+                            sy += gwy * dot
+                            sz += gwz * dot
+                        if want_v:
+                            w = a * w
+                            for d in range(Dh):
+                                gvf[np.uint64(o + d)] += w * gf[np.uint64(og + d)]
                 if want_a:
                     ga[n, m, lv, q, p] = sa
                 if want_l:

@@ -29,7 +29,7 @@ import numpy as np
 from numba import cuda
 
 from .._dtypes import NAMES, compute, storage
-from .._msda import axis_taps, level_table
+from .._msda import axis_taps, corner, level_table
 from .._scalar import load, store
 from . import _device
 
@@ -81,27 +81,16 @@ def kernel(ct):
                 for p in range(P):
                     pt = (nq * M + m) * L * P + lv * P + p
                     a = load(af, pt)
-                    x0, x1, wx0, wx1, ix0, ix1, fx = axis_taps(load(lf, pt * r), W, one)
-                    y0, y1, wy0, wy1, iy0, iy1, fy = axis_taps(load(lf, pt * r + 1) if r > 1 else zero, H, one)
-                    z0, z1, wz0, wz1, iz0, iz1, fz = axis_taps(load(lf, pt * r + 2) if r > 2 else zero, D, one)
-                    if not (fx and fy and fz):
+                    tx = axis_taps(load(lf, pt * r), W, one)
+                    ty = axis_taps(load(lf, pt * r + 1) if r > 1 else zero, H, one)
+                    tz = axis_taps(load(lf, pt * r + 2) if r > 2 else zero, D, one)
+                    if not (tx[6] and ty[6] and tz[6]):
                         finite = False
                         continue
-                    for cz in range(2):
-                        kz, wz, inz = (z0, wz0, iz0) if cz == 0 else (z1, wz1, iz1)
-                        if not inz:
-                            continue
-                        for cy in range(2):
-                            ky, wy, iny = (y0, wy0, iy0) if cy == 0 else (y1, wy1, iy1)
-                            if not iny:
-                                continue
-                            wzy = a * wz * wy
-                            for cx in range(2):
-                                kx, wx, inx = (x0, wx0, ix0) if cx == 0 else (x1, wx1, ix1)
-                                if not inx:
-                                    continue
-                                k = st + (kz * H1 + ky) * W1 + kx
-                                acc += (wzy * wx) * load(vf, vb + k * (M * Dh))
+                    for c in range(8):
+                        k, w, inside = corner(c, tx, ty, tz, W1, H1)
+                        if inside:
+                            acc += (a * w) * load(vf, vb + (st + k) * (M * Dh))
             store(out, e, acc if finite else nan)
 
     return ms_deform_attn_kernel

@@ -38,7 +38,7 @@ import numpy as np
 from numba import cuda
 
 from .._dtypes import NAMES, compute, storage
-from .._msda import axis_grad_taps
+from .._msda import axis_grad_taps, grad_corner
 from .._scalar import load, store
 from . import _device
 from .grid_sample_backward import narrowed, zeros
@@ -99,12 +99,10 @@ def kernel(ct):
             W1 = max(W, 1)
             H1 = max(H, 1)
             a = load(af, pt)
-            x0, x1, wx0, wx1, dx0, dx1, ix0, ix1, fx = axis_grad_taps(load(lf, pt * r), W, one)
-            y0, y1, wy0, wy1, dy0, dy1, iy0, iy1, fy = axis_grad_taps(
-                load(lf, pt * r + 1) if r > 1 else zero, H, one)
-            z0, z1, wz0, wz1, dz0, dz1, iz0, iz1, fz = axis_grad_taps(
-                load(lf, pt * r + 2) if r > 2 else zero, D, one)
-            if not (fx and fy and fz):  # NaN for its own gradients, nothing scattered
+            tx = axis_grad_taps(load(lf, pt * r), W, one)
+            ty = axis_grad_taps(load(lf, pt * r + 1) if r > 1 else zero, H, one)
+            tz = axis_grad_taps(load(lf, pt * r + 2) if r > 2 else zero, D, one)
+            if not (tx[8] and ty[8] and tz[8]):  # NaN for its own gradients, nothing scattered
                 if want_a:
                     store(ga, pt, nan)
                 if want_l:
@@ -117,32 +115,24 @@ def kernel(ct):
             sx = zero
             sy = zero
             sz = zero
-            for cz in range(2):
-                kz, wz, dz, inz = (z0, wz0, dz0, iz0) if cz == 0 else (z1, wz1, dz1, iz1)
-                if not inz:
+            for c in range(8):
+                k, w, gwx, gwy, gwz, inside = grad_corner(c, tx, ty, tz, W1, H1)
+                if not inside:
                     continue
-                for cy in range(2):
-                    ky, wy, dy, iny = (y0, wy0, dy0, iy0) if cy == 0 else (y1, wy1, dy1, iy1)
-                    if not iny:
-                        continue
-                    for cx in range(2):
-                        kx, wx, dx, inx = (x0, wx0, dx0, ix0) if cx == 0 else (x1, wx1, dx1, ix1)
-                        if not inx:
-                            continue
-                        ob = vb + (st + (kz * H1 + ky) * W1 + kx) * (M * Dh)
-                        c = a * wz * wy * wx
-                        dot = zero
-                        for d in range(Dh):
-                            g = load(gyf, gb + d)
-                            if need_dot:
-                                dot += load(vf, ob + d) * g
-                            if want_v:
-                                cuda.atomic.add(gv, ob + d, c * g)
-                        if need_dot:
-                            sa += wz * wy * wx * dot
-                            sx += wz * wy * dx * dot
-                            sy += wz * dy * wx * dot
-                            sz += dz * wy * wx * dot
+                ob = vb + (st + k) * (M * Dh)
+                cv = a * w
+                dot = zero
+                for d in range(Dh):
+                    g = load(gyf, gb + d)
+                    if need_dot:
+                        dot += load(vf, ob + d) * g
+                    if want_v:
+                        cuda.atomic.add(gv, ob + d, cv * g)
+                if need_dot:
+                    sa += w * dot
+                    sx += gwx * dot
+                    sy += gwy * dot
+                    sz += gwz * dot
             if want_a:
                 store(ga, pt, sa)
             if want_l:
