@@ -125,27 +125,11 @@ def build(levels, n_layers):
     """The encoder on numba_ops' MSDeformAttn, and its twin on the pure-PyTorch path
     (the same weights)."""
     import torch
-    import torch.nn.functional as F
 
     import numba_ops.torch as nt
+    from numba_ops.benchmark.cases import ms_deform_attn_torch as msda_pytorch  # mmcv's pure-PyTorch path
 
     L = len(levels)
-
-    def msda_pytorch(value, shapes, locations, weights):
-        """mmcv's ``multi_scale_deformable_attn_pytorch`` (the shapes as Python ints)."""
-        bs, _, num_heads, embed_dims = value.shape
-        _, num_queries, _, num_levels, num_points, _ = locations.shape
-        value_list = value.split([h * w for h, w in shapes], dim=1)
-        sampling_grids = 2 * locations - 1
-        sampled = []
-        for level, (h, w) in enumerate(shapes):
-            value_l = value_list[level].flatten(2).transpose(1, 2).reshape(bs * num_heads, embed_dims, h, w)
-            grid_l = sampling_grids[:, :, :, level].transpose(1, 2).flatten(0, 1)
-            sampled.append(F.grid_sample(value_l, grid_l, mode="bilinear", padding_mode="zeros",
-                                         align_corners=False))
-        weights = weights.transpose(1, 2).reshape(bs * num_heads, 1, num_queries, num_levels * num_points)
-        out = (torch.stack(sampled, dim=-2).flatten(-2) * weights).sum(-1)
-        return out.view(bs, num_heads * embed_dims, num_queries).transpose(1, 2).contiguous()
 
     class PyTorchMSDeformAttn(nt.MSDeformAttn):
         """MSDeformAttn's parameters and forward on ``msda_pytorch``."""

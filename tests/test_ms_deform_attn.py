@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import numba_ops
+from numba_ops.benchmark.cases import ms_deform_attn_torch
 from helpers import BF16, FLOAT16, FLOAT32, FLOAT64, FULL
 from reference import assert_api_close, ms_deform_attn_ref
 
@@ -51,31 +52,12 @@ def test_forward_matches_oracle(rng, r, dtype):
     assert_api_close(out, want, dtype)
 
 
-def msda_pytorch(torch, value, shapes, loc, attn):
-    """mmcv's ``multi_scale_deformable_attn_pytorch`` (its 3-D analogue for 3-D levels)."""
-    import torch.nn.functional as F
-    N, S, M, Dh = value.shape
-    _, Lq, _, L, P, r = loc.shape
-    values = value.split([int(np.prod(s)) for s in shapes], dim=1)
-    grids = 2 * loc - 1
-    samples = []
-    for lv, shape in enumerate(shapes):
-        v = values[lv].flatten(2).transpose(1, 2).reshape(N * M, Dh, *shape)
-        g = grids[:, :, :, lv].transpose(1, 2).flatten(0, 1)
-        g = g.unsqueeze(1) if r == 3 else g
-        samples.append(F.grid_sample(v, g, mode="bilinear", padding_mode="zeros", align_corners=False)
-                       .reshape(N * M, Dh, Lq, P))
-    a = attn.transpose(1, 2).reshape(N * M, 1, Lq, L * P)
-    out = (torch.stack(samples, dim=-2).flatten(-2) * a).sum(-1).view(N, M * Dh, Lq)
-    return out.transpose(1, 2).contiguous()
-
-
 @pytest.mark.parametrize("r", [2, 3])
 def test_matches_pytorch_path_and_autograd(rng, r):
     torch = pytest.importorskip("torch")
     (value, loc, attn), shapes, starts = make(rng, r)
     vt, lt, at = (torch.tensor(a, requires_grad=True) for a in (value, loc, attn))
-    ref = msda_pytorch(torch, vt, shapes, lt, at)
+    ref = ms_deform_attn_torch(vt, shapes, lt, at)
     out = numba_ops.ms_deform_attn(value, shapes, starts, loc, attn)
     np.testing.assert_allclose(out, ref.detach().numpy(), rtol=1e-12, atol=1e-12)
     go = rng.standard_normal(out.shape)

@@ -27,6 +27,7 @@ import torch.nn.functional as F  # noqa: E402
 
 import numba_ops  # noqa: E402
 import numba_ops.torch as nt  # noqa: E402
+from numba_ops.benchmark.cases import ms_deform_attn_torch  # noqa: E402
 from helpers import BF16, FULL  # noqa: E402
 
 F64 = torch.float64
@@ -34,27 +35,9 @@ F64 = torch.float64
 
 # --- the pure-PyTorch reference --------------------------------------------------------
 
-def msda_ref(value, spatial_shapes, sampling_locations, attention_weights):
-    """mmcv's ``multi_scale_deformable_attn_pytorch`` (Deformable DETR's
-    ``ms_deform_attn_core_pytorch``), for 2-D levels (4-D ``F.grid_sample``) and 3-D
-    levels (5-D): each level's (Dh, *shape) map per head sampled at ``2 * loc - 1``
-    (bilinear, zeros, ``align_corners=False``), weighted, summed over levels and points."""
-    N, _, M, Dh = value.shape
-    _, Lq, _, L, P, r = sampling_locations.shape
-    shapes = [tuple(int(s) for s in row) for row in spatial_shapes.tolist()]
-    levels = value.split([math.prod(s) for s in shapes], dim=1)
-    grids = 2 * sampling_locations - 1
-    samples = []
-    for lvl, shape in enumerate(shapes):
-        v = levels[lvl].flatten(2).transpose(1, 2).reshape(N * M, Dh, *shape)
-        g = grids[:, :, :, lvl].transpose(1, 2).flatten(0, 1)  # (N*M, Lq, P, r)
-        if r == 3:
-            g = g[:, :, :, None, :]  # (N*M, Lq, P, 1, 3): 5-D sampling
-        s = F.grid_sample(v, g, mode="bilinear", padding_mode="zeros", align_corners=False)
-        samples.append(s.reshape(N * M, Dh, Lq, P))
-    w = attention_weights.transpose(1, 2).reshape(N * M, 1, Lq, L * P)
-    out = (torch.stack(samples, dim=-2).flatten(-2) * w).sum(-1).view(N, M * Dh, Lq)
-    return out.transpose(1, 2).contiguous()
+#: mmcv's ``multi_scale_deformable_attn_pytorch`` (4-D ``F.grid_sample`` for 2-D levels, 5-D for
+#: 3-D ones): one definition, the benchmarks' peer
+msda_ref = ms_deform_attn_torch
 
 
 class RefMSDeformAttn(torch.nn.Module):

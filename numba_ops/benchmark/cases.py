@@ -596,24 +596,31 @@ def ms_deform_attn_f64(value, spatial_shapes, sampling_locations, attention_weig
 
 def ms_deform_attn_torch(value, spatial_shapes, sampling_locations, attention_weights):
     """mmcv's pure-PyTorch path, ``multi_scale_deformable_attn_pytorch`` (also HF
-    transformers' and ultralytics'), on torch tensors (2-D levels): per level
+    transformers' and ultralytics'), on torch tensors: per level
     ``F.grid_sample(value_l, 2 * loc - 1, mode="bilinear", padding_mode="zeros",
-    align_corners=False)``, every sample materialised, stacked, weighted and summed.
-    ``spatial_shapes``: the levels' (H, W), any sequence of pairs. The PyTorch peer of
-    the ms_deform_attn cases (``harness``; autograd of it for the gradients), and
-    ``bench/ms_deform_attn.py``'s. Returns (N, Lq, M * Dh)."""
+    align_corners=False)`` (4-D for 2-D levels, 5-D for 3-D ones), every sample
+    materialised, stacked, weighted and summed. ``spatial_shapes``: the levels' (H, W)
+    or (D, H, W), rows of any sequence or array. The PyTorch peer of the ms_deform_attn
+    cases (``harness``; autograd of it for the gradients), the tests' reference and the
+    bench scripts'. Returns (N, Lq, M * Dh)."""
+    import math
+
     import torch
     import torch.nn.functional as F
     N, S, M, Dh = value.shape
-    _, Lq, _, L, P, _ = sampling_locations.shape
-    shapes = [(int(h), int(w)) for h, w in spatial_shapes]
-    values = value.split([h * w for h, w in shapes], dim=1)
+    _, Lq, _, L, P, r = sampling_locations.shape
+    rows = spatial_shapes.tolist() if hasattr(spatial_shapes, "tolist") else spatial_shapes
+    shapes = [tuple(int(s) for s in row) for row in rows]
+    values = value.split([math.prod(s) for s in shapes], dim=1)
     grids = 2 * sampling_locations - 1
     samples = []
-    for lv, (h, w) in enumerate(shapes):
-        v = values[lv].flatten(2).transpose(1, 2).reshape(N * M, Dh, h, w)
-        g = grids[:, :, :, lv].transpose(1, 2).flatten(0, 1)  # (N * M, Lq, P, 2)
-        samples.append(F.grid_sample(v, g, mode="bilinear", padding_mode="zeros", align_corners=False))
+    for lv, shape in enumerate(shapes):
+        v = values[lv].flatten(2).transpose(1, 2).reshape(N * M, Dh, *shape)
+        g = grids[:, :, :, lv].transpose(1, 2).flatten(0, 1)  # (N * M, Lq, P, r)
+        if r == 3:
+            g = g[:, :, :, None, :]  # (N * M, Lq, P, 1, 3): 5-D sampling
+        s = F.grid_sample(v, g, mode="bilinear", padding_mode="zeros", align_corners=False)
+        samples.append(s.reshape(N * M, Dh, Lq, P))
     a = attention_weights.transpose(1, 2).reshape(N * M, 1, Lq, L * P)
     out = (torch.stack(samples, dim=-2).flatten(-2) * a).sum(-1).view(N, M * Dh, Lq)
     return out.transpose(1, 2).contiguous()
