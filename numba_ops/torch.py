@@ -166,7 +166,57 @@ _LIB = "numba_ops"
 
 
 def _op(name, schema):
-    return torch.library.custom_op(f"{_LIB}::{name}", mutates_args=(), schema=schema)
+    """The decorated function as the custom operator ``numba_ops::<name>``, with two
+    attributes for ``_call``: ``overload`` (``torch.ops.numba_ops.<name>.default``) and
+    ``plain``, the function itself."""
+    def make(fn):
+        op = torch.library.custom_op(f"{_LIB}::{name}", fn, mutates_args=(), schema=schema)
+        op.overload, op.plain = getattr(getattr(torch.ops, _LIB), name).default, fn
+        return op
+    return make
+
+
+def _differentiable(op, backward, setup_context):
+    """Register ``op``'s autograd formula, and the same formula as the operator's
+    ``function``: a ``torch.autograd.Function`` over its plain function, which
+    ``_call`` applies in eager mode."""
+    op.register_autograd(backward, setup_context=setup_context)
+    plain = op.plain
+
+    def forward(ctx, *args):  # the classic form: a separate setup_context costs an inspect.signature per call
+        out = plain(*args)
+        setup_context(ctx, args, out)
+        return out
+
+    op.function = type(plain.__name__, (torch.autograd.Function,), {
+        "forward": staticmethod(forward), "backward": staticmethod(backward)})
+
+
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
+def _eager(args):
+    """True when a call on ``args`` may bypass torch's dispatcher: no compiler, tracer,
+    dispatch or function mode, functorch transform or tensor subclass in play, and
+    every tensor a CPU or CUDA one (meta and fake tensors go to the fake implementation)."""
+    if (torch.compiler.is_compiling() or torch.jit.is_tracing() or torch._C._len_torch_dispatch_stack()
+            or torch._C._are_functorch_transforms_active() or torch._C._has_torch_function(args)):
+        return False
+    return all(type(a) in _PLAIN_TENSORS and (a.is_cpu or a.is_cuda)
+               for a in args if isinstance(a, torch.Tensor))
+
+
+def _call(op, *args):
+    """``op(*args)`` (every argument positional, as the schema orders them). In eager
+    mode on plain tensors (``_eager``), without the dispatcher's 30-50 us per call: the
+    operator's function itself when no gradient is recorded, else its autograd
+    ``function``, the formula the operator registers. Otherwise (``torch.compile``,
+    export, fake or meta tensors, vmap) the operator, which those see and trace."""
+    if _eager(args):
+        if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+            return op.function.apply(*args)
+        return op.plain(*args)
+    return op.overload(*args)
 
 
 @_op("affine_grid", "(Tensor theta, SymInt[] size, bool align_corners=False) -> Tensor")
@@ -213,7 +263,7 @@ def _affine_grid_bwd(ctx, grad):
     return g, None, None
 
 
-_affine_grid.register_autograd(_affine_grid_bwd, setup_context=_affine_grid_setup)
+_differentiable(_affine_grid, _affine_grid_bwd, _affine_grid_setup)
 
 
 _GS_ATTRS = "str mode='linear', str padding_mode='zeros', bool align_corners=False"
@@ -282,7 +332,7 @@ def _grid_sample_bwd(ctx, grad):
     return (gx if want_x else None), (gg if want_grid else None), None, None, None
 
 
-_grid_sample.register_autograd(_grid_sample_bwd, setup_context=_save_two)
+_differentiable(_grid_sample, _grid_sample_bwd, _save_two)
 
 
 @_op("affine_warp", f"(Tensor x, Tensor theta, SymInt[]? size=None, {_GS_ATTRS}) -> Tensor")
@@ -341,7 +391,7 @@ def _affine_warp_bwd(ctx, grad):
     return (gx if want_x else None), (gt if want_theta else None), None, None, None, None
 
 
-_affine_warp.register_autograd(_affine_warp_bwd, setup_context=_save_two)
+_differentiable(_affine_warp, _affine_warp_bwd, _save_two)
 
 
 _DC_ATTRS = ("SymInt[]? kernel_shape=None, SymInt[]? strides=None, SymInt[]? pads=None, SymInt[]? dilations=None, "
@@ -437,7 +487,7 @@ def _deform_conv_bwd(ctx, grad):
     return tuple(g if want else None for g, want in zip(grads, wants)) + (None,) * 6
 
 
-_deform_conv.register_autograd(_deform_conv_bwd, setup_context=_deform_conv_setup)
+_differentiable(_deform_conv, _deform_conv_bwd, _deform_conv_setup)
 
 
 def _no_vmap(name):
@@ -456,11 +506,6 @@ for _name, _custom in (("affine_grid", _affine_grid), ("affine_grid_backward", _
     _custom.register_vmap(_no_vmap(_name))
 del _name, _custom
 
-_OPS = torch.ops.numba_ops
-_AFFINE_GRID = _OPS.affine_grid.default
-_GRID_SAMPLE = _OPS.grid_sample.default
-_AFFINE_WARP = _OPS.affine_warp.default
-_DEFORM_CONV = _OPS.deform_conv.default
 
 
 # --- the public functions (the NumPy functions' arguments) -------------------------------
@@ -513,7 +558,7 @@ def affine_grid(theta, size, align_corners=False):
     """
     if _fwad._current_level >= 0:
         _refuse_forward_ad(theta)
-    return _AFFINE_GRID(theta, _ints(size, "size"), _align(align_corners))
+    return _call(_affine_grid, theta, _ints(size, "size"), _align(align_corners))
 
 
 def grid_sample(x, grid, *, mode="linear", padding_mode="zeros", align_corners=False):
@@ -530,7 +575,7 @@ def grid_sample(x, grid, *, mode="linear", padding_mode="zeros", align_corners=F
     """
     if _fwad._current_level >= 0:
         _refuse_forward_ad(x, grid)
-    return _GRID_SAMPLE(x, grid, _mode(mode), padding_mode, _align(align_corners))
+    return _call(_grid_sample, x, grid, _mode(mode), padding_mode, _align(align_corners))
 
 
 def affine_warp(x, theta, size=None, *, mode="linear", padding_mode="zeros", align_corners=False):
@@ -547,7 +592,7 @@ def affine_warp(x, theta, size=None, *, mode="linear", padding_mode="zeros", ali
     """
     if _fwad._current_level >= 0:
         _refuse_forward_ad(x, theta)
-    return _AFFINE_WARP(x, theta, _ints(size, "size"), _mode(mode), padding_mode, _align(align_corners))
+    return _call(_affine_warp, x, theta, _ints(size, "size"), _mode(mode), padding_mode, _align(align_corners))
 
 
 def deform_conv(x, w, offset, b=None, mask=None, *, kernel_shape=None, strides=None, pads=None, dilations=None,
@@ -564,8 +609,8 @@ def deform_conv(x, w, offset, b=None, mask=None, *, kernel_shape=None, strides=N
     """
     if _fwad._current_level >= 0:
         _refuse_forward_ad(x, w, offset, b, mask)
-    return _DEFORM_CONV(x, w, offset, b, mask, _ints(kernel_shape, "kernel_shape"), _ints(strides, "strides"),
-                        _ints(pads, "pads"), _ints(dilations, "dilations"), group, offset_group)
+    return _call(_deform_conv, x, w, offset, b, mask, _ints(kernel_shape, "kernel_shape"),
+                 _ints(strides, "strides"), _ints(pads, "pads"), _ints(dilations, "dilations"), group, offset_group)
 
 
 # --- modules ----------------------------------------------------------------------------
@@ -652,8 +697,8 @@ class _DeformConvNd(torch.nn.Module):
                              f"(offset_groups * K * n); got offset shape {tuple(offset.shape)}")
         if _fwad._current_level >= 0:
             _refuse_forward_ad(input, self.weight, offset, self.bias, mask)
-        return _DEFORM_CONV(input, self.weight, offset, self.bias, mask, self.kernel_size, self.stride,
-                            [*self.padding, *self.padding], self.dilation, self.groups, channels // per_group)
+        return _call(_deform_conv, input, self.weight, offset, self.bias, mask, self.kernel_size, self.stride,
+                     [*self.padding, *self.padding], self.dilation, self.groups, channels // per_group)
 
     def extra_repr(self) -> str:
         s = f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, stride={self.stride}"
@@ -806,10 +851,9 @@ def _ms_deform_attn_bwd(ctx, grad):
     return gv, None, None, gl, ga
 
 
-_ms_deform_attn.register_autograd(_ms_deform_attn_bwd, setup_context=_ms_deform_attn_setup)
+_differentiable(_ms_deform_attn, _ms_deform_attn_bwd, _ms_deform_attn_setup)
 _ms_deform_attn.register_vmap(_no_vmap("ms_deform_attn"))
 _ms_deform_attn_backward.register_vmap(_no_vmap("ms_deform_attn_backward"))
-_MS_DEFORM_ATTN = _OPS.ms_deform_attn.default
 
 
 def _table(a):
@@ -835,8 +879,8 @@ def ms_deform_attn(value, spatial_shapes, level_start_index, sampling_locations,
     """
     if _fwad._current_level >= 0:
         _refuse_forward_ad(value, sampling_locations, attention_weights)
-    return _MS_DEFORM_ATTN(value, _table(spatial_shapes), _table(level_start_index), sampling_locations,
-                           attention_weights)
+    return _call(_ms_deform_attn, value, _table(spatial_shapes), _table(level_start_index), sampling_locations,
+                 attention_weights)
 
 
 class MSDeformAttn(torch.nn.Module):
@@ -1053,5 +1097,6 @@ def onnx_translations():
                        attention_weights)
 
     del onnxscript
-    return {_DEFORM_CONV: deform_conv_onnx, _GRID_SAMPLE: grid_sample_onnx, _AFFINE_GRID: affine_grid_onnx,
-            _AFFINE_WARP: affine_warp_onnx, _MS_DEFORM_ATTN: ms_deform_attn_onnx}
+    return {_deform_conv.overload: deform_conv_onnx, _grid_sample.overload: grid_sample_onnx,
+            _affine_grid.overload: affine_grid_onnx, _affine_warp.overload: affine_warp_onnx,
+            _ms_deform_attn.overload: ms_deform_attn_onnx}
