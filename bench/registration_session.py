@@ -5,7 +5,8 @@
 
 Each model is built with torch and exported by PyTorch's own ONNX exporter
 (``torch.onnx.export(..., dynamo=True)``, opset 20, which needs onnxscript) in a
-process of its own:
+process of its own; the network is ``make_regnet`` (one definition, shared with
+``bench/registration_training.py``, which trains it):
 
 - input: the fixed and the moving image concatenated, 1x2xHxW (2-D) or 1x2xDxHxW (3-D);
 - a small U-Net: an encoder of 4 levels (3x3(x3) convolutions of stride 2 and
@@ -71,16 +72,31 @@ def _feeds(shape):
     return {"x": x.astype(np.float32)}
 
 
-# --- the registration network, exported by PyTorch (in a process of its own: torch's
-# OpenMP and thread pools stay out of the timed processes) ------------------------------
+# --- the registration network (shared with bench/registration_training.py) -------------------
 
-def export_registration(path, size):
+def _torch_sample(img, grid):
+    """``torch.nn.functional.grid_sample``, bilinear, border padding, align_corners."""
+    import torch.nn.functional as F
+    return F.grid_sample(img, grid, mode="bilinear", padding_mode="border", align_corners=True)
+
+
+def make_regnet(size, sample=None):
+    """The registration network for images of ``size`` (H, W) or (D, H, W), a
+    ``torch.nn.Module``: ``forward(x)`` -> (warped moving image, flow) for ``x`` the fixed
+    and the moving image concatenated, N x 2 x *size. ``sample(img, grid)`` is the
+    GridSample of the transform (bilinear, border padding, align_corners; default
+    ``torch.nn.functional.grid_sample``). ``velocity(x)`` is the U-Net alone and
+    ``transform(moving, v)`` the scaling and squaring (``STEPS`` GridSamples) and the
+    warp (one more). Weights from ``torch.manual_seed(0)``, the last convolution's bias
+    zero and its weight scaled so that the velocity field of ``_feeds([1, 2, *size])``
+    has an RMS of ``FLOW_PIXELS`` pixels: equal for every ``sample``."""
     import torch
     import torch.nn.functional as F
     from torch import nn
 
     nd = len(size)
     Conv = nn.Conv2d if nd == 2 else nn.Conv3d
+    sample = _torch_sample if sample is None else sample
 
     class RegNet(nn.Module):
         def __init__(self):
@@ -116,22 +132,35 @@ def export_registration(path, size):
             return v.permute(0, 2, 3, 1) if nd == 2 else v.permute(0, 2, 3, 4, 1)
 
         def _sample(self, img, v):
-            return F.grid_sample(img, self.identity + self._as_grid(v), mode="bilinear", padding_mode="border",
-                                 align_corners=True)
+            return sample(img, self.identity + self._as_grid(v))
 
-        def forward(self, x):
-            v = self.velocity(x) / 2 ** STEPS
+        def transform(self, moving, v):
+            v = v / 2 ** STEPS
             for _ in range(STEPS):
                 v = v + self._sample(v, v)
-            return self._sample(x[:, 1:2], v), v
+            return self._sample(moving, v), v
+
+        def forward(self, x):
+            return self.transform(x[:, 1:2], self.velocity(x))
 
     torch.manual_seed(0)
-    net = RegNet().eval()
+    net = RegNet()
     x = torch.from_numpy(_feeds([1, 2, *size])["x"])
     with torch.no_grad():
         net.flow.bias.zero_()
         rms = float(net.velocity(x).pow(2).mean().sqrt())
         net.flow.weight.mul_(FLOW_PIXELS * 2 / (max(size) - 1) / rms)  # normalised units: 2 / (n - 1) a pixel
+    return net
+
+
+# --- the model, exported by PyTorch (in a process of its own: torch's OpenMP and thread
+# pools stay out of the timed processes) ----------------------------------------------------
+
+def export_registration(path, size):
+    import torch
+
+    net = make_regnet(size).eval()
+    x = torch.from_numpy(_feeds([1, 2, *size])["x"])
     torch.onnx.export(net, (x,), path, opset_version=20, dynamo=True, input_names=["x"],
                       output_names=["warped", "flow"], external_data=False)
 
