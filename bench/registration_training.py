@@ -1,7 +1,7 @@
 """Training a VoxelMorph-style registration network: ``numba_ops.torch.grid_sample`` against torch's.
 
     python bench/registration_training.py [--rounds 5] [--steps 3] [--size-2d 160 160]
-                                          [--size-3d 48 48 48] [--skip-2d] [--skip-3d]
+                                          [--size-3d 48 48 48] [--skip-2d] [--skip-3d] [--threads 2]
 
 The network is ``bench/registration_session.py``'s (``make_regnet``, one definition
 for both scripts): a small U-Net predicting a velocity field, integrated by scaling
@@ -22,7 +22,9 @@ backward, on a detached velocity field that requires grad (the network's at the
 start) with the same loss.
 
 Each side runs in a process of its own with ``torch.set_num_threads(2)`` and
-``NUMBA_NUM_THREADS=2``; after warm-up (the first numba_ops call compiles its kernels
+``NUMBA_NUM_THREADS=2`` (``--threads``: another count for both; 1 where another job
+keeps a core of a small machine busy, so that neither side's thread pool waits on a
+descheduled thread); after warm-up (the first numba_ops call compiles its kernels
 or loads them from numba's cache) the two take turns, a round of ``--steps`` training
 steps each and then ``--steps`` transforms each, the order alternating from round to
 round, with a pause before each turn longer than any thread pool's spin. Printed: the
@@ -144,11 +146,11 @@ def _grads(net, x, v, path):
     v.grad = None
 
 
-def worker(side, size, grads_path, warmup):
+def worker(side, size, grads_path, warmup, threads):
     """Serve rounds on stdin ("run N" -> a JSON list of N [forward, backward, step] seconds;
     "transform N" -> a JSON list of N seconds)."""
     import torch
-    torch.set_num_threads(THREADS)
+    torch.set_num_threads(threads)
     net, x, opt, v = _build(side, json.loads(size))
     _grads(net, x, v, grads_path)  # also the first call (numba_ops: compile or load the kernels)
     for _ in range(warmup):
@@ -165,10 +167,10 @@ def worker(side, size, grads_path, warmup):
 
 # --- the report -------------------------------------------------------------------------------
 
-def _environment():
+def _environment(threads):
     print(f"environment: torch {version('torch')}, numba {version('numba')}, numba_ops {version('numba-ops')}, "
           f"NumPy {np.__version__}, Python {platform.python_version()}")
-    print(f"  CPU: {_cpu_model()}, {os.cpu_count()} logical CPUs; torch.set_num_threads({THREADS}), "
+    print(f"  CPU: {_cpu_model()}, {os.cpu_count()} logical CPUs; torch.set_num_threads({threads}), "
           f"NUMBA_NUM_THREADS={os.environ['NUMBA_NUM_THREADS']}")
 
 
@@ -198,8 +200,8 @@ def registration(args, tmp, size):
     procs = {}
     for s in SIDES:  # one after the other: the compile or cache load stays out of the other's start
         grads = os.path.join(tmp, s + ".npz")
-        procs[s] = Worker([_HERE, "--worker", s, json.dumps(size), grads, "--warmup", str(max(2, args.warmup))],
-                          stderr=grads + ".stderr")
+        procs[s] = Worker([_HERE, "--worker", s, json.dumps(size), grads, "--warmup", str(max(2, args.warmup)),
+                           "--threads", str(args.threads)], stderr=grads + ".stderr")
     _check(tmp)
     steps = {s: [] for s in SIDES}
     trans = {s: [] for s in SIDES}
@@ -241,15 +243,18 @@ def main():
     ap.add_argument("--size-3d", type=int, nargs=3, default=[48, 48, 48], metavar=("D", "H", "W"))
     ap.add_argument("--skip-2d", action="store_true", help="the 3-D network only")
     ap.add_argument("--skip-3d", action="store_true", help="the 2-D network only")
+    ap.add_argument("--threads", type=int, default=THREADS,
+                    help="torch's and numba's threads per side (default %(default)s)")
     ap.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)  # SIDE SIZE GRADS_PATH
     args = ap.parse_args()
     if args.worker:
-        return worker(*args.worker, warmup=args.warmup)
+        return worker(*args.worker, warmup=args.warmup, threads=args.threads)
     sizes = ([] if args.skip_2d else [args.size_2d]) + ([] if args.skip_3d else [args.size_3d])
     for size in sizes:
         if any(s % 16 for s in size):
             ap.error(f"sizes must be multiples of 16 (4 levels of stride 2); got {size}")
-    _environment()
+    os.environ["NUMBA_NUM_THREADS"] = str(args.threads)  # the workers inherit it
+    _environment(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         for size in sizes:
             registration(args, tmp, size)
