@@ -52,10 +52,15 @@ def test_forward_matches_oracle(rng, r, dtype):
     assert_api_close(out, want, dtype)
 
 
+@pytest.mark.parametrize("Lq", [5, 80], ids=["few_points", "many_points"])
 @pytest.mark.parametrize("r", [2, 3])
-def test_matches_pytorch_path_and_autograd(rng, r):
+def test_matches_pytorch_path_and_autograd(rng, r, Lq):
+    """Few points per value row and many (where the CPU backward reads value head-major)."""
     torch = pytest.importorskip("torch")
-    (value, loc, attn), shapes, starts = make(rng, r)
+    from numba_ops.kernels.cpu.ms_deform_attn_backward import HEAD_MAJOR_POINTS
+    (value, loc, attn), shapes, starts = make(rng, r, Lq=Lq)
+    S, L, P = value.shape[1], loc.shape[3], loc.shape[4]
+    assert (Lq * L * P >= HEAD_MAJOR_POINTS * S) == (Lq == 80)
     vt, lt, at = (torch.tensor(a, requires_grad=True) for a in (value, loc, attn))
     ref = ms_deform_attn_torch(vt, shapes, lt, at)
     out = numba_ops.ms_deform_attn(value, shapes, starts, loc, attn)

@@ -17,7 +17,8 @@ The four dot products of an interior point (``_dots``) are compiled with ``fastm
 reassociation, so that their channel sums vectorise (as partial sums over SIMD lanes):
 the order of every sum is still fixed by the compiled code, not by the threads or by
 which gradients are asked for (10-20 % of the encoder's backward here). Working
-memory: none beyond the gradients themselves. 16-bit inputs are widened to
+memory: the gradients themselves, and for the encoder's many points per value row
+a head-major copy of value (``launch``). 16-bit inputs are widened to
 float32 by the launcher, and the gradients rounded once.
 """
 import numpy as np
@@ -34,7 +35,7 @@ from .ms_deform_attn import ONE, compute_view, level_table
 DTYPES = NAMES  # the dtypes these kernels take (the dispatcher checks them)
 
 
-@njit(cache=True, fastmath={"reassoc"})
+@njit(cache=True, fastmath={"reassoc"}, forceinline=True)
 def _dots(vf, gf, o0, o1, o2, o3, og, Dh, zero):
     """The dot products of four value rows (at ``o0..o3``) with the output gradient's row
     (at ``og``): the one place that is compiled with reassociation, so that the channel
@@ -54,24 +55,25 @@ def _dots(vf, gf, o0, o1, o2, o3, og, Dh, zero):
 
 
 @njit(**INTERNAL)
-def _units(gy, v, shapes, starts, loc, attn, gv, gl, ga, want_v, want_l, want_a, one, u0, u1):
+def _units(gy, v, shapes, starts, loc, attn, gv, gl, ga, want_v, want_l, want_a, one, hm, u0, u1):
     """Units ``u0:u1`` (``(n * M + m) * L + l``). ``gy`` (N, Lq, M, Dh) the output's
     gradient; ``loc`` (N, M, L, Lq, P, r) and ``attn`` (N, M, L, Lq, P) unit-major (a
     unit's points contiguous), ``gl`` and ``ga`` their gradients in the same layout,
     ``gv`` value's (zeroed); each gradient may be a dummy when its ``want_*`` is False.
+    ``v`` and ``gv`` are (N, S, M, Dh), or head-major (N, M, S, Dh) where ``hm``.
 
     A 2-D or 3-D point whose taps are all inside (``_msda.interior``) reads and
     scatters the four corners of a plane in one pass over the channels; others take
     every axis' padded taps (``axis_grad_taps``) corner by corner."""
     N, Lq, M, Dh = gy.shape[0], gy.shape[1], gy.shape[2], gy.shape[3]
     L, P, r = loc.shape[2], loc.shape[4], loc.shape[5]
-    S = v.shape[1]
+    S = v.shape[2] if hm else v.shape[1]
     vf = flat(v)
     gf = flat(gy)
     gvf = flat(gv)
     zero = one - one
     nan = one * np.nan
-    row = M * Dh  # a position's stride in value
+    row = Dh if hm else M * Dh  # a position's stride in value
     for u in range(u0, u1):
         lv = u % L
         nm = u // L
@@ -81,7 +83,8 @@ def _units(gy, v, shapes, starts, loc, attn, gv, gl, ga, want_v, want_l, want_a,
         W1 = max(W, 1)
         H1 = max(H, 1)
         fW, fH, fD = as_compute(one, W), as_compute(one, H), as_compute(one, D)
-        at = ((n * S + starts[lv]) * M + m) * Dh  # the level's first position, head m
+        # head m's first position of the level
+        at = ((n * M + m) * S + starts[lv]) * Dh if hm else ((n * S + starts[lv]) * M + m) * Dh
         for q in range(Lq):
             og = ((n * Lq + q) * M + m) * Dh
             for p in range(P):
@@ -164,17 +167,17 @@ _units_op = opaque(_units)
 
 
 @njit(cache=True, nogil=True)
-def _serial(gy, v, shapes, starts, loc, attn, gv, gl, ga, want_v, want_l, want_a, one):
+def _serial(gy, v, shapes, starts, loc, attn, gv, gl, ga, want_v, want_l, want_a, one, hm):
     units = gy.shape[0] * gy.shape[2] * loc.shape[2]
-    _units_op(gy, v, shapes, starts, loc, attn, gv, gl, ga, want_v, want_l, want_a, one, 0, units)
+    _units_op(gy, v, shapes, starts, loc, attn, gv, gl, ga, want_v, want_l, want_a, one, hm, 0, units)
 
 
 @njit(cache=True, parallel=True, nogil=True)
-def _parallel(gy, v, shapes, starts, loc, attn, gv, gl, ga, want_v, want_l, want_a, one, nchunks):
+def _parallel(gy, v, shapes, starts, loc, attn, gv, gl, ga, want_v, want_l, want_a, one, hm, nchunks):
     units = gy.shape[0] * gy.shape[2] * loc.shape[2]
     nchunks = min(units, nchunks)
     for c in prange(nchunks):
-        _units_op(gy, v, shapes, starts, loc, attn, gv, gl, ga, want_v, want_l, want_a, one,
+        _units_op(gy, v, shapes, starts, loc, attn, gv, gl, ga, want_v, want_l, want_a, one, hm,
                   c * units // nchunks, (c + 1) * units // nchunks)
 
 
@@ -184,6 +187,11 @@ def unit_major(a):
     return compute_view(a.transpose((0, 2, 3, 1) + tuple(range(4, a.ndim))))
 
 
+#: points per value row from which a unit reads value and scatters its gradient head-major
+#: (``launch``)
+HEAD_MAJOR_POINTS = 4
+
+
 def launch(grad_out, value, shapes, starts, loc, attn, want_value, want_loc, want_attn, stream=None):
     """NumPy inputs validated by the front end (grad_out (N, Lq, M * Dh)); returns
     ``(grad_value, grad_locations, grad_weights)`` in value's dtype, None for those not
@@ -191,28 +199,36 @@ def launch(grad_out, value, shapes, starts, loc, attn, want_value, want_loc, wan
 
     The locations and weights go to the kernel unit-major (``unit_major``): a unit
     walks its points in memory order instead of 32 bytes of every kilobyte (a quarter
-    of the encoder's backward here), and their gradients come back the same way."""
+    of the encoder's backward here), and their gradients come back the same way.
+    Where the points are many per value row (``HEAD_MAJOR_POINTS``: the encoder's),
+    value and its gradient are head-major as well, (N, M, S, Dh): a unit's rows are
+    then one contiguous block, not every M-th row of the whole value (10-15 % of the
+    encoder's backward here, for two copies of value's size); the decoder's few points
+    would not repay the copies."""
     dt = value.dtype
     ct = compute(dt)
     N, S, M, Dh = value.shape
     Lq, L = loc.shape[1], loc.shape[3]
     lt, at = unit_major(loc), unit_major(attn)
-    gv = np.zeros(value.shape if want_value else (0, 0, 0, 0), ct)
+    hm = Lq * L * loc.shape[4] >= HEAD_MAJOR_POINTS * S  # (the encoder's 16 per row; the decoder's 0.24)
+    vh = compute_view(value.transpose(0, 2, 1, 3) if hm else value)
+    gv = np.zeros(vh.shape if want_value else (0, 0, 0, 0), ct)
     gl = np.zeros(lt.shape if want_loc else (0,) * 6, ct)
     ga = np.zeros(at.shape if want_attn else (0,) * 5, ct)
     units = N * M * L
     if units and Lq and loc.shape[4] and Dh and (want_value or want_loc or want_attn):
         work = N * Lq * M * L * loc.shape[4] * Dh * (1 << loc.shape[5]) * 2
         gy = compute_view(grad_out).reshape(N, Lq, M, Dh)
-        _runtime.run(_serial, _parallel, work, gy, compute_view(value), level_table(shapes),
+        _runtime.run(_serial, _parallel, work, gy, vh, level_table(shapes),
                      np.ascontiguousarray(starts, np.int64), lt, at, gv, gl, ga,
-                     bool(want_value), bool(want_loc), bool(want_attn), ONE[ct])
+                     bool(want_value), bool(want_loc), bool(want_attn), ONE[ct], hm)
 
-    def public(g, want, query_major=False):
+    def public(g, want, order=None):
         if not want:
             return None
-        if query_major:  # back to (N, Lq, M, L, ...)
-            g = np.ascontiguousarray(g.transpose((0, 3, 1, 2) + tuple(range(4, g.ndim))), dt)
+        if order:  # back to the inputs' layout
+            g = np.ascontiguousarray(g.transpose(order + tuple(range(4, g.ndim))), dt)
         return g if g.dtype == dt else g.astype(dt)
 
-    return public(gv, want_value), public(gl, want_loc, True), public(ga, want_attn, True)
+    return (public(gv, want_value, (0, 2, 1, 3) if hm else None), public(gl, want_loc, (0, 3, 1, 2)),
+            public(ga, want_attn, (0, 3, 1, 2)))
