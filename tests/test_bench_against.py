@@ -63,6 +63,7 @@ def _no_worktree_left(repo):
     return len(out.strip().splitlines()) == 1
 
 
+@pytest.mark.serial
 @pytest.mark.full  # seconds of alternating timed runs
 def test_2ms_against_1ms_is_flagged(repo, tmp_path):
     (repo / "fakecases.py").write_text(CASES.format(delay=0.002, extra=""))  # the working tree, uncommitted
@@ -80,6 +81,7 @@ def test_2ms_against_1ms_is_flagged(repo, tmp_path):
     assert _no_worktree_left(repo)
 
 
+@pytest.mark.serial
 @pytest.mark.full  # a live A/B run each; the default run makes one in test_2ms_against_1ms_is_flagged
 def test_1ms_against_1ms_passes_and_a_new_case_is_reported(repo, tmp_path):
     (repo / "fakecases.py").write_text(CASES.format(delay=0.001, extra='\nCASES.append(("spin", "spin_old"))'))
@@ -96,6 +98,7 @@ def test_1ms_against_1ms_passes_and_a_new_case_is_reported(repo, tmp_path):
     assert _no_worktree_left(repo)
 
 
+@pytest.mark.serial
 @pytest.mark.full  # a live A/B run; the default run makes one in test_2ms_against_1ms_is_flagged
 def test_threshold_and_only(repo, tmp_path):
     (repo / "fakecases.py").write_text(CASES.format(delay=0.002, extra='\nCASES.append(("spin", "spin_b"))'))

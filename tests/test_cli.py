@@ -149,6 +149,7 @@ def test_check_on_an_unusable_device_says_so():
     assert rc == 2 and "not usable" in err
 
 
+@pytest.mark.serial
 @pytest.mark.full  # peers and the table: seconds of timing (CI runs the full pass and a bench smoke)
 def test_bench_quick(tmp_path):
     out_json = tmp_path / "bench.json"
@@ -241,6 +242,7 @@ def test_an_old_format_file_is_refused_with_a_message(tmp_path):
         assert rc == 2 and "is not a run saved by numba-ops bench --json FILE" in err, out + err
 
 
+@pytest.mark.serial
 @pytest.mark.full  # three live benchmark runs (about a minute); the default run times one in test_bench_quick
 def test_a_saved_run_compared_twice_on_unchanged_code_passes(tmp_path):
     """The live path end to end, on a tiny case and the fewest rounds that give an
