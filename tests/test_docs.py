@@ -29,7 +29,10 @@ EXAMPLE_ARGS = {"augment_batch.py": ["--n", "3", "--size", "32"],
                 "train_deformable_3d.py": ["--steps", "20", "--size", "10"]}
 
 
-@pytest.mark.parametrize("name", DOC_MODULES)
+# (warm's example finds its second warm-up up to date: a cache that another process
+# writes to meanwhile is not, so it runs alone in CI's parallel passes)
+@pytest.mark.parametrize("name", [pytest.param(m, marks=pytest.mark.serial) if m == "numba_ops._warm" else m
+                                  for m in DOC_MODULES])
 def test_docstring_examples(name):
     if name == "numba_ops.dask":
         pytest.importorskip("dask.array")
