@@ -61,8 +61,7 @@ def main():
     ap.add_argument("--calls", type=int, default=5000)
     ap.add_argument("--blocks", type=int, default=7)
     a = ap.parse_args()
-    torch.set_num_threads(1)
-    numba_ops.set_num_threads(1) if hasattr(numba_ops, "set_num_threads") else None
+    torch.set_num_threads(1)  # (numba_ops runs calls this small on the caller's thread)
     print(f"us per call, best of {a.blocks} blocks of {a.calls} (torch {torch.__version__}, "
           f"numba_ops {numba_ops.__version__}, 1 thread)")
     print(f"{'op':16s} {'numpy':>7s} {'torch':>7s} {'+grad':>7s} {'over':>7s} {'over+grad':>9s}")
