@@ -49,6 +49,19 @@ class Worker:
             self.err.close()
 
 
+def cpu_model():
+    """The CPU's model name (/proc/cpuinfo), or the platform's processor string."""
+    import platform
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "?"
+
+
 def version(dist):
     """An installed distribution's version, or "?"."""
     from importlib.metadata import PackageNotFoundError, version as _v

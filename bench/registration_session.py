@@ -61,7 +61,7 @@ STEPS = 7  # scaling and squaring
 FLOW_PIXELS = 2.0  # RMS of the velocity field, in pixels of the finest axis
 
 
-def _feeds(shape):
+def images(shape):
     """The fixed and the moving image: smooth random images in [0, 1]."""
     rng = np.random.default_rng(0)
     x = rng.standard_normal(shape).astype(np.float32)
@@ -88,7 +88,7 @@ def make_regnet(size, sample=None):
     ``torch.nn.functional.grid_sample``). ``velocity(x)`` is the U-Net alone and
     ``transform(moving, v)`` the scaling and squaring (``STEPS`` GridSamples) and the
     warp (one more). Weights from ``torch.manual_seed(0)``, the last convolution's bias
-    zero and its weight scaled so that the velocity field of ``_feeds([1, 2, *size])``
+    zero and its weight scaled so that the velocity field of ``images([1, 2, *size])``
     has an RMS of ``FLOW_PIXELS`` pixels: equal for every ``sample``."""
     import torch
     import torch.nn.functional as F
@@ -145,7 +145,7 @@ def make_regnet(size, sample=None):
 
     torch.manual_seed(0)
     net = RegNet()
-    x = torch.from_numpy(_feeds([1, 2, *size])["x"])
+    x = torch.from_numpy(images([1, 2, *size])["x"])
     with torch.no_grad():
         net.flow.bias.zero_()
         rms = float(net.velocity(x).pow(2).mean().sqrt())
@@ -160,7 +160,7 @@ def export_registration(path, size):
     import torch
 
     net = make_regnet(size).eval()
-    x = torch.from_numpy(_feeds([1, 2, *size])["x"])
+    x = torch.from_numpy(images([1, 2, *size])["x"])
     torch.onnx.export(net, (x,), path, opset_version=20, dynamo=True, input_names=["x"],
                       output_names=["warped", "flow"], external_data=False)
 
@@ -220,7 +220,7 @@ def _profile(kind, model, feeds, grid_nodes, calls=10):
 def worker(kind, model, shape):
     """Serve rounds on stdin ("run N" -> a JSON list of N seconds; "out PATH"; "profile")."""
     import onnx
-    feeds = _feeds(json.loads(shape))
+    feeds = images(json.loads(shape))
     grid_nodes = {n.name for n in onnx.load(model).graph.node if n.op_type == "GridSample"}
     try:
         t0 = time.perf_counter()

@@ -11,7 +11,7 @@ all, bilinear, border padding, align_corners. Side "numba_ops" calls
 ``numba_ops.torch.grid_sample`` there, side "torch" ``torch.nn.functional.grid_sample``;
 everything else is the same torch code, and both start from the same weights
 (``make_regnet``: ``torch.manual_seed(0)``, the velocity a few pixels) and the same
-batch of 2 image pairs (``registration_session._feeds``: smooth random images).
+batch of 2 image pairs (``registration_session.images``: smooth random images).
 
 Loss = mean((warped - fixed)^2) + 0.01 * the mean squared finite difference of the
 flow (in pixels) along each axis. One training step is ``zero_grad``, the forward,
@@ -47,7 +47,7 @@ import sys
 import tempfile
 import time
 
-from _harness import Worker, unpin, version  # bench/_harness.py
+from _harness import Worker, cpu_model, unpin, version  # bench/_harness.py
 
 if __name__ == "__main__":
     unpin()  # before numpy loads OpenBLAS
@@ -57,8 +57,7 @@ os.environ.setdefault("NUMBA_NUM_THREADS", str(THREADS))  # before numba is impo
 
 import numpy as np  # noqa: E402
 
-from registration_session import STEPS, _feeds, make_regnet  # noqa: E402  (bench/registration_session.py)
-from torch_training_step import _cpu_model  # noqa: E402  (bench/torch_training_step.py)
+from registration_session import STEPS, images, make_regnet  # noqa: E402  (bench/registration_session.py)
 
 _HERE = os.path.abspath(__file__)
 SIDES = ("numba_ops", "torch")
@@ -97,7 +96,7 @@ def _build(side, size):
     velocity field at the start (detached, requiring grad) for the transform alone."""
     import torch
     net = make_regnet(size, _sampler(side)).train()
-    x = torch.from_numpy(_feeds([N, 2, *size])["x"])
+    x = torch.from_numpy(images([N, 2, *size])["x"])
     opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
     with torch.no_grad():
         v = net.velocity(x)
@@ -170,7 +169,7 @@ def worker(side, size, grads_path, warmup, threads):
 def _environment(threads):
     print(f"environment: torch {version('torch')}, numba {version('numba')}, numba_ops {version('numba-ops')}, "
           f"NumPy {np.__version__}, Python {platform.python_version()}")
-    print(f"  CPU: {_cpu_model()}, {os.cpu_count()} logical CPUs; torch.set_num_threads({threads}), "
+    print(f"  CPU: {cpu_model()}, {os.cpu_count()} logical CPUs; torch.set_num_threads({threads}), "
           f"NUMBA_NUM_THREADS={os.environ['NUMBA_NUM_THREADS']}")
 
 

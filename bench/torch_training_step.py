@@ -39,7 +39,7 @@ import sys
 import tempfile
 import time
 
-from _harness import Worker, unpin, version  # bench/_harness.py
+from _harness import Worker, cpu_model, unpin, version  # bench/_harness.py
 
 if __name__ == "__main__":
     unpin()  # before numpy loads OpenBLAS
@@ -147,22 +147,11 @@ def worker(side, grads_path, warmup):
 
 # --- the report -------------------------------------------------------------------------------
 
-def _cpu_model():
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "?"
-
-
 def _environment():
     print(f"environment: torch {version('torch')}, torchvision {version('torchvision')}, numba "
           f"{version('numba')}, numba_ops {version('numba-ops')}, NumPy {np.__version__}, Python "
           f"{platform.python_version()}")
-    print(f"  CPU: {_cpu_model()}, {os.cpu_count()} logical CPUs; torch.set_num_threads({THREADS}), "
+    print(f"  CPU: {cpu_model()}, {os.cpu_count()} logical CPUs; torch.set_num_threads({THREADS}), "
           f"NUMBA_NUM_THREADS={os.environ['NUMBA_NUM_THREADS']}")
 
 

@@ -83,7 +83,6 @@ def axis_grad_taps(loc, size, one):
     return i0, i1, w0, w1, d0 * s, d1 * s, in0, in1, finite
 
 
-
 @njit(cache=True)
 def corner(c, x, y, z, W1, H1):
     """Corner ``c`` (0..7; bit 0 picks x's tap, bit 1 y's, bit 2 z's) of a point whose
@@ -107,6 +106,7 @@ def grad_corner(c, x, y, z, W1, H1):
     kz, wz, dz, iz = (z[1], z[3], z[5], z[7]) if bz else (z[0], z[2], z[4], z[6])
     return ((kz * H1 + ky) * W1 + kx, wz * wy * wx, wz * wy * dx, wz * dy * wx, dz * wy * wx,
             ix & iy & iz)
+
 
 def level_table(shapes):
     """The kernels' (L, 3) int64 table of the levels' sizes, innermost axis first

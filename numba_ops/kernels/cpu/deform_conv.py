@@ -903,14 +903,11 @@ def _entry(x, w, off, m, y, geo, d, fws, zero_tails):
 
 
 @njit(cache=True, inline="always")
-def _chunk_rounds(d, n0, nc, ntile, w3, oC):
-    """(weight rows of the set-up round, tile rounds) of the chunk of ``nc`` images from
-    ``n0`` (see ``_parallel``): the first chunk's set-up reorders or converts the weights
-    unless the channel split reads them where they lie; the position split runs one
-    tile round, the channel split two per tile, its reduction variant three."""
-    csplit = d.split != 0
-    wrows = oC if n0 == 0 and not (csplit and _native(w3)) else 0
-    return wrows, (_tile_rounds(d) * nc * ntile if csplit else 1)
+def _weight_rows(d, n0, w3, oC):
+    """The weight rows of the set-up round of the chunk of images from ``n0`` (see
+    ``_parallel``): the first chunk's set-up reorders or converts the weights unless the
+    channel split reads them where they lie."""
+    return oC if n0 == 0 and not (d.split != 0 and _native(w3)) else 0
 
 
 @njit(**INTERNAL)
@@ -923,12 +920,9 @@ def _task(x, w, off, m, b, y, meta, fws, iws, th, rd, n0):
     geo, d = unpack_geometry(meta), unpack_plan(meta)
     x3, w3, off3, m3, y3, wr, wmat, shared, xp, coff, segs, rows = _entry(x, w, off, m, y, geo, d, fws,
                                                                           rd < 0 and th == 0)
-    N, oC, P = x3.shape[0], y3.shape[1], y3.shape[2]
-    ntile = (P + d.T - 1) // d.T
-    chunk = (n0, min(d.nb, N - n0))
+    chunk = (n0, min(d.nb, x3.shape[0] - n0))
     if rd < 0:
-        wrows = _chunk_rounds(d, n0, chunk[1], ntile, w3, oC)[0]
-        _pad_round_op(th, chunk, (x3, xp, rows), (w3, wr, wrows), geo, d)
+        _pad_round_op(th, chunk, (x3, xp, rows), (w3, wr, _weight_rows(d, n0, w3, y3.shape[1])), geo, d)
     else:
         _round_op(th, rd, chunk, x.shape[2:], geo, d, (off3, m3, b, y3), (xp, coff, segs), (wr, wmat, shared),
                   (fws, iws))
@@ -941,7 +935,9 @@ task = opaque(_task)
 
 @njit(cache=True, inline="always")
 def _rounds(d, N, P, n0):
-    """The tile rounds of the chunk of images from ``n0`` (``_chunk_rounds``)."""
+    """The tile rounds of the chunk of images from ``n0`` (``N`` images of ``P`` output
+    positions): the position split runs one tile round, the channel split two per tile,
+    its reduction variant three (``_tile_rounds``)."""
     nc = min(d.nb, N - n0)
     return _tile_rounds(d) * nc * ((P + d.T - 1) // d.T) if d.split != 0 else 1
 
