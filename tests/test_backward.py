@@ -1036,14 +1036,20 @@ def test_bit_identical_across_numba_num_threads():
 
 def test_grid_sample_backward_units():
     """The CPU backward's units (what a pool shares out): channel blocks make them grow
-    with the channels whatever the batch; each block's share is the gradient's, summed
-    in block order (equal to one block's within float64 rounding)."""
+    with the channels whatever the batch, and where images and blocks leave threads
+    idle, tiles of grad_x (each unit owns its tile: no copies) make at least 8 units a
+    thread on 64 threads, a one-channel volume included; each block's share of the
+    grid gradient is summed in block order (equal to one block's within float64
+    rounding)."""
     from numba_ops.kernels.cpu import grid_sample_backward as k
-    for N, C, P, want in [(1, 64, 256 ** 2, 16), (4, 64, 128 ** 2, 16), (32, 3, 256 ** 2, 32),
-                          (1, 1, 128 ** 3, 4), (1, 32, 48 * 48, 2)]:
-        U, B = k.plan_units(N, C, P)
-        assert N * U * B == want, (N, C, P, U, B)
+    for N, C, spatial, nth, want in [(1, 64, (256, 256), 64, 512), (1, 1, (128,) * 3, 64, 512),
+                                     (4, 64, (128, 128), 2, 16), (32, 3, (256, 256), 2, 32),
+                                     (1, 1, (128,) * 3, 2, 2), (1, 1, (128,) * 3, 16, 32), (2, 2, (160, 160), 2, 2), (1, 1, (300,), 64, 1)]:
+        B, K1, K2 = k.plan_units(N, C, int(np.prod(spatial)), spatial, nth)
+        assert N * B * K1 * K2 == want, (N, C, spatial, nth, B, K1, K2)
         assert C // B >= min(C, k.MIN_BLOCK)
+        B, K, _ = k.plan_units(N, C, int(np.prod(spatial)), spatial, nth, want_x=False)  # parts of positions
+        assert N * B * K >= min(want, nth), (N, C, spatial, nth, B, K)
     rng = np.random.default_rng(13)
     x = rng.standard_normal((2, 12, 7, 9))
     grid = rng.uniform(-1.1, 1.1, (2, 5, 6, 2))
@@ -1054,7 +1060,7 @@ def test_grid_sample_backward_units():
         old = k.MIN_BLOCK
         try:
             k.MIN_BLOCK = 4  # three blocks
-            assert k.plan_units(2, 12, 30)[1] == 3
+            assert k.plan_units(2, 12, 30, (7, 9), 1)[0] == 3
             blocks = gs_grads(gy, x, grid, **attrs), numba_ops.affine_warp_backward(gy, x, theta, (2, 12, 5, 6),
                                                                                     **attrs)
             k.MIN_BLOCK = 1000  # one block
@@ -1065,6 +1071,39 @@ def test_grid_sample_backward_units():
         for a, b in zip(blocks, one):
             np.testing.assert_array_equal(a[0], b[0])  # grad_x: each channel's own
             np.testing.assert_allclose(a[1], b[1], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("rank", [2, 3])
+@pytest.mark.parametrize("mode,padding", [("linear", "zeros"), ("linear", "border"), ("nearest", "reflection"),
+                                          param(False, "nearest", "border"), param(False, "cubic", "reflection"),
+                                          param(False, "cubic", "zeros")])
+def test_grid_sample_backward_tiles(rank, mode, padding, monkeypatch):
+    """grad_x cut into tiles, each unit scattering only into its own (the positions
+    whose taps reach several tiles in each of them), gives the bits of one tile: the
+    gradients do not depend on the thread count that chooses the tiles. Positions
+    inside, outside, on tile edges and non-finite; grid_sample and affine_warp."""
+    from numba_ops.kernels.cpu import grid_sample_backward as k
+    rng = np.random.default_rng(rank)
+    spatial = (9, 8, 7)[3 - rank:]
+    x = rng.standard_normal((1, 2) + spatial).astype(np.float32)
+    out = (5, 6, 4)[3 - rank:]
+    grid = rng.uniform(-1.3, 1.3, (1,) + out + (rank,)).astype(np.float32)
+    grid.reshape(-1, rank)[:3] = [np.nan, np.inf, -np.inf][:rank] if rank == 3 else [[np.nan, 0.1], [np.inf, 0],
+                                                                                     [0.2, -np.inf]]
+    gy = rng.standard_normal((1, 2) + out).astype(np.float32)
+    theta = np.eye(rank, rank + 1, dtype=np.float32)[None] * 1.1 + rng.normal(0, 0.2, (1, rank, rank + 1)).astype(
+        np.float32)
+    calls = {"grid": lambda: numba_ops.grid_sample_backward(gy, x, grid, mode=mode, padding_mode=padding),
+             "affine": lambda: numba_ops.affine_warp_backward(gy, x, theta, gy.shape, mode=mode,
+                                                              padding_mode=padding)}
+    for name, call in calls.items():
+        one = call()
+        for K in [(2, 1), (3, 2), (spatial[0] // 2, 3)]:
+            K = K if rank == 3 else (K[0], 1)
+            monkeypatch.setattr(k, "tiles", lambda *a, K=K: K)
+            for a, b in zip(one, call()):
+                np.testing.assert_array_equal(a, b, err_msg=f"{name} tiles {K}")
+            monkeypatch.undo()
 
 
 # --- dtypes -------------------------------------------------------------------------------

@@ -61,10 +61,11 @@ import numpy as np
 from numba import njit, prange
 
 from .._dtypes import NAMES, compute
-from .._sample import (CUBIC, LINEAR, NEAREST, ZEROS, as_compute, cubic_dweights, grad_taps, unnormalize,
+from .._sample import (CUBIC, LINEAR, NEAREST, REFLECTION, ZEROS, as_compute, cubic_dweights, grad_taps, unnormalize,
                        unnormalize_scale)
 from . import _runtime
 from ._opaque import INTERNAL, opaque
+from . import affine_grid_backward
 from .affine_grid import base_coords
 from ._gather import gathered, lanes
 from .grid_sample import AXIS_OUT, GENERIC, fast_axis, small_image, split32
@@ -74,33 +75,23 @@ DTYPES = NAMES  # the dtypes these kernels take (the dispatcher checks them)
 #: a mode's or padding's token: a tuple as long as its code, so that ``len(tok)`` is a
 #: constant where numba compiles, and LLVM drops the other modes' and paddings' code
 TOKEN = ((), (0,), (0, 0))
-#: the most grad_x buffers per call (units of one image): the determinism's memory
-GX_SPLIT = 4
 #: positions planned in one pass (the forward's plan arrays: 3 axes x 4 taps x SEG)
 SEG = 256
-#: positions a unit holds at least (fewer units for small outputs)
-MIN_UNIT = 4096
 #: units a call is cut into at least where its channels allow (``channel_blocks``)
 TARGET_UNITS = 64
+#: tiles of grad_x: units per thread at most where images and channel blocks leave
+#: threads idle (``per_thread``), indices a tile spans at least on each axis,
+#: positions it holds at least on average (``tiles``)
+TILES_PER_THREAD = 8
+MIN_TILE = 2
+MIN_TILE_POSITIONS = 512
+#: ``kind`` of an interior position some of whose taps lie outside the unit's tile, and
+#: of one that neither reaches the tile nor has its gradient written there
+TILE, SKIP = 4, 8
 #: channels a unit holds at least: each block plans its positions again (4 images of 64
 #: channels of 128x128, one thread: blocks of 16 cost 5% more CPU time than one block,
 #: blocks of 4 22%)
 MIN_BLOCK = 16
-
-
-def units_per_image(N, P):
-    """Units (and grad_x buffers) per image: ``GX_SPLIT`` units over the batch, at least
-    one per image, none smaller than ``MIN_UNIT`` positions. A function of the shape
-    alone, which is what makes the sums' order independent of the thread count."""
-    return max(1, min(-(-GX_SPLIT // max(N, 1)), -(-P // MIN_UNIT)))
-
-
-def channel_blocks(N, C, U):
-    """Blocks of channels per part of an image: a unit owns its channels' grad_x outright
-    (no copies), so the units' count grows with the channels, towards ``TARGET_UNITS``
-    over the ``N * U`` parts, none with fewer than ``MIN_BLOCK`` channels. A function
-    of the shape alone, as ``units_per_image``."""
-    return max(1, min(-(-TARGET_UNITS // max(N * U, 1)), C // MIN_BLOCK))
 
 
 # --- plan: the forward's, with the weights' derivatives ----------------------------------
@@ -201,6 +192,14 @@ def _off(k, t, j, interior, stride, pidx):
 
 
 @njit(cache=True, forceinline=True)
+def _mine(k, t, j, interior, stride, ti, pidx, own):
+    """Whether tap ``t`` of position ``j`` on outer axis ``k`` lies in the unit's tile
+    (``own[k]``: its first and last offsets on that axis, times ``stride``)."""
+    off = (ti[k, j] + t) * stride if interior else pidx[k, t, j]
+    return (own[k, 0] <= off) & (off < own[k, 1])
+
+
+@njit(cache=True, forceinline=True)
 def _g1(xf, gx, xb, j, g, T, masked, interior, scatter, deriv, pidx, pw, pd, pok, zero):
     a = zero
     for tx in range(T):
@@ -216,13 +215,14 @@ def _g1(xf, gx, xb, j, g, T, masked, interior, scatter, deriv, pidx, pw, pd, pok
 
 
 @njit(cache=True, forceinline=True)
-def _g2(xf, gx, xb, j, g, T, masked, interior, scatter, deriv, s1, pidx, pw, pd, pok, zero):
+def _g2(xf, gx, xb, j, g, T, masked, interior, scatter, deriv, s1, pidx, pw, pd, pok, zero, tiled, ti, own):
     a0 = zero
     a1 = zero
     for ty in range(T):
         by = xb + _off(0, ty, j, interior, s1, pidx)
         wy = pw[0, ty, j]
         oky = pok[0, ty, j] if masked else True
+        sy = scatter and (_mine(0, ty, j, interior, s1, ti, pidx, own) if tiled else True)
         gy = g * wy
         sv = zero
         sd = zero
@@ -234,7 +234,7 @@ def _g2(xf, gx, xb, j, g, T, masked, interior, scatter, deriv, s1, pidx, pw, pd,
                 v = v if ok else zero
                 sv += pw[1, tx, j] * v
                 sd += pd[1, tx, j] * v
-            if scatter and ok:
+            if sy and ok:
                 gx[q] += gy * pw[1, tx, j]
         a0 += pd[0, ty, j] * sv
         a1 += wy * sd
@@ -242,7 +242,7 @@ def _g2(xf, gx, xb, j, g, T, masked, interior, scatter, deriv, s1, pidx, pw, pd,
 
 
 @njit(cache=True, forceinline=True)
-def _g3(xf, gx, xb, j, g, T, masked, interior, scatter, deriv, s1, s2, pidx, pw, pd, pok, zero):
+def _g3(xf, gx, xb, j, g, T, masked, interior, scatter, deriv, s1, s2, pidx, pw, pd, pok, zero, tiled, ti, own):
     a0 = zero
     a1 = zero
     a2 = zero
@@ -250,6 +250,7 @@ def _g3(xf, gx, xb, j, g, T, masked, interior, scatter, deriv, s1, s2, pidx, pw,
         bz = xb + _off(0, tz, j, interior, s2, pidx)
         wz = pw[0, tz, j]
         okz = pok[0, tz, j] if masked else True
+        sz = scatter and (_mine(0, tz, j, interior, s2, ti, pidx, own) if tiled else True)
         gz = g * wz
         szv = zero
         szy = zero
@@ -258,6 +259,7 @@ def _g3(xf, gx, xb, j, g, T, masked, interior, scatter, deriv, s1, s2, pidx, pw,
             by = bz + _off(1, ty, j, interior, s1, pidx)
             wy = pw[1, ty, j]
             oky = (okz & pok[1, ty, j]) if masked else True
+            sy = sz and (_mine(1, ty, j, interior, s1, ti, pidx, own) if tiled else True)
             gzy = gz * wy
             sv = zero
             sd = zero
@@ -269,7 +271,7 @@ def _g3(xf, gx, xb, j, g, T, masked, interior, scatter, deriv, s1, s2, pidx, pw,
                     v = v if ok else zero
                     sv += pw[2, tx, j] * v
                     sd += pd[2, tx, j] * v
-                if scatter and ok:
+                if sy and ok:
                     gx[q] += gzy * pw[2, tx, j]
             szv += wy * sv
             szy += pd[1, ty, j] * sv
@@ -281,34 +283,152 @@ def _g3(xf, gx, xb, j, g, T, masked, interior, scatter, deriv, s1, s2, pidx, pw,
 
 
 @njit(cache=True, forceinline=True)
-def _grad(x, xf, gx, xb, j, g, T, masked, interior, scatter, deriv, s1, s2, pidx, pw, pd, pok, zero):
+def _grad(x, xf, gx, xb, j, g, T, masked, interior, scatter, deriv, s1, s2, pidx, pw, pd, pok, zero, tiled, ti,
+          own):
     """Position ``j``'s gradients in one channel (the channel image of ``xf`` and of
     ``gx`` at ``xb``), with ``g`` its ``grad_y``: ``gx[tap] += g * weight`` over its taps
     (``scatter``), and returned, per spatial axis ``k``, ``d sample / d pos_k`` (the sum
     over the taps of the other axes' weights times ``d weight_k`` times ``x[tap]``;
     ``deriv``); the taps as the forward's ``_sample`` takes them (``interior``: from
-    ``xb``; ``masked``: taps outside read and scatter nothing)."""
+    ``xb``; ``masked``: taps outside read and scatter nothing; ``tiled``: only the
+    taps in the unit's tile ``own`` are scattered, ``ti`` the interior taps' first
+    indices)."""
     if x.ndim == 3:
         return _g1(xf, gx, xb, j, g, T, masked, interior, scatter, deriv, pidx, pw, pd, pok, zero)
     if x.ndim == 4:
-        return _g2(xf, gx, xb, j, g, T, masked, interior, scatter, deriv, s1, pidx, pw, pd, pok, zero)
-    return _g3(xf, gx, xb, j, g, T, masked, interior, scatter, deriv, s1, s2, pidx, pw, pd, pok, zero)
+        return _g2(xf, gx, xb, j, g, T, masked, interior, scatter, deriv, s1, pidx, pw, pd, pok, zero, tiled, ti,
+                   own)
+    return _g3(xf, gx, xb, j, g, T, masked, interior, scatter, deriv, s1, s2, pidx, pw, pd, pok, zero, tiled, ti,
+               own)
 
 
-# --- units: (image, part of its positions, block of channels), segment by segment ----------
+# --- positions, and the tiles of grad_x that their taps reach ------------------------------
+
+@njit(cache=True, forceinline=True)
+def _positions(x, src, n, s0, m, osz, align, affine, one, xs, ys, zs, pos):
+    """Positions ``s0 .. s0 + m`` of image ``n`` unnormalised into ``pos[k, :m]`` (axis
+    ``k`` of x's spatial axes, outermost first): from the flat grid ``src``, or from
+    theta (affine_warp: row piece by row piece as its forward computes them, so they
+    are the forward's bit for bit)."""
+    r = x.ndim - 2
+    D, H, W = osz[0], osz[1], osz[2]
+    P = D * H * W
+    if affine:
+        j = 0
+        while j < m:
+            row = (s0 + j) // W
+            w0 = s0 + j - row * W
+            L = min(W - w0, m - j)
+            h = row % H
+            d = row // H
+            for kk in range(r):
+                th = (n * r + r - 1 - kk) * (r + 1)
+                size = x.shape[2 + kk]
+                t0, t1, t2 = src[th], src[th + 1], src[th + 2]
+                if r == 2:
+                    b = t1 * ys[h] + t2
+                    for q in range(L):
+                        pos[kk, np.uint64(j + q)] = unnormalize(t0 * xs[np.uint64(w0 + q)] + b, size, align, one)
+                else:
+                    b = t2 * zs[d] + src[th + 3]
+                    yq = ys[h] * t1
+                    for q in range(L):
+                        pos[kk, np.uint64(j + q)] = unnormalize((t0 * xs[np.uint64(w0 + q)] + b) + yq, size, align,
+                                                                one)
+            j += L
+    else:
+        g0 = np.uint64((n * P + s0) * r)
+        for j in range(np.uint64(m)):
+            for kk in range(r):
+                pos[kk, j] = unnormalize(src[g0 + j * np.uint64(r) + np.uint64(r - 1 - kk)], x.shape[2 + kk], align,
+                                         one)
+
+
+@njit(cache=True, forceinline=True)
+def _first_tap(p, size, mtok, zero):
+    """The first tap's index of an interior position ``p`` on its axis, as the forward's
+    ``fast_axis`` finds it (``split32``; nearest rounds half to even)."""
+    i, t, sc, finite = split32(p, zero, size)
+    if len(mtok) == NEAREST:
+        half = as_compute(zero, 0.5)
+        up = (t > half) | ((t == half) & ((i & np.int32(1)) == np.int32(1)))
+        return np.int32(i + np.int32(1)) if up else i
+    if len(mtok) == CUBIC:
+        return np.int32(i - np.int32(1))
+    return i
+
 
 @njit(**INTERNAL)
-def _units(x, xf, gyf, src, gxb, gpos, gth, U, B, osz, mtok, ptok, align, affine, want_x, want_pos, zero, u0,
-           u1):
-    """Units ``u0:u1`` (image-major; unit ``(n, k, b)``: part ``k`` of the ``U`` parts of
-    image ``n``'s positions, in block ``b`` of its ``B`` blocks of channels). ``x``
-    (N, C, D1..Dr) in the compute type, ``xf`` its flat view; ``osz`` the output's
-    spatial sizes as (D, H, W) (D = 1, H = 1 below 3-D); ``src`` the flat grid (N*P*r),
-    or theta (N*r*(r+1)) when ``affine``. Writes grad_x into ``gxb`` (U buffers of
-    N*C*S: part ``k`` into buffer ``k``, block ``b`` into its channels), block ``b``'s
-    share of the grid gradient into ``gpos`` (B*N*P*r: block ``b``'s at ``b*N*P*r``,
-    grid_sample) or theta's partial sums into ``gth`` (N*U*B*r*(r+1), float64,
-    affine_warp)."""
+def _boxes(x, src, osz, mtok, ptok, align, affine, zero, box, u0, u1):
+    """Segments ``u0:u1`` of all images' positions (segment ``u``: positions
+    ``(u % nseg) * SEG`` on of image ``u // nseg``): on each outer axis ``k`` of x the
+    first and last index any of its positions' taps can take, clamped (a position's
+    first tap clamped is where its own gradient is written), into ``box[u, k]``;
+    under reflection padding an axis any position leaves spans the whole axis (the
+    reflected taps land anywhere)."""
+    r = x.ndim - 2
+    D, H, W = osz[0], osz[1], osz[2]
+    P = D * H * W
+    nseg = (P + SEG - 1) // SEG
+    T = 1 if len(mtok) == NEAREST else (2 if len(mtok) == LINEAR else 4)
+    one = as_compute(zero, 1)
+    pos = np.zeros((3, SEG), type(zero))
+    xs = base_coords(W, align, one)
+    ys = base_coords(H, align, one)
+    zs = base_coords(D, align, one)
+    for u in range(u0, u1):
+        n = u // nseg
+        s0 = (u - n * nseg) * SEG
+        m = min(SEG, P - s0)
+        _positions(x, src, n, s0, m, osz, align, affine, one, xs, ys, zs, pos)
+        for k in range(r - 1):
+            size = x.shape[2 + k]
+            lo = np.int32(size)
+            hi = np.int32(-1)
+            for j in range(np.uint64(m)):
+                a = _first_tap(pos[k, j], size, mtok, zero)
+                lo = min(lo, a)
+                hi = max(hi, np.int32(a + np.int32(T - 1)))
+            if len(ptok) == REFLECTION and ((lo < 0) | (hi >= size)):
+                lo, hi = np.int32(0), np.int32(size - 1)
+            box[u, k, 0] = min(max(lo, np.int32(0)), np.int32(size - 1))
+            box[u, k, 1] = min(max(hi, np.int32(0)), np.int32(size - 1))
+
+
+_boxes_op = opaque(_boxes)
+
+
+@njit(cache=True, nogil=True)
+def _boxes_serial(x, src, osz, mtok, ptok, align, affine, zero, box):
+    _boxes_op(x, src, osz, mtok, ptok, align, affine, zero, box, 0, box.shape[0])
+
+
+@njit(cache=True, parallel=True, nogil=True)
+def _boxes_parallel(x, src, osz, mtok, ptok, align, affine, zero, box, nchunks):
+    units = box.shape[0]
+    nchunks = min(units, nchunks)
+    for c in prange(nchunks):
+        _boxes_op(x, src, osz, mtok, ptok, align, affine, zero, box, c * units // nchunks,
+                  (c + 1) * units // nchunks)
+
+
+# --- units: (image, tile of grad_x, block of channels), segment by segment -----------------
+
+@njit(**INTERNAL)
+def _units(x, xf, gyf, src, gx, gpos, B, K, bounds, box, osz, mtok, ptok, align, affine, want_x, want_pos, zero,
+           u0, u1):
+    """Units ``u0:u1`` (image-major; unit ``(n, t, b)``: tile ``t`` of the ``K`` tiles of
+    image ``n``'s grad_x, block ``b`` of its ``B`` blocks of channels). ``x`` (N, C,
+    D1..Dr) in the compute type, ``xf`` its flat view; ``osz`` the output's spatial
+    sizes as (D, H, W) (D = 1, H = 1 below 3-D); ``src`` the flat grid (N*P*r), or
+    theta (N*r*(r+1)) when ``affine``. Tiles (``tiled``: grad_x wanted, ``K > 1``):
+    the unit walks the segments of its image whose ``box`` (``_boxes``) meets its
+    tile (``bounds[t]``: the first and last index + 1 on each outer axis) and
+    scatters only the taps in the tile (the others are another unit's); a position's
+    gradient is written by the tile of its first tap, clamped. Otherwise ``t`` is part
+    ``t`` of the ``K`` parts of the image's positions. Writes grad_x into ``gx``
+    (block ``b`` into its channels, tile ``t`` into its elements) and block ``b``'s
+    share of the grid gradient into ``gpos`` (B*N*P*r: block ``b``'s at ``b*N*P*r``)."""
     r = x.ndim - 2
     N, C = x.shape[0], x.shape[1]
     S = 1
@@ -323,6 +443,8 @@ def _units(x, xf, gyf, src, gxb, gpos, gth, U, B, osz, mtok, ptok, align, affine
     T = 1 if mode == NEAREST else (2 if mode == LINEAR else 4)
     masked = len(ptok) == ZEROS
     deriv = want_pos and mode != NEAREST
+    tiled = want_x and K > 1
+    nseg = (P + SEG - 1) // SEG
     one = as_compute(zero, 1)
     nan = as_compute(zero, np.nan)
     ct = type(zero)
@@ -335,68 +457,65 @@ def _units(x, xf, gyf, src, gxb, gpos, gth, U, B, osz, mtok, ptok, align, affine
     pok = np.zeros((3, 4, SEG), np.bool_)
     kind = np.zeros(SEG, np.uint8)
     fin = np.zeros(SEG, np.bool_)
+    home = np.ones(SEG, np.bool_)  # whether the unit writes the position's gradient
+    gyv = np.zeros(SEG, ct)  # one channel's grad_y at the segment's positions
+    ti = np.zeros((3, SEG), np.int64)  # tiled: interior positions' first taps, outer axes
+    own = np.zeros((3, 2), np.int64)  # tiled: the tile's offsets on the outer axes
     pwd = np.zeros((3, 3, 4, SEG), ct)  # per axis: the weights with that axis' derivatives
     dv = np.zeros(3 * SEG, ct)  # one channel's d sample / d pos, per axis and position
     res = np.zeros(16, ct)
     V = lanes(pw)
     bkind = np.zeros(SEG // 8 + 1, np.uint8)
     ga = np.zeros((3, SEG), ct)  # d loss / d pos, per axis and position, summed over channels
-    rows = np.zeros((SEG, 4), np.int64)  # affine: the segment's row pieces (first, length, w, row)
-    nrow = 0
     scl = np.zeros(3, ct)
     for q in range(r):
         scl[q] = unnormalize_scale(x.shape[2 + q], align, one)
     xs = base_coords(W, align, one)
     ys = base_coords(H, align, one)
     zs = base_coords(D, align, one)
-    acc = np.zeros((3, 4), np.float64)
-    NCS = N * C * S
     for u in range(u0, u1):
-        n = u // (U * B)
-        k = (u - n * U * B) // B
-        cb = u - (n * U + k) * B
+        n = u // (K * B)
+        t = (u - n * K * B) // B
+        cb = u - (n * K + t) * B
         c0 = cb * C // B
         c1 = (cb + 1) * C // B
-        gx = gxb[k * NCS:(k + 1) * NCS]
-        acc[:] = 0.0
-        j0 = k * P // U
-        j1 = (k + 1) * P // U
-        for s0 in range(j0, j1, SEG):
-            m = min(SEG, j1 - s0)
-            if affine:  # the forward's positions (affine_warp's kernel), row piece by row piece
-                j = 0
-                nrow = 0
-                while j < m:
-                    row = (s0 + j) // W
-                    w0 = s0 + j - row * W
-                    L = min(W - w0, m - j)
-                    h = row % H
-                    d = row // H
-                    for kk in range(r):
-                        th = (n * r + r - 1 - kk) * (r + 1)
-                        size = x.shape[2 + kk]
-                        t0, t1, t2 = src[th], src[th + 1], src[th + 2]
-                        if r == 2:
-                            b = t1 * ys[h] + t2
-                            for q in range(L):
-                                pos[kk, np.uint64(j + q)] = unnormalize(t0 * xs[np.uint64(w0 + q)] + b, size, align,
-                                                                        one)
-                        else:
-                            b = t2 * zs[d] + src[th + 3]
-                            yq = ys[h] * t1
-                            for q in range(L):
-                                pos[kk, np.uint64(j + q)] = unnormalize((t0 * xs[np.uint64(w0 + q)] + b) + yq, size,
-                                                                        align, one)
-                    rows[nrow, 0], rows[nrow, 1], rows[nrow, 2], rows[nrow, 3] = j, L, w0, row
-                    nrow += 1
-                    j += L
-            else:
-                g0 = np.uint64((n * P + s0) * r)
-                for j in range(np.uint64(m)):
-                    for kk in range(r):
-                        pos[kk, j] = unnormalize(src[g0 + j * np.uint64(r) + np.uint64(r - 1 - kk)],
-                                                 x.shape[2 + kk], align, one)
+        if tiled:
+            e0, e1 = 0, P
+            for k in range(r - 1):
+                stride = s2 if (k == 0 and r == 3) else s1
+                own[k, 0] = bounds[t, k, 0] * stride
+                own[k, 1] = bounds[t, k, 1] * stride
+        else:
+            e0, e1 = t * P // K, (t + 1) * P // K
+        for s0 in range(e0, e1, SEG):
+            m = min(SEG, e1 - s0)
+            if tiled:  # only the segments whose taps can reach the tile
+                meets = True
+                for k in range(r - 1):
+                    meets &= (box[n * nseg + s0 // SEG, k, 0] < bounds[t, k, 1]) & \
+                        (box[n * nseg + s0 // SEG, k, 1] >= bounds[t, k, 0])
+                if not meets:
+                    continue
+            _positions(x, src, n, s0, m, osz, align, affine, one, xs, ys, zs, pos)
             _plan(x, pos, m, mtok, ptok, align, zero, deriv, base, pidx, pw, pd, pok, kind, fin)
+            if tiled:  # the unit's share of each position: all, some (tap by tap) or none of its taps
+                for k in range(r - 1):
+                    for j in range(np.uint64(m)):
+                        ti[k, j] = _first_tap(pos[k, j], x.shape[2 + k], mtok, zero)
+                for j in range(m):
+                    inside = True
+                    meets = True
+                    hm = True
+                    for k in range(r - 1):
+                        a = ti[k, j]
+                        lo, hi = bounds[t, k, 0], bounds[t, k, 1]
+                        c = min(max(a, 0), x.shape[2 + k] - 1)
+                        hm &= (lo <= c) & (c < hi)
+                        inside &= (lo <= a) & (a + T <= hi)
+                        meets &= (a < hi) & (a + T > lo)
+                    home[j] = hm
+                    if kind[j] == 0 and not inside:
+                        kind[j] = TILE if meets or hm else SKIP
             if deriv:
                 for kk in range(r):
                     for j in range(np.uint64(m)):
@@ -405,9 +524,9 @@ def _units(x, xf, gyf, src, gxb, gpos, gth, U, B, osz, mtok, ptok, align, affine
                 for kk in range(r):
                     for a in range(r):
                         src_w = pd if a == kk else pw
-                        for t in range(T):
+                        for tt in range(T):
                             for j in range(np.uint64(m)):
-                                pwd[kk, a, t, j] = src_w[a, t, j]
+                                pwd[kk, a, tt, j] = src_w[a, tt, j]
             # blocks of ``V`` interior positions: their derivatives gathered (the forward's
             # ``gathered``, each axis' with its derivative weights)
             nblk = m // V
@@ -419,6 +538,8 @@ def _units(x, xf, gyf, src, gxb, gpos, gth, U, B, osz, mtok, ptok, align, affine
             for c in range(c0, c1):  # channel-major: a channel image's taps stay in cache
                 xb = (n * C + c) * S
                 o = (n * C + c) * P + s0
+                for j in range(np.uint64(m)):  # the segment's grad_y
+                    gyv[j] = gyf[o + j]
                 if deriv:
                     for q in range(nblk):
                         if bkind[q] == 0:
@@ -426,19 +547,22 @@ def _units(x, xf, gyf, src, gxb, gpos, gth, U, B, osz, mtok, ptok, align, affine
                                 gathered(x, xf, res, dv, kk * SEG + q * V, xb, base, pidx, pwd[kk], pok, q * V, mtok,
                                          s1, s2, True, False)
                 for j in range(m):
-                    g = gyf[o + j]
+                    g = gyv[j]
                     kd = kind[j]
                     vec = j < nblk * V and bkind[j // V] == 0
-                    if kd == 0:  # (a gathered block's positions only scatter here)
-                        a0, a1, a2 = _grad(x, xf, gx, xb + base[j], j, g, T, False, True, want_x, deriv and not vec,
-                                           s1, s2, pidx, pw, pd, pok, zero)
+                    if kd == SKIP:
+                        continue
+                    if kd == 0 or kd == TILE:  # (a gathered block's positions only scatter here)
+                        a0, a1, a2 = _grad(x, xf, gx, xb + base[j], j, g, T, False, True, want_x,
+                                           deriv and not vec and (kd == 0 or home[j]), s1, s2, pidx, pw, pd, pok,
+                                           zero, kd == TILE, ti, own)
                         if vec:
                             continue
                     elif masked and (kd & AXIS_OUT):  # every tap of an axis outside: nothing
                         a0, a1, a2 = zero, zero, zero  # (NaN below where not finite)
                     else:
-                        a0, a1, a2 = _grad(x, xf, gx, xb, j, g, T, masked, False, want_x and fin[j], deriv, s1,
-                                           s2, pidx, pw, pd, pok, zero)
+                        a0, a1, a2 = _grad(x, xf, gx, xb, j, g, T, masked, False, want_x and fin[j],
+                                           deriv and home[j], s1, s2, pidx, pw, pd, pok, zero, tiled, ti, own)
                     if deriv:
                         dv[j] = a0
                         if r >= 2:
@@ -448,58 +572,36 @@ def _units(x, xf, gyf, src, gxb, gpos, gth, U, B, osz, mtok, ptok, align, affine
                 if deriv:
                     for kk in range(r):
                         for j in range(np.uint64(m)):
-                            ga[kk, j] += gyf[o + j] * dv[kk * SEG + j]
+                            ga[kk, j] += gyv[j] * dv[kk * SEG + j]
             if not want_pos:
                 continue
             for kk in range(r):
-                for j in range(m):  # d loss / d grid
+                for j in range(np.uint64(m)):  # d loss / d grid
                     gc = ga[kk, j] * scl[kk] if deriv else zero
                     ga[kk, j] = gc if fin[j] else nan
-            if not affine:
-                for j in range(m):
+            for j in range(m):  # the positions this unit writes
+                if home[j]:
                     for kk in range(r):
                         gpos[((cb * N + n) * P + s0 + j) * r + r - 1 - kk] = ga[kk, j]
-                continue
-            # theta's: per row piece the sums of the grid's gradient and of it times x's
-            # base coordinate (float64), times the row's y and z base coordinates after
-            for q in range(nrow):
-                j, L, w0, row = rows[q, 0], rows[q, 1], rows[q, 2], rows[q, 3]
-                for kk in range(r):
-                    ci = r - 1 - kk
-                    sg = 0.0
-                    sx = 0.0
-                    for l in range(L):
-                        g64 = np.float64(ga[kk, j + l])
-                        sg += g64
-                        sx += g64 * np.float64(xs[w0 + l])
-                    acc[ci, 0] += sx
-                    acc[ci, 1] += sg * np.float64(ys[row % H])
-                    if r == 3:
-                        acc[ci, 2] += sg * np.float64(zs[row // H])
-                    acc[ci, r] += sg
-        if affine and want_pos:
-            for ci in range(r):
-                for q in range(r + 1):
-                    gth[(((n * U + k) * B + cb) * r + ci) * (r + 1) + q] = acc[ci, q]
 
 
 _units_op = opaque(_units)
 
 
 @njit(cache=True, nogil=True)
-def _serial(x, xf, gyf, src, gxb, gpos, gth, U, B, osz, mtok, ptok, align, affine, want_x, want_pos, zero):
-    _units_op(x, xf, gyf, src, gxb, gpos, gth, U, B, osz, mtok, ptok, align, affine, want_x, want_pos, zero,
-              0, x.shape[0] * U * B)
+def _serial(x, xf, gyf, src, gx, gpos, B, K, bounds, box, osz, mtok, ptok, align, affine, want_x, want_pos, zero):
+    _units_op(x, xf, gyf, src, gx, gpos, B, K, bounds, box, osz, mtok, ptok, align, affine, want_x, want_pos, zero,
+              0, x.shape[0] * K * B)
 
 
 @njit(cache=True, parallel=True, nogil=True)
-def _parallel(x, xf, gyf, src, gxb, gpos, gth, U, B, osz, mtok, ptok, align, affine, want_x, want_pos, zero,
+def _parallel(x, xf, gyf, src, gx, gpos, B, K, bounds, box, osz, mtok, ptok, align, affine, want_x, want_pos, zero,
               nchunks):
-    units = x.shape[0] * U * B
+    units = x.shape[0] * K * B
     nchunks = min(units, nchunks)
     for c in prange(nchunks):
-        _units_op(x, xf, gyf, src, gxb, gpos, gth, U, B, osz, mtok, ptok, align, affine, want_x, want_pos, zero,
-                  c * units // nchunks, (c + 1) * units // nchunks)
+        _units_op(x, xf, gyf, src, gx, gpos, B, K, bounds, box, osz, mtok, ptok, align, affine, want_x, want_pos,
+                  zero, c * units // nchunks, (c + 1) * units // nchunks)
 
 
 @njit(cache=True, parallel=True, nogil=True)
@@ -523,53 +625,110 @@ def _as_compute(a, ct):
     return np.ascontiguousarray(a, dtype=ct)
 
 
-def plan_units(N, C, P, want_x=True, affine=False):
-    """``(U, B)``: the parts of each image's positions (``units_per_image``; one when no
-    grad_x buffers are needed) and the blocks of its channels (``channel_blocks``) of a
-    call; its units, ``N * U * B``, are what a pool shares out."""
-    U = units_per_image(N, P) if want_x or affine else 1
-    return U, channel_blocks(N, C, U)
+def channel_blocks(N, C):
+    """Blocks of channels per image: a unit owns its channels' grad_x outright (no
+    copies), so the units' count grows with the channels, towards ``TARGET_UNITS``
+    over the ``N`` images, none with fewer than ``MIN_BLOCK`` channels. A function of
+    the shape alone: the blocks' shares of the grid gradient are summed in block order."""
+    return max(1, min(-(-TARGET_UNITS // max(N, 1)), C // MIN_BLOCK))
+
+
+def tiles(N, B, spatial, P, nth):
+    """``(K1, K2)``: the tiles of each channel image's grad_x along its outer spatial
+    axes (the outermost, then the next in 3-D; none in 1-D), for ``nth`` threads.
+    Where the ``N * B`` images and channel blocks leave threads idle, enough tiles for
+    ``per_thread(nth)`` units a thread, none narrower than ``MIN_TILE`` indices or
+    holding fewer than ``MIN_TILE_POSITIONS`` positions on average. The gradients do not
+    depend on it: each element is summed over the positions in their order whatever
+    tile owns it."""
+    r = len(spatial)
+    if r < 2 or nth <= 1 or N * B >= nth:
+        return 1, 1
+    want = min(-(-per_thread(nth) * nth // (N * B)), max(1, P // MIN_TILE_POSITIONS))
+    K1 = max(1, min(want, spatial[0] // MIN_TILE))
+    K2 = max(1, min(-(-want // K1), spatial[1] // MIN_TILE)) if r == 3 else 1
+    return K1, K2
+
+
+def per_thread(nth):
+    """Tiles (or parts) a thread takes: one on a few threads, where a tile's cost (each
+    segment of positions planned by every tile it reaches: 16 tiles of a 128^3 volume
+    on one thread cost 1.7x one) outweighs the balance; up to ``TILES_PER_THREAD`` on
+    many (``nth // 8``), where idle threads cost more."""
+    return max(1, min(TILES_PER_THREAD, nth // 8))
+
+
+def plan_units(N, C, P, spatial, nth, want_x=True):
+    """``(B, K1, K2)`` of a call on ``nth`` threads: the channel blocks
+    (``channel_blocks``) and, where grad_x is wanted, the tiles (``tiles``); where
+    it is not, ``K1`` parts of the positions (no position's gradient is summed
+    across units, so any cut will do). Its units, ``N * B * K1 * K2``, are what a
+    pool shares out."""
+    B = channel_blocks(N, C)
+    if want_x:
+        return (B,) + tiles(N, B, spatial, P, nth)
+    if nth <= 1 or N * B >= nth:
+        return B, 1, 1
+    return B, max(1, min(-(-per_thread(nth) * nth // (N * B)), P // MIN_TILE_POSITIONS)), 1
+
+
+def _tiles(x, src, osz, mtok, ptok, align, affine, zero, K1, K2, work):
+    """``(bounds, box)``: each tile's first and last index + 1 on the outer axes, and
+    each segment's box (``_boxes``)."""
+    N, r = int(x.shape[0]), x.ndim - 2
+    first = [np.array([t * int(x.shape[2 + k]) // K for t in range(K + 1)], np.int64) if k < r - 1
+             else np.array([0, 1], np.int64) for k, K in enumerate((K1, K2))]
+    bounds = np.zeros((K1 * K2, 2, 2), np.int64)
+    for t1 in range(K1):
+        for t2 in range(K2):
+            bounds[t1 * K2 + t2] = ((first[0][t1], first[0][t1 + 1]), (first[1][t2], first[1][t2 + 1]))
+    P = int(np.prod(osz))
+    box = np.zeros((N * ((P + SEG - 1) // SEG), 2, 2), np.int32)
+    _runtime.run(_boxes_serial, _boxes_parallel, work, x, src, osz, mtok, ptok, align, affine, zero, box)
+    return bounds, box
 
 
 def run(x, gy, src, out_spatial, mode, padding, align, affine, want_x, want_pos):
     """The shared launch: ``(gx, gpos)`` in the compute type, ``gpos`` the grid's
-    gradient (N, O1..Or, r) for grid_sample or theta's (N, r, r+1), float64, for
-    affine_warp; either None when not wanted."""
+    gradient (N, O1..Or, r), for affine_warp the grid gradient of its positions
+    (theta's is AffineGrid's backward of it); either None when not wanted."""
     ct = compute(src.dtype)
     N, C = int(x.shape[0]), int(x.shape[1])
     r = x.ndim - 2
     S = int(np.prod(x.shape[2:], dtype=np.int64))
     P = int(np.prod(out_spatial, dtype=np.int64))
-    U, B = plan_units(N, C, P, want_x, affine)
-    gxb = np.zeros(U * N * C * S if want_x else 0, ct)
+    work = N * P * max(C, 1) * 4 ** r
+    nth = _runtime.num_threads() if work >= _runtime.PARALLEL_MIN_WORK and _runtime.pool_usable() else 1
+    B, K1, K2 = plan_units(N, C, P, tuple(int(s) for s in x.shape[2:]), nth, want_x)
+    K = K1 * K2
+    gx = np.zeros(N * C * S if want_x else 0, ct)
     # the grid's gradient, or with several channel blocks their shares of it (each
     # written in full by its units), summed in block order afterwards
-    gpos = np.zeros(B * N * P * r if want_pos and not affine else 0, ct)
-    gth = np.zeros(N * U * B * r * (r + 1) if want_pos and affine else 0, np.float64)
+    gpos = np.zeros(B * N * P * r if want_pos else 0, ct)
     if N * P and (want_x or want_pos):
         osz = np.array((1,) * (3 - r) + tuple(int(s) for s in out_spatial), np.int64)
         zero = ct.type(0)
-        work = N * P * max(C, 1) * 4 ** r
+        srcc = _as_compute(src, ct).reshape(-1)
         xc = _as_compute(x, ct)
-        _runtime.run(_serial, _parallel, work, xc, xc.reshape(-1), _as_compute(gy, ct).reshape(-1),
-                     _as_compute(src, ct).reshape(-1), gxb, gpos, gth, U, B, osz, TOKEN[mode], TOKEN[padding],
-                     bool(align), bool(affine), bool(want_x), bool(want_pos), zero)
-        if want_x and U > 1:
-            # into an array of x's size: the gradient never keeps the U buffers alive
-            # (a view of their first would hold U times its own memory)
-            out = np.empty(N * C * S, ct)
-            _runtime.call(_sum_buffers_serial, _sum_buffers, U * N * C * S, gxb, U, N * C * S, out)
-            gxb = out
-        if want_pos and not affine and B > 1:
+        if want_x and K > 1:
+            bounds, box = _tiles(xc, srcc, osz, TOKEN[mode], TOKEN[padding], bool(align), bool(affine), zero, K1, K2,
+                                 N * P * 4 * (r - 1))
+        else:
+            bounds, box = np.zeros((1, 2, 2), np.int64), np.zeros((1, 2, 2), np.int32)
+        _runtime.run(_serial, _parallel, work, xc, xc.reshape(-1), _as_compute(gy, ct).reshape(-1), srcc, gx, gpos,
+                     np.int64(B), np.int64(K), bounds, box, osz, TOKEN[mode], TOKEN[padding], bool(align),
+                     bool(affine), bool(want_x), bool(want_pos), zero)
+        if want_pos and B > 1:
             out = np.empty(N * P * r, ct)
             _runtime.call(_sum_buffers_serial, _sum_buffers, B * N * P * r, gpos, B, N * P * r, out)
             gpos = out
-    gx = gxb.reshape(x.shape) if want_x else None
+    gx = gx.reshape(x.shape) if want_x else None
     if not want_pos:
         return gx, None
+    gpos = gpos[:N * P * r].reshape((N,) + tuple(out_spatial) + (r,))
     if affine:
-        return gx, gth.reshape(N, U * B, r, r + 1).sum(axis=1)
-    return gx, gpos.reshape((N,) + tuple(out_spatial) + (r,))
+        return gx, affine_grid_backward.launch(gpos, (N, C) + tuple(out_spatial), align)
+    return gx, gpos
 
 
 def launch(gy, x, grid, mode, padding, align, want_x, want_grid, stream=None):
