@@ -1,10 +1,10 @@
 """GridSample's and affine_warp's backward on the CPU: ``@njit(parallel=True)`` over
-fixed units of output positions, planned and walked as the forward walks them.
+units of output positions, planned and walked as the forward walks them.
 
-A unit is part ``k`` of the ``U`` parts of one image's output positions
-(``units_per_image``) in block ``b`` of the ``B`` blocks of its channels
-(``channel_blocks``; ``plan_units`` gives both), taken in segments of ``SEG``
-positions. Per segment:
+A unit is block ``b`` of the ``B`` blocks of an image's channels
+(``channel_blocks``) in tile ``t`` of that image's grad_x (``tiles``; or, when grad_x
+is not wanted, part ``t`` of its positions), taken in segments of ``SEG`` positions
+(``plan_units`` gives all three). Per segment:
 
 1. positions: the grid's values unnormalised (affine_warp: computed from theta row
    piece by row piece as its forward does, so they are the forward's bit for bit);
@@ -27,30 +27,37 @@ positions. Per segment:
    - ``grad_x[n, c, tap] += grad_y * weight`` over the position's taps (a tap outside
      a zeros-padded input, and a non-finite position, add nothing).
 
-affine_warp sums theta's gradient in float64 as AffineGrid's backward does: per row
-piece of a segment the sums of the grid's gradient and of it times the positions'
-x base coordinates, the first times the row's y (and z) base coordinates after.
+affine_warp's theta gradient is AffineGrid's backward (``affine_grid_backward``: per
+row the sums of the positions' gradient and of it times their x base coordinates,
+in float64) of the positions' gradients that the units write.
 
-**Deterministic whatever the thread count, split by ownership.** The units are a
-function of the shape alone. The channels are independent in grad_x: a block of
-them is its units' own (no copies), so the units' count grows with the channels
-whatever the batch (towards ``TARGET_UNITS``, blocks of ``MIN_BLOCK`` channels at
-least: each block plans its positions again); each block writes its share of the
-grid's gradient (its channels' sum) into a partial of its own, and the partials are
-summed in block order afterwards (``_sum_buffers``). Positions are split into parts
-only for fewer than ``GX_SPLIT`` images: part ``k`` of every image scatters into a
-grad_x buffer of its own (buffer ``k``), so no two threads ever add to one element,
-and the buffers are summed in their fixed order afterwards (into an array of x's
-size: the returned gradient owns its memory). theta's partial sums are kept per unit
-and added in order too. Extra memory while a call runs: ``U - 1`` copies of ``x``
-in the compute type (none for four or more images; 3 for one image), ``B``
-partials of the grid's gradient where ``B > 1`` (``B <= C / MIN_BLOCK``: in all at
-most ``r / MIN_BLOCK`` times grad_y's size, and ``B <= TARGET_UNITS``), and per
-thread a segment's plan (~60 KiB).
+**Deterministic whatever the thread count, split by ownership.** No two units ever
+add to one element, and no unit keeps a copy of anything:
 
-Not yet: a split of the positions by ownership of grad_x's elements, which would make
-a one-channel volume (1x1x128^3: 4 units) parallel beyond ``GX_SPLIT`` threads
-without copies.
+- channels are independent in grad_x: a block of them is its units' own, so the
+  units' count grows with the channels whatever the batch (towards ``TARGET_UNITS``,
+  blocks of ``MIN_BLOCK`` channels at least: each block plans its positions again);
+  each block writes its share of the grid's gradient (its channels' sum) into a
+  partial of its own, summed in block order afterwards (``_sum_buffers``). ``B`` is
+  a function of the shape alone;
+- where the images and blocks leave threads idle, each channel image's grad_x is
+  cut into tiles along its outer spatial axes (the outermost, and the next in 3-D),
+  up to ``TILES_PER_THREAD`` a thread on many threads (a 1x1x128^3 volume: 512 tiles
+  on 64 threads, 2 on 2). A tile's unit walks the segments whose ``box`` (``_boxes``:
+  a pass over the positions, the span of indices their taps can reach on each outer
+  axis) meets its tile and adds only the taps inside it; an interior position with
+  taps on both sides of a tile edge is taken tap by tap (``kind`` ``TILE``) in each
+  tile it reaches, one that reaches none is skipped (``SKIP``). A position's own
+  gradient is written by one unit, that of the tile holding its first tap (clamped).
+  Each element of grad_x is thus summed over the positions in their order, by the
+  one unit that owns it: the same bits for any tiling, so the tiles follow the
+  thread count.
+
+Extra memory while a call runs: ``B`` partials of the grid's gradient where
+``B > 1`` (``B <= C / MIN_BLOCK``: in all at most ``r / MIN_BLOCK`` times grad_y's
+size, and ``B <= TARGET_UNITS``); for affine_warp, the positions' gradient (``r``
+values a position); with tiles, four int32 a segment of ``SEG`` positions; per
+thread a segment's plan (~60 KiB). The returned gradients own their memory.
 
 The rank, mode and padding reach the kernel as the input's rank and tokens (tuples
 whose length numba folds to a constant), so each combination compiles into loops of
