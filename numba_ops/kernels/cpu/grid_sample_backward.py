@@ -67,6 +67,7 @@ once), so the kernels compile for float32 and float64 only.
 import numpy as np
 from numba import njit, prange
 
+from .._compat import NO_NRT
 from .._dtypes import NAMES, compute
 from .._sample import (CUBIC, LINEAR, NEAREST, REFLECTION, ZEROS, as_compute, cubic_dweights, grad_taps, unnormalize,
                        unnormalize_scale)
@@ -103,7 +104,7 @@ MIN_BLOCK = 16
 
 # --- plan: the forward's, with the weights' derivatives ----------------------------------
 
-@njit(cache=True, forceinline=True)
+@njit(cache=True, forceinline=True, **NO_NRT)
 def _fast_daxis(pos, m, k, size, mtok, ptok, zero, pd):
     """The weights' derivatives ``pd[k, :, j]`` on spatial axis ``k`` of the positions
     ``pos[k, :m]`` that the forward's ``fast_axis`` finds interior (for others the
@@ -129,7 +130,7 @@ def _fast_daxis(pos, m, k, size, mtok, ptok, zero, pd):
             pd[k, 3, j] = d3 * sc
 
 
-@njit(cache=True, forceinline=True)
+@njit(cache=True, forceinline=True, **NO_NRT)
 def _generic_taps(r, sh, pos, j, mode, padding, align, zero, pidx, pw, pd, pok):
     """Position ``j``'s padded taps on every axis with their derivatives
     (``_sample.grad_taps``, one call per axis); returns whether it is finite."""
@@ -192,13 +193,13 @@ def _plan(x, pos, m, mtok, ptok, align, zero, deriv, base, pidx, pw, pd, pok, ki
 
 # --- one position's gradients in one channel ---------------------------------------------
 
-@njit(cache=True, forceinline=True)
+@njit(cache=True, forceinline=True, **NO_NRT)
 def _off(k, t, j, interior, stride, pidx):
     """Tap ``t``'s flat offset on axis ``k`` (the forward's ``_off``)."""
     return t * stride if interior else pidx[k, t, j]
 
 
-@njit(cache=True, forceinline=True)
+@njit(cache=True, forceinline=True, **NO_NRT)
 def _mine(k, t, j, interior, stride, ti, pidx, own):
     """Whether tap ``t`` of position ``j`` on outer axis ``k`` lies in the unit's tile
     (``own[k]``: its first and last offsets on that axis, times ``stride``)."""
@@ -206,11 +207,11 @@ def _mine(k, t, j, interior, stride, ti, pidx, own):
     return (own[k, 0] <= off) & (off < own[k, 1])
 
 
-@njit(cache=True, forceinline=True)
+@njit(cache=True, forceinline=True, **NO_NRT)
 def _g1(xf, gx, xb, j, g, T, masked, interior, scatter, deriv, pidx, pw, pd, pok, zero):
     a = zero
     for tx in range(T):
-        q = xb + _off(0, tx, j, interior, 1, pidx)
+        q = np.uint64(xb + _off(0, tx, j, interior, 1, pidx))  # (taps are in range: no wraparound)
         ok = pok[0, tx, j] if masked else True
         if deriv:
             v = xf[q]
@@ -221,7 +222,7 @@ def _g1(xf, gx, xb, j, g, T, masked, interior, scatter, deriv, pidx, pw, pd, pok
     return a, zero, zero
 
 
-@njit(cache=True, forceinline=True)
+@njit(cache=True, forceinline=True, **NO_NRT)
 def _g2(xf, gx, xb, j, g, T, masked, interior, scatter, deriv, s1, pidx, pw, pd, pok, zero, tiled, ti, own):
     a0 = zero
     a1 = zero
@@ -234,7 +235,7 @@ def _g2(xf, gx, xb, j, g, T, masked, interior, scatter, deriv, s1, pidx, pw, pd,
         sv = zero
         sd = zero
         for tx in range(T):
-            q = by + _off(1, tx, j, interior, 1, pidx)
+            q = np.uint64(by + _off(1, tx, j, interior, 1, pidx))  # (taps are in range: no wraparound)
             ok = (oky & pok[1, tx, j]) if masked else True
             if deriv:
                 v = xf[q]
@@ -248,7 +249,7 @@ def _g2(xf, gx, xb, j, g, T, masked, interior, scatter, deriv, s1, pidx, pw, pd,
     return a0, a1, zero
 
 
-@njit(cache=True, forceinline=True)
+@njit(cache=True, forceinline=True, **NO_NRT)
 def _g3(xf, gx, xb, j, g, T, masked, interior, scatter, deriv, s1, s2, pidx, pw, pd, pok, zero, tiled, ti, own):
     a0 = zero
     a1 = zero
@@ -271,7 +272,7 @@ def _g3(xf, gx, xb, j, g, T, masked, interior, scatter, deriv, s1, s2, pidx, pw,
             sv = zero
             sd = zero
             for tx in range(T):
-                q = by + _off(2, tx, j, interior, 1, pidx)
+                q = np.uint64(by + _off(2, tx, j, interior, 1, pidx))  # (taps are in range: no wraparound)
                 ok = (oky & pok[2, tx, j]) if masked else True
                 if deriv:
                     v = xf[q]
@@ -289,7 +290,7 @@ def _g3(xf, gx, xb, j, g, T, masked, interior, scatter, deriv, s1, s2, pidx, pw,
     return a0, a1, a2
 
 
-@njit(cache=True, forceinline=True)
+@njit(cache=True, forceinline=True, **NO_NRT)
 def _grad(x, xf, gx, xb, j, g, T, masked, interior, scatter, deriv, s1, s2, pidx, pw, pd, pok, zero, tiled, ti,
           own):
     """Position ``j``'s gradients in one channel (the channel image of ``xf`` and of
@@ -311,7 +312,7 @@ def _grad(x, xf, gx, xb, j, g, T, masked, interior, scatter, deriv, s1, s2, pidx
 
 # --- positions, and the tiles of grad_x that their taps reach ------------------------------
 
-@njit(cache=True, forceinline=True)
+@njit(cache=True, forceinline=True, **NO_NRT)
 def _positions(x, src, n, s0, m, osz, align, affine, one, xs, ys, zs, pos):
     """Positions ``s0 .. s0 + m`` of image ``n`` unnormalised into ``pos[k, :m]`` (axis
     ``k`` of x's spatial axes, outermost first): from the flat grid ``src``, or from
