@@ -111,10 +111,17 @@ def gathered(typingctx, x, xf, res, out, o, xb, base, pidx, pw, pok, j, mtok, s1
     padded offsets ``pidx`` (``xb + pidx[0, tz, j] + ...``), zeroed where ``pok`` is
     False if ``masked`` (a literal bool). ``x`` gives the rank, ``mtok`` the mode
     (taps per axis), ``s1``/``s2`` the strides of the second and third axes from the
-    innermost."""
+    innermost.
+
+    With ``pw`` of four dimensions (``(r, 3, 4, n)``: a set of weights per spatial
+    axis, as the backward's derivative weights), each tap is gathered once and the
+    ``r`` samples, sample ``q`` with the weights ``pw[q]``, are stored at
+    ``out[o + q * n + l]`` (``direct`` only): each the bits of a call with ``pw[q]``."""
     if not (isinstance(interior, types.BooleanLiteral) and isinstance(masked, types.BooleanLiteral)):
         return None
     r = x.ndim - 2
+    multi = pw.ndim == 4
+    R = r if multi else 1
     T = (1, 2, 4)[len(mtok)]
     V = 16 if pw.dtype == types.float32 else 8
     inner, mask_taps = interior.literal_value, masked.literal_value
@@ -144,8 +151,10 @@ def gathered(typingctx, x, xf, res, out, o, xb, base, pidx, pw, pok, j, mtok, s1
         zero = ir.Constant(vc, [ir.Constant(ct, 0.0)] * V)
         all_lanes = ir.Constant(vbool, [1] * V)
 
-        def vector(i, k=None, t=None, ty=None):  # array i's elements [k, t, j:j + V] (or [j:j + V]) as a vector
+        def vector(i, k=None, t=None, ty=None, q=None):  # array i's [(q,) k, t, j:j + V] (or [j:j + V]), a vector
             idx = [j_] if k is None else [const(k), const(t), j_]
+            if q is not None:
+                idx = [const(q)] + idx
             ptr = cgutils.get_item_pointer(context, builder, ta[i], arrays[i], idx)
             return builder.load(builder.bitcast(ptr, ty.as_pointer()), align=1)
 
@@ -200,13 +209,16 @@ def gathered(typingctx, x, xf, res, out, o, xb, base, pidx, pw, pok, j, mtok, s1
                 out.append(v if bits == st else builder.bitcast(v, vs))
             return out
 
-        def axis(k, off, ok):  # the sample over axes k.. (0: the outermost)
-            acc = zero
+        def weight(k, t, q):
+            return vector(8, k, t, vc, q if multi else None)
+
+        def axis(k, off, ok):  # the R samples over axes k.. (0: the outermost)
+            acc = [zero] * R
             if k == r - 1 and G > 1:
                 for t0 in range(0, T, G):
                     for e, v in enumerate(taps(builder.add(off, offset(k, t0)), t0)):
                         v = _widen(builder, v, ta[1].dtype, ct, V)
-                        acc = builder.fadd(acc, builder.fmul(vector(8, k, t0 + e, vc), v))
+                        acc = [builder.fadd(acc[q], builder.fmul(weight(k, t0 + e, q), v)) for q in range(R)]
                 return acc
             for t in range(T):
                 o2 = builder.add(off, offset(k, t))
@@ -215,17 +227,24 @@ def gathered(typingctx, x, xf, res, out, o, xb, base, pidx, pw, pok, j, mtok, s1
                     v = _widen(builder, taps(o2, t)[0], ta[1].dtype, ct, V)
                     if mask_taps:
                         v = builder.select(ok2, v, zero)
+                    v = [v] * R
                 else:
                     v = axis(k + 1, o2, ok2)
-                acc = builder.fadd(acc, builder.fmul(vector(8, k, t, vc), v))
+                acc = [builder.fadd(acc[q], builder.fmul(weight(k, t, q), v[q])) for q in range(R)]
             return acc
 
         samples = axis(0, start, all_lanes)
+        if multi:  # sample q at out[o + q * n]
+            n = cgutils.unpack_tuple(builder, arrays[8].shape, 4)[3]
+            for q in range(R):
+                dest = builder.gep(arrays[3].data, [builder.add(o_, builder.mul(const(q), n))])
+                builder.store(samples[q], builder.bitcast(dest, vc.as_pointer()), align=1)
+            return context.get_dummy_value()
         if ta[3].dtype == ta[8].dtype:  # ``direct``
             dest = builder.gep(arrays[3].data, [o_])
         else:
             dest = arrays[2].data
-        builder.store(samples, builder.bitcast(dest, vc.as_pointer()), align=1)
+        builder.store(samples[0], builder.bitcast(dest, vc.as_pointer()), align=1)
         return context.get_dummy_value()
     return sig, codegen
 

@@ -469,7 +469,7 @@ def _units(x, xf, gyf, src, gx, gpos, B, K, bounds, box, osz, mtok, ptok, align,
     gyv = np.zeros(SEG, ct)  # one channel's grad_y at the segment's positions
     ti = np.zeros((3, SEG), np.int64)  # tiled: interior positions' first taps, outer axes
     own = np.zeros((3, 2), np.int64)  # tiled: the tile's offsets on the outer axes
-    pwd = np.zeros((3, 3, 4, SEG), ct)  # per axis: the weights with that axis' derivatives
+    pwd = np.zeros((r, 3, 4, SEG), ct)  # per axis: the weights with that axis' derivatives
     dv = np.zeros(3 * SEG, ct)  # one channel's d sample / d pos, per axis and position
     res = np.zeros(16, ct)
     V = lanes(pw)
@@ -550,10 +550,8 @@ def _units(x, xf, gyf, src, gx, gpos, B, K, bounds, box, osz, mtok, ptok, align,
                     gyv[j] = gyf[o + j]
                 if deriv:
                     for q in range(nblk):
-                        if bkind[q] == 0:
-                            for kk in range(r):
-                                gathered(x, xf, res, dv, kk * SEG + q * V, xb, base, pidx, pwd[kk], pok, q * V, mtok,
-                                         s1, s2, True, False)
+                        if bkind[q] == 0:  # every axis' derivative from one gather of each tap
+                            gathered(x, xf, res, dv, q * V, xb, base, pidx, pwd, pok, q * V, mtok, s1, s2, True, False)
                 for j in range(m):
                     g = gyv[j]
                     kd = kind[j]
