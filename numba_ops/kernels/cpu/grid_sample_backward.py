@@ -406,11 +406,6 @@ def _boxes(x, src, osz, mtok, ptok, align, affine, zero, box, u0, u1):
 _boxes_op = opaque(_boxes)
 
 
-@njit(cache=True, nogil=True)
-def _boxes_serial(x, src, osz, mtok, ptok, align, affine, zero, box):
-    _boxes_op(x, src, osz, mtok, ptok, align, affine, zero, box, 0, box.shape[0])
-
-
 @njit(cache=True, parallel=True, nogil=True)
 def _boxes_parallel(x, src, osz, mtok, ptok, align, affine, zero, box, nchunks):
     units = box.shape[0]
@@ -678,7 +673,7 @@ def plan_units(N, C, P, spatial, nth, want_x=True):
     return B, max(1, min(-(-per_thread(nth) * nth // (N * B)), P // MIN_TILE_POSITIONS)), 1
 
 
-def _tiles(x, src, osz, mtok, ptok, align, affine, zero, K1, K2, work):
+def _tiles(x, src, osz, mtok, ptok, align, affine, zero, K1, K2):
     """``(bounds, box)``: each tile's first and last index + 1 on the outer axes, and
     each segment's box (``_boxes``)."""
     N, r = int(x.shape[0]), x.ndim - 2
@@ -690,7 +685,9 @@ def _tiles(x, src, osz, mtok, ptok, align, affine, zero, K1, K2, work):
             bounds[t1 * K2 + t2] = ((first[0][t1], first[0][t1 + 1]), (first[1][t2], first[1][t2 + 1]))
     P = int(np.prod(osz))
     box = np.zeros((N * ((P + SEG - 1) // SEG), 2, 2), np.int32)
-    _runtime.run(_boxes_serial, _boxes_parallel, work, x, src, osz, mtok, ptok, align, affine, zero, box)
+    with _runtime.POOL_LOCK:  # (tiles are cut for several threads only: no serial twin to compile)
+        _boxes_parallel(x, src, osz, mtok, ptok, align, affine, zero, box,
+                        _runtime.ITEMS_PER_THREAD * _runtime.num_threads())
     return bounds, box
 
 
@@ -717,8 +714,7 @@ def run(x, gy, src, out_spatial, mode, padding, align, affine, want_x, want_pos)
         srcc = _as_compute(src, ct).reshape(-1)
         xc = _as_compute(x, ct)
         if want_x and K > 1:
-            bounds, box = _tiles(xc, srcc, osz, TOKEN[mode], TOKEN[padding], bool(align), bool(affine), zero, K1, K2,
-                                 N * P * 4 * (r - 1))
+            bounds, box = _tiles(xc, srcc, osz, TOKEN[mode], TOKEN[padding], bool(align), bool(affine), zero, K1, K2)
         else:
             bounds, box = np.zeros((1, 2, 2), np.int64), np.zeros((1, 2, 2), np.int32)
         _runtime.run(_serial, _parallel, work, xc, xc.reshape(-1), _as_compute(gy, ct).reshape(-1), srcc, gx, gpos,
