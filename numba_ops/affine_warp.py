@@ -206,14 +206,16 @@ def warm_calls(dtype):
 def warm_backward_calls(dtype):
     """``(args, kwargs)`` of ``affine_warp_backward`` calls that compile its CPU kernels
     for float dtype ``dtype``: 2-D and 3-D, each mode and padding mode, a tiny call
-    (serial) and one past the pool's threshold (parallel)."""
+    (serial) and one past the pool's threshold (parallel; one image large enough to be
+    cut into tiles on several threads)."""
     from .kernels.cpu._runtime import PARALLEL_MIN_WORK
+    from .kernels.cpu.grid_sample_backward import MIN_TILE
     dt = np_dtype(dtype)
     calls = []
     for r in (2, 3):
-        x = np.zeros((1, 1) + (2,) * r, dt)
         theta = np.zeros((1, r, r + 1), dt)
         for w in (1, PARALLEL_MIN_WORK):
+            x = np.zeros((1, 1) + ((2,) if w == 1 else (2 * MIN_TILE,)) * r, dt)
             size = (1, 1) + (1,) * (r - 1) + (w,)
             calls += every_mode((np.zeros(size, dt), x, theta, size))
     return calls

@@ -255,13 +255,15 @@ def warm_calls(dtype):
 def warm_backward_calls(dtype):
     """``(args, kwargs)`` of ``grid_sample_backward`` calls that compile its CPU kernels
     for float dtype ``dtype``: each r = 1, 2, 3, mode and padding mode (compile-time
-    constants there), a tiny call (serial) and one past the pool's threshold (parallel)."""
+    constants there), a tiny call (serial) and one past the pool's threshold (parallel;
+    one image large enough to be cut into tiles on several threads)."""
     from .kernels.cpu._runtime import PARALLEL_MIN_WORK
+    from .kernels.cpu.grid_sample_backward import MIN_TILE
     dt = np_dtype(dtype)
     calls = []
     for r in (1, 2, 3):
         for n_out in (1, PARALLEL_MIN_WORK):
-            x = np.zeros((1, 1) + (2,) * r, dt)
+            x = np.zeros((1, 1) + ((2,) if n_out == 1 else (2 * MIN_TILE,)) * r, dt)
             grid = np.zeros((1, n_out) + (1,) * (r - 1) + (r,), dt)
             gy = np.zeros((1, 1, n_out) + (1,) * (r - 1), dt)
             calls += every_mode((gy, x, grid))

@@ -353,32 +353,34 @@ def _positions(x, src, n, s0, m, osz, align, affine, one, xs, ys, zs, pos):
 
 
 @njit(cache=True, forceinline=True)
-def _first_tap(p, size, mtok, zero):
+def _first_tap(p, size, mode, zero):
     """The first tap's index of an interior position ``p`` on its axis, as the forward's
-    ``fast_axis`` finds it (``split32``; nearest rounds half to even)."""
+    ``fast_axis`` finds it (``split32``; nearest rounds half to even); ``mode`` a
+    code (a constant where the caller has one, so LLVM drops the other modes)."""
     i, t, sc, finite = split32(p, zero, size)
-    if len(mtok) == NEAREST:
+    if mode == NEAREST:
         half = as_compute(zero, 0.5)
         up = (t > half) | ((t == half) & ((i & np.int32(1)) == np.int32(1)))
         return np.int32(i + np.int32(1)) if up else i
-    if len(mtok) == CUBIC:
+    if mode == CUBIC:
         return np.int32(i - np.int32(1))
     return i
 
 
 @njit(**INTERNAL)
-def _boxes(x, src, osz, mtok, ptok, align, affine, zero, box, u0, u1):
+def _boxes(x, src, osz, mode, padding, align, affine, zero, box, u0, u1):
     """Segments ``u0:u1`` of all images' positions (segment ``u``: positions
     ``(u % nseg) * SEG`` on of image ``u // nseg``): on each outer axis ``k`` of x the
     first and last index any of its positions' taps can take, clamped (a position's
     first tap clamped is where its own gradient is written), into ``box[u, k]``;
     under reflection padding an axis any position leaves spans the whole axis (the
-    reflected taps land anywhere)."""
+    reflected taps land anywhere). ``mode`` and ``padding`` are runtime codes: one
+    compilation per rank and compute type."""
     r = x.ndim - 2
     D, H, W = osz[0], osz[1], osz[2]
     P = D * H * W
     nseg = (P + SEG - 1) // SEG
-    T = 1 if len(mtok) == NEAREST else (2 if len(mtok) == LINEAR else 4)
+    T = 1 if mode == NEAREST else (2 if mode == LINEAR else 4)
     one = as_compute(zero, 1)
     pos = np.zeros((3, SEG), type(zero))
     xs = base_coords(W, align, one)
@@ -394,10 +396,10 @@ def _boxes(x, src, osz, mtok, ptok, align, affine, zero, box, u0, u1):
             lo = np.int32(size)
             hi = np.int32(-1)
             for j in range(np.uint64(m)):
-                a = _first_tap(pos[k, j], size, mtok, zero)
+                a = _first_tap(pos[k, j], size, mode, zero)
                 lo = min(lo, a)
                 hi = max(hi, np.int32(a + np.int32(T - 1)))
-            if len(ptok) == REFLECTION and ((lo < 0) | (hi >= size)):
+            if padding == REFLECTION and ((lo < 0) | (hi >= size)):
                 lo, hi = np.int32(0), np.int32(size - 1)
             box[u, k, 0] = min(max(lo, np.int32(0)), np.int32(size - 1))
             box[u, k, 1] = min(max(hi, np.int32(0)), np.int32(size - 1))
@@ -407,11 +409,11 @@ _boxes_op = opaque(_boxes)
 
 
 @njit(cache=True, parallel=True, nogil=True)
-def _boxes_parallel(x, src, osz, mtok, ptok, align, affine, zero, box, nchunks):
+def _boxes_parallel(x, src, osz, mode, padding, align, affine, zero, box, nchunks):
     units = box.shape[0]
     nchunks = min(units, nchunks)
     for c in prange(nchunks):
-        _boxes_op(x, src, osz, mtok, ptok, align, affine, zero, box, c * units // nchunks,
+        _boxes_op(x, src, osz, mode, padding, align, affine, zero, box, c * units // nchunks,
                   (c + 1) * units // nchunks)
 
 
@@ -504,7 +506,7 @@ def _units(x, xf, gyf, src, gx, gpos, B, K, bounds, box, osz, mtok, ptok, align,
             if tiled:  # the unit's share of each position: all, some (tap by tap) or none of its taps
                 for k in range(r - 1):
                     for j in range(np.uint64(m)):
-                        ti[k, j] = _first_tap(pos[k, j], x.shape[2 + k], mtok, zero)
+                        ti[k, j] = _first_tap(pos[k, j], x.shape[2 + k], mode, zero)
                 for j in range(m):
                     inside = True
                     meets = True
@@ -673,7 +675,7 @@ def plan_units(N, C, P, spatial, nth, want_x=True):
     return B, max(1, min(-(-per_thread(nth) * nth // (N * B)), P // MIN_TILE_POSITIONS)), 1
 
 
-def _tiles(x, src, osz, mtok, ptok, align, affine, zero, K1, K2):
+def _tiles(x, src, osz, mode, padding, align, affine, zero, K1, K2):
     """``(bounds, box)``: each tile's first and last index + 1 on the outer axes, and
     each segment's box (``_boxes``)."""
     N, r = int(x.shape[0]), x.ndim - 2
@@ -686,7 +688,7 @@ def _tiles(x, src, osz, mtok, ptok, align, affine, zero, K1, K2):
     P = int(np.prod(osz))
     box = np.zeros((N * ((P + SEG - 1) // SEG), 2, 2), np.int32)
     with _runtime.POOL_LOCK:  # (tiles are cut for several threads only: no serial twin to compile)
-        _boxes_parallel(x, src, osz, mtok, ptok, align, affine, zero, box,
+        _boxes_parallel(x, src, osz, np.int64(mode), np.int64(padding), align, affine, zero, box,
                         _runtime.ITEMS_PER_THREAD * _runtime.num_threads())
     return bounds, box
 
@@ -714,7 +716,7 @@ def run(x, gy, src, out_spatial, mode, padding, align, affine, want_x, want_pos)
         srcc = _as_compute(src, ct).reshape(-1)
         xc = _as_compute(x, ct)
         if want_x and K > 1:
-            bounds, box = _tiles(xc, srcc, osz, TOKEN[mode], TOKEN[padding], bool(align), bool(affine), zero, K1, K2)
+            bounds, box = _tiles(xc, srcc, osz, mode, padding, bool(align), bool(affine), zero, K1, K2)
         else:
             bounds, box = np.zeros((1, 2, 2), np.int64), np.zeros((1, 2, 2), np.int32)
         _runtime.run(_serial, _parallel, work, xc, xc.reshape(-1), _as_compute(gy, ct).reshape(-1), srcc, gx, gpos,
