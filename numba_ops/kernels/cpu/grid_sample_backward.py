@@ -244,8 +244,9 @@ def _g2(xf, gx, xb, j, g, T, masked, interior, scatter, deriv, s1, pidx, pw, pd,
                 sd += pd[1, tx, j] * v
             if sy and ok:
                 gx[q] += gy * pw[1, tx, j]
-        a0 += pd[0, ty, j] * sv
-        a1 += wy * sd
+        if deriv:
+            a0 += pd[0, ty, j] * sv
+            a1 += wy * sd
     return a0, a1, zero
 
 
@@ -281,12 +282,14 @@ def _g3(xf, gx, xb, j, g, T, masked, interior, scatter, deriv, s1, s2, pidx, pw,
                     sd += pd[2, tx, j] * v
                 if sy and ok:
                     gx[q] += gzy * pw[2, tx, j]
-            szv += wy * sv
-            szy += pd[1, ty, j] * sv
-            szx += wy * sd
-        a0 += pd[0, tz, j] * szv
-        a1 += wz * szy
-        a2 += wz * szx
+            if deriv:
+                szv += wy * sv
+                szy += pd[1, ty, j] * sv
+                szx += wy * sd
+        if deriv:
+            a0 += pd[0, tz, j] * szv
+            a1 += wz * szy
+            a2 += wz * szx
     return a0, a1, a2
 
 
