@@ -113,17 +113,19 @@ def gathered(typingctx, x, xf, res, out, o, xb, base, pidx, pw, pok, j, mtok, s1
     (taps per axis), ``s1``/``s2`` the strides of the second and third axes from the
     innermost.
 
-    With ``pw`` of four dimensions (``(r, 3, 4, n)``: a set of weights per spatial
-    axis, as the backward's derivative weights), each tap is gathered once and the
-    ``r`` samples, sample ``q`` with the weights ``pw[q]``, are stored at
-    ``out[o + q * n + l]`` (``direct`` only): each the bits of a call with ``pw[q]``."""
+    With ``pw`` a pair ``(w, d)`` of such weights (the backward's weights and their
+    derivatives, ``(3, 4, n)`` each), each tap is gathered once and the ``r``
+    samples ``q``, with axis ``q``'s weights ``d`` and the others' ``w`` (the
+    derivative along axis ``q``), are stored at ``out[o + q * n + l]`` (``direct``
+    only): each the bits of a call with those weights."""
     if not (isinstance(interior, types.BooleanLiteral) and isinstance(masked, types.BooleanLiteral)):
         return None
     r = x.ndim - 2
-    multi = pw.ndim == 4
+    multi = isinstance(pw, types.BaseTuple)
+    wty = pw[0] if multi else pw
     R = r if multi else 1
     T = (1, 2, 4)[len(mtok)]
-    V = 16 if pw.dtype == types.float32 else 8
+    V = 16 if wty.dtype == types.float32 else 8
     inner, mask_taps = interior.literal_value, masked.literal_value
     sig = types.void(x, xf, res, out, o, xb, base, pidx, pw, pok, j, mtok, s1, s2, interior, masked)
 
@@ -131,9 +133,11 @@ def gathered(typingctx, x, xf, res, out, o, xb, base, pidx, pw, pok, j, mtok, s1
         ta = sig.args
         intp = context.get_value_type(types.intp)
         o_, xb_, j_, s1_, s2_ = (context.cast(builder, args[i], ta[i], types.intp) for i in (4, 5, 10, 12, 13))
-        arrays = {i: context.make_array(ta[i])(context, builder, args[i]) for i in (1, 2, 3, 6, 7, 8, 9)}
+        arrays = {i: context.make_array(ta[i])(context, builder, args[i]) for i in (1, 2, 3, 6, 7, 9)}
+        wts = [context.make_array(wty)(context, builder, builder.extract_value(args[8], i) if multi else args[8])
+               for i in range(2 if multi else 1)]
         st = context.get_value_type(ta[1].dtype)  # x's storage element
-        ct = context.get_value_type(ta[8].dtype)  # the compute type
+        ct = context.get_value_type(wty.dtype)  # the compute type
         size = context.get_abi_sizeof(st)
         vs, vc, vi = ir.VectorType(st, V), ir.VectorType(ct, V), ir.VectorType(intp, V)
         vbool = ir.VectorType(ir.IntType(1), V)
@@ -151,11 +155,10 @@ def gathered(typingctx, x, xf, res, out, o, xb, base, pidx, pw, pok, j, mtok, s1
         zero = ir.Constant(vc, [ir.Constant(ct, 0.0)] * V)
         all_lanes = ir.Constant(vbool, [1] * V)
 
-        def vector(i, k=None, t=None, ty=None, q=None):  # array i's [(q,) k, t, j:j + V] (or [j:j + V]), a vector
+        def vector(i, k=None, t=None, ty=None, arr=None):  # array i's [k, t, j:j + V] (or [j:j + V]), a vector
             idx = [j_] if k is None else [const(k), const(t), j_]
-            if q is not None:
-                idx = [const(q)] + idx
-            ptr = cgutils.get_item_pointer(context, builder, ta[i], arrays[i], idx)
+            ptr = cgutils.get_item_pointer(context, builder, wty if arr is not None else ta[i],
+                                           arr if arr is not None else arrays[i], idx)
             return builder.load(builder.bitcast(ptr, ty.as_pointer()), align=1)
 
         # element offsets from the channel image's first element, 32-bit (``gather_safe``:
@@ -210,7 +213,7 @@ def gathered(typingctx, x, xf, res, out, o, xb, base, pidx, pw, pok, j, mtok, s1
             return out
 
         def weight(k, t, q):
-            return vector(8, k, t, vc, q if multi else None)
+            return vector(8, k, t, vc, arr=wts[1 if multi and k == q else 0])
 
         def axis(k, off, ok):  # the R samples over axes k.. (0: the outermost)
             acc = [zero] * R
@@ -235,12 +238,12 @@ def gathered(typingctx, x, xf, res, out, o, xb, base, pidx, pw, pok, j, mtok, s1
 
         samples = axis(0, start, all_lanes)
         if multi:  # sample q at out[o + q * n]
-            n = cgutils.unpack_tuple(builder, arrays[8].shape, 4)[3]
+            n = cgutils.unpack_tuple(builder, wts[0].shape, 3)[2]
             for q in range(R):
                 dest = builder.gep(arrays[3].data, [builder.add(o_, builder.mul(const(q), n))])
                 builder.store(samples[q], builder.bitcast(dest, vc.as_pointer()), align=1)
             return context.get_dummy_value()
-        if ta[3].dtype == ta[8].dtype:  # ``direct``
+        if ta[3].dtype == wty.dtype:  # ``direct``
             dest = builder.gep(arrays[3].data, [o_])
         else:
             dest = arrays[2].data

@@ -469,9 +469,9 @@ def _units(x, xf, gyf, src, gx, gpos, B, K, bounds, box, osz, mtok, ptok, align,
     gyv = np.zeros(SEG, ct)  # one channel's grad_y at the segment's positions
     ti = np.zeros((3, SEG), np.int64)  # tiled: interior positions' first taps, outer axes
     own = np.zeros((3, 2), np.int64)  # tiled: the tile's offsets on the outer axes
-    pwd = np.zeros((r, 3, 4, SEG), ct)  # per axis: the weights with that axis' derivatives
     dv = np.zeros(3 * SEG, ct)  # one channel's d sample / d pos, per axis and position
     res = np.zeros(16, ct)
+    wd = (pw, pd)  # (a tuple of arrays built in the loop would count references there)
     V = lanes(pw)
     bkind = np.zeros(SEG // 8 + 1, np.uint8)
     ga = np.zeros((3, SEG), ct)  # d loss / d pos, per axis and position, summed over channels
@@ -528,13 +528,6 @@ def _units(x, xf, gyf, src, gx, gpos, B, K, bounds, box, osz, mtok, ptok, align,
                 for kk in range(r):
                     for j in range(np.uint64(m)):
                         ga[kk, j] = zero
-                # the derivative's weights per axis: axis kk's derivatives, the others' weights
-                for kk in range(r):
-                    for a in range(r):
-                        src_w = pd if a == kk else pw
-                        for tt in range(T):
-                            for j in range(np.uint64(m)):
-                                pwd[kk, a, tt, j] = src_w[a, tt, j]
             # blocks of ``V`` interior positions: their derivatives gathered (the forward's
             # ``gathered``, each axis' with its derivative weights)
             nblk = m // V
@@ -551,7 +544,7 @@ def _units(x, xf, gyf, src, gx, gpos, B, K, bounds, box, osz, mtok, ptok, align,
                 if deriv:
                     for q in range(nblk):
                         if bkind[q] == 0:  # every axis' derivative from one gather of each tap
-                            gathered(x, xf, res, dv, q * V, xb, base, pidx, pwd, pok, q * V, mtok, s1, s2, True, False)
+                            gathered(x, xf, res, dv, q * V, xb, base, pidx, wd, pok, q * V, mtok, s1, s2, True, False)
                 for j in range(m):
                     g = gyv[j]
                     kd = kind[j]
