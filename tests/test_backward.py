@@ -1273,7 +1273,7 @@ def test_layouts_and_inputs_untouched(name, inputs, call):
 def test_gradients_hold_no_larger_buffer(dtype):
     """Each returned gradient owns its memory or is a view of a buffer of its own size:
     never of a larger working buffer, which it would keep alive (grid_sample's and
-    affine_warp's grad_x with one image: 4 units, and as many scatter buffers)."""
+    affine_warp's grad_x with one image, cut into tiles on several threads)."""
     rng = np.random.default_rng(12)
     x = rng.standard_normal((1, 2, 64, 64)).astype(dtype)
     grid = rng.uniform(-1.1, 1.1, (1, 128, 128, 2)).astype(dtype)  # 16384 positions: 4 units

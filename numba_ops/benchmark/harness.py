@@ -382,7 +382,14 @@ def _time_case(impl, name, cfg):
             return {"case": name, "skip": fn}
         ts = time_runs(fn, warm, warmup, budget)
         cold_ms = 1e3 * time_cold(fn, cold)
-        return {"case": name, "ms": 1e3 * statistics.median(ts), "best_ms": 1e3 * min(ts), "cold_ms": cold_ms}
+        row = {"case": name, "ms": 1e3 * statistics.median(ts), "best_ms": 1e3 * min(ts), "cold_ms": cold_ms}
+        if impl == "numba_ops" and name in _cases.BACKWARD and cfg["device"] != "cuda":
+            # our forward on the same inputs, right after: the table's backward / forward
+            import numba_ops
+            op, fargs, kw, _, _ = _cases.backward_parts(name, cfg["dtype"])
+            fwd = getattr(numba_ops, op)
+            row["fwd_ms"] = 1e3 * statistics.median(time_runs(lambda: fwd(*fargs, **kw), warm, warmup, budget))
+        return row
     except Exception as exc:  # one failing case must not hide the others
         return {"case": name, "error": f"{type(exc).__name__}: {exc}"[:300]}
 
@@ -523,6 +530,9 @@ def _table(results, cases):
         bound = lim.get(name, {}).get("bound_ms")
         what = lim.get(name, {}).get("limit") or _LIMIT_KIND.get(op)
         row = {"op": op, "ms": ms, "best_ms": best, "cold_ms": cold, "bound_ms": bound, "limit": what}
+        fwd = results.get("numba_ops", {}).get(name, {}).get("fwd_ms")
+        if fwd:
+            row["fwd_ms"] = fwd
         row["figures"] = figures(row)
         table[name] = row
     return table
@@ -541,7 +551,9 @@ def print_table(report, out=print):
         f"{report['threads']} threads on {report['cpus']} CPUs{', quick' if report['quick'] else ''}")
     if lim:
         out(f"limits: write bandwidth {lim['write_GBps']:.2f} GB/s (numba prange fill){_gemm_text(lim, '; ')}")
+    ratios = any(r.get("fwd_ms") for r in cases.values())  # gradients: backward / our forward
     head = ["case", "numba_ops ms", "cold ms"] + [f"{p} ms" for p in peers] + ["ours/best peer", "% of limit", "limit ms"]
+    head += ["bwd/fwd"] if ratios else []
     rows = []
     for name, r in cases.items():
         ours = r["ms"].get("numba_ops")
@@ -550,7 +562,8 @@ def print_table(report, out=print):
         frac = r["figures"].get("fraction_of_limit")
         rows.append([name, _fmt_ms(ours), _fmt_ms(r["cold_ms"].get("numba_ops"))]
                     + [_fmt_ms(r["ms"].get(p)) for p in peers]
-                    + [ratio, "-" if frac is None else f"{100 * frac:.3g}%", _fmt_ms(r["bound_ms"])])
+                    + [ratio, "-" if frac is None else f"{100 * frac:.3g}%", _fmt_ms(r["bound_ms"])]
+                    + ([f"{ours / r['fwd_ms']:.1f}" if ours and r.get("fwd_ms") else "-"] if ratios else []))
     widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
     for i, line in enumerate([head] + rows):
         out("  ".join(str(c).ljust(w) if j == 0 else str(c).rjust(w) for j, (c, w) in enumerate(zip(line, widths))))
@@ -561,7 +574,8 @@ def print_table(report, out=print):
     if any(r.get("op", "").endswith("_backward") for r in cases.values()):
         out("*_bwd: the gradients (every input's), against PyTorch autograd's backward alone (the forward "
             "made outside the timing); their limit: DeformConv's 2x its forward's dense-conv FLOPs at the "
-            "GEMM rate, the others' bytes read and written at the write bandwidth.")
+            "GEMM rate, the others' bytes read and written at the write bandwidth; bwd/fwd: our backward's "
+            "median over our forward's on the same inputs (timed right after it, in the same process).")
 
 
 def take_samples(cases, dtype, device, quick, rounds=None, log=print):

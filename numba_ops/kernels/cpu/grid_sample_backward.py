@@ -529,7 +529,7 @@ def _units(x, xf, gyf, src, gx, gpos, B, K, bounds, box, osz, mtok, ptok, align,
                     for j in range(np.uint64(m)):
                         ga[kk, j] = zero
             # blocks of ``V`` interior positions: their derivatives gathered (the forward's
-            # ``gathered``, each axis' with its derivative weights)
+            # ``gathered``, with every axis' derivative weights at once)
             nblk = m // V
             for q in range(nblk):
                 b0 = kind[q * V]
@@ -606,7 +606,7 @@ def _parallel(x, xf, gyf, src, gx, gpos, B, K, bounds, box, osz, mtok, ptok, ali
 @njit(cache=True, parallel=True, nogil=True)
 def _sum_buffers(gxb, U, M, out):
     """``out = sum of the U buffers gxb[k*M:(k+1)*M]`` (``out``: M elements), added in the
-    order k = 0, 1, ..."""
+    order k = 0, 1, ... (the channel blocks' shares of the grid's gradient)."""
     chunk = 1 << 14
     for c in prange((M + chunk - 1) // chunk):
         for i in range(c * chunk, min(M, (c + 1) * chunk)):
