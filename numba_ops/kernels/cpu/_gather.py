@@ -155,10 +155,9 @@ def gathered(typingctx, x, xf, res, out, o, xb, base, pidx, pw, pok, j, mtok, s1
         zero = ir.Constant(vc, [ir.Constant(ct, 0.0)] * V)
         all_lanes = ir.Constant(vbool, [1] * V)
 
-        def vector(i, k=None, t=None, ty=None, arr=None):  # array i's [k, t, j:j + V] (or [j:j + V]), a vector
+        def vector(i, k=None, t=None, ty=None):  # array i's elements [k, t, j:j + V] (or [j:j + V]) as a vector
             idx = [j_] if k is None else [const(k), const(t), j_]
-            ptr = cgutils.get_item_pointer(context, builder, wty if arr is not None else ta[i],
-                                           arr if arr is not None else arrays[i], idx)
+            ptr = cgutils.get_item_pointer(context, builder, ta[i], arrays[i], idx)
             return builder.load(builder.bitcast(ptr, ty.as_pointer()), align=1)
 
         # element offsets from the channel image's first element, 32-bit (``gather_safe``:
@@ -212,8 +211,10 @@ def gathered(typingctx, x, xf, res, out, o, xb, base, pidx, pw, pok, j, mtok, s1
                 out.append(v if bits == st else builder.bitcast(v, vs))
             return out
 
-        def weight(k, t, q):
-            return vector(8, k, t, vc, arr=wts[1 if multi and k == q else 0])
+        def weight(k, t, q):  # sample q's weights of tap t on axis k, [k, t, j:j + V] as a vector
+            ptr = cgutils.get_item_pointer(context, builder, wty, wts[1 if multi and k == q else 0],
+                                           [const(k), const(t), j_])
+            return builder.load(builder.bitcast(ptr, vc.as_pointer()), align=1)
 
         def axis(k, off, ok):  # the R samples over axes k.. (0: the outermost)
             acc = [zero] * R

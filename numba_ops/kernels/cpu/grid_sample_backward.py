@@ -675,8 +675,8 @@ def _tiles(x, src, osz, mode, padding, align, affine, zero, K1, K2):
     """``(bounds, box)``: each tile's first and last index + 1 on the outer axes, and
     each segment's box (``_boxes``)."""
     N, r = int(x.shape[0]), x.ndim - 2
-    first = [np.array([t * int(x.shape[2 + k]) // K for t in range(K + 1)], np.int64) if k < r - 1
-             else np.array([0, 1], np.int64) for k, K in enumerate((K1, K2))]
+    first = [np.arange(K + 1, dtype=np.int64) * size // K
+             for size, K in ((int(x.shape[2]), K1), (int(x.shape[3]) if r == 3 else 1, K2))]
     bounds = np.zeros((K1 * K2, 2, 2), np.int64)
     for t1 in range(K1):
         for t2 in range(K2):
@@ -725,7 +725,7 @@ def run(x, gy, src, out_spatial, mode, padding, align, affine, want_x, want_pos)
     gx = gx.reshape(x.shape) if want_x else None
     if not want_pos:
         return gx, None
-    gpos = gpos[:N * P * r].reshape((N,) + tuple(out_spatial) + (r,))
+    gpos = gpos.reshape((N,) + tuple(out_spatial) + (r,))
     if affine:
         return gx, affine_grid_backward.launch(gpos, (N, C) + tuple(out_spatial), align)
     return gx, gpos
