@@ -15,6 +15,7 @@ bits).
 import numpy as np
 from numba import njit, prange
 
+from .._compat import NO_NRT
 from .._dtypes import NAMES, compute
 from .._sample import TAPS, as_compute, unnormalize
 from . import _runtime
@@ -24,6 +25,37 @@ from .grid_sample import SEG, TOKEN, ZERO, accumulate, kernel_view, output_for, 
 
 #: theta dtypes; ``x`` has the same dtype, or uint8
 DTYPES = NAMES  # the dtypes these kernels take (the dispatcher checks them)
+
+
+@njit(cache=True, forceinline=True, **NO_NRT)
+def positions(x, th, n, j0, m, H, W, align, one, xs, ys, zs, pos):
+    """Output positions ``j0 .. j0 + m`` of image ``n`` (row-major over (D, H, W)),
+    unnormalised into ``pos[k, :m]`` (axis ``k`` of x's spatial axes, outermost first),
+    computed from the flat theta ``th`` (N*r*(r+1)) row piece by row piece as the
+    CPU AffineGrid kernel computes the grid (``xs``/``ys``/``zs``: the base
+    coordinates). Shared with the backward, whose positions are thus these bits."""
+    r = x.ndim - 2
+    j = 0
+    while j < m:  # the segment's pieces of rows (d, h)
+        row = (j0 + j) // W
+        w0 = j0 + j - row * W
+        L = min(W - w0, m - j)
+        h = row % H
+        d = row // H
+        for k in range(r):
+            t = (n * r + r - 1 - k) * (r + 1)  # theta's row of spatial axis k (grid component r - 1 - k)
+            size = x.shape[2 + k]
+            t0, t1, t2 = th[t], th[t + 1], th[t + 2]
+            if r == 2:
+                b = t1 * ys[h] + t2
+                for q in range(L):  # unsigned indices: the loop vectorises
+                    pos[k, np.uint64(j + q)] = unnormalize(t0 * xs[np.uint64(w0 + q)] + b, size, align, one)
+            else:
+                b = t2 * zs[d] + th[t + 3]
+                yq = ys[h] * t1
+                for q in range(L):
+                    pos[k, np.uint64(j + q)] = unnormalize((t0 * xs[np.uint64(w0 + q)] + b) + yq, size, align, one)
+        j += L
 
 
 @njit(**INTERNAL)
@@ -42,32 +74,12 @@ def _units(x, xf, theta, out, D, H, W, mtok, ptok, align, zero, u0, u1):
     ys = base_coords(H, align, one)
     zs = base_coords(D, align, one)
     pos, base, pidx, pw, pok, kind, res, bkind = scratch(zero)
+    thf = theta.reshape(-1)
     for u in range(u0, u1):
         n = u // nseg
         j0 = (u - n * nseg) * SEG
         m = min(SEG, P - j0)
-        j = 0
-        while j < m:  # the segment's pieces of rows (d, h)
-            row = (j0 + j) // W
-            w0 = j0 + j - row * W
-            L = min(W - w0, m - j)
-            h = row % H
-            d = row // H
-            for k in range(r):
-                a = r - 1 - k  # grid component of spatial axis k (innermost first)
-                size = x.shape[2 + k]
-                t0, t1, t2 = theta[n, a, 0], theta[n, a, 1], theta[n, a, 2]
-                if r == 2:
-                    b = t1 * ys[h] + t2
-                    for q in range(L):  # unsigned indices: the loop vectorises
-                        pos[k, np.uint64(j + q)] = unnormalize(t0 * xs[np.uint64(w0 + q)] + b, size, align, one)
-                else:
-                    b = t2 * zs[d] + theta[n, a, 3]
-                    yq = ys[h] * t1
-                    for q in range(L):
-                        pos[k, np.uint64(j + q)] = unnormalize((t0 * xs[np.uint64(w0 + q)] + b) + yq, size, align,
-                                                               one)
-            j += L
+        positions(x, thf, n, j0, m, H, W, align, one, xs, ys, zs, pos)
         count, full = plan(x, pos, m, mtok, ptok, align, zero, base, pidx, pw, pok, kind)
         prefetch_ahead(xf, N, C, P, n, u - n * nseg, nseg, u == u0)
         accumulate(x, xf, out, n * C * S, S, n * C * P + j0, P, C, m, mtok, ptok, count, full, base, pidx, pw, pok,

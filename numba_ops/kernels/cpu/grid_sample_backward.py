@@ -75,6 +75,7 @@ from . import _runtime
 from ._opaque import INTERNAL, opaque
 from . import affine_grid_backward
 from .affine_grid import base_coords
+from .affine_warp import positions
 from ._gather import gathered, lanes
 from .grid_sample import AXIS_OUT, GENERIC, fast_axis, small_image, split32
 
@@ -319,34 +320,12 @@ def _grad(x, xf, gx, xb, j, g, T, masked, interior, scatter, deriv, s1, s2, pidx
 def _positions(x, src, n, s0, m, osz, align, affine, one, xs, ys, zs, pos):
     """Positions ``s0 .. s0 + m`` of image ``n`` unnormalised into ``pos[k, :m]`` (axis
     ``k`` of x's spatial axes, outermost first): from the flat grid ``src``, or from
-    theta (affine_warp: row piece by row piece as its forward computes them, so they
-    are the forward's bit for bit)."""
+    the flat theta (affine_warp: its forward's ``positions``, so the same bits)."""
     r = x.ndim - 2
     D, H, W = osz[0], osz[1], osz[2]
     P = D * H * W
     if affine:
-        j = 0
-        while j < m:
-            row = (s0 + j) // W
-            w0 = s0 + j - row * W
-            L = min(W - w0, m - j)
-            h = row % H
-            d = row // H
-            for kk in range(r):
-                th = (n * r + r - 1 - kk) * (r + 1)
-                size = x.shape[2 + kk]
-                t0, t1, t2 = src[th], src[th + 1], src[th + 2]
-                if r == 2:
-                    b = t1 * ys[h] + t2
-                    for q in range(L):
-                        pos[kk, np.uint64(j + q)] = unnormalize(t0 * xs[np.uint64(w0 + q)] + b, size, align, one)
-                else:
-                    b = t2 * zs[d] + src[th + 3]
-                    yq = ys[h] * t1
-                    for q in range(L):
-                        pos[kk, np.uint64(j + q)] = unnormalize((t0 * xs[np.uint64(w0 + q)] + b) + yq, size, align,
-                                                                one)
-            j += L
+        positions(x, src, n, s0, m, H, W, align, one, xs, ys, zs, pos)
     else:
         g0 = np.uint64((n * P + s0) * r)
         for j in range(np.uint64(m)):
