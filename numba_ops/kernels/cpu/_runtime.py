@@ -124,14 +124,18 @@ def num_threads():
     return n if n > 0 else numba.get_num_threads()
 
 
+def threads_for(work):
+    """The threads ``run`` runs ``work`` on: 1 for small work or where the pool cannot
+    run, else the caller's count (e.g. a Dask task's share)."""
+    return num_threads() if work >= PARALLEL_MIN_WORK and pool_usable() else 1
+
+
 def run(serial, parallel, work, *args):
     """``serial(*args)`` for small work, at one thread (the caller's count, e.g. a
     Dask task's share) or where the pool cannot run, without the lock; else
     ``parallel(*args, nchunks)`` under the pool lock, ``nchunks`` being a few pieces
     per thread for balance."""
-    if work < PARALLEL_MIN_WORK or not pool_usable():
-        return serial(*args)
-    nth = num_threads()
+    nth = threads_for(work)
     if nth == 1:
         return serial(*args)
     with POOL_LOCK:

@@ -118,6 +118,14 @@ def _mark(j, i, lo, hi, size, finite, stride, base, kind, first):
 
 
 @njit(cache=True, forceinline=True)
+def nearest_index(i, t, zero):
+    """The nearest tap of a position split as ``(i, t)`` (``split32``): half to even."""
+    half = as_compute(zero, 0.5)
+    up = (t > half) | ((t == half) & ((i & np.int32(1)) == np.int32(1)))
+    return np.int32(i + np.int32(1)) if up else i
+
+
+@njit(cache=True, forceinline=True)
 def fast_axis(pos, m, k, size, stride, mtok, zero, base, pw, kind, first):
     """Spatial axis ``k`` of the positions ``pos[k, :m]``: the weights ``pw[k, :, j]``
     of the mode's taps from the position's fraction (NaN for a non-finite position),
@@ -126,11 +134,9 @@ def fast_axis(pos, m, k, size, stride, mtok, zero, base, pw, kind, first):
     (``j`` unsigned, so no index pays for negative wraparound): they vectorise."""
     one = as_compute(zero, 1)
     if len(mtok) == NEAREST:
-        half = as_compute(zero, 0.5)
         for j in range(np.uint64(m)):
             i, t, sc, finite = split32(pos[k, j], zero, size)
-            up = (t > half) | ((t == half) & ((i & np.int32(1)) == np.int32(1)))  # half to even
-            i = np.int32(i + np.int32(1)) if up else i
+            i = nearest_index(i, t, zero)
             pw[k, 0, j] = sc
             _mark(j, i, 0, 0, size, finite, stride, base, kind, first)
     elif len(mtok) == LINEAR:
