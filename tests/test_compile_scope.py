@@ -25,6 +25,7 @@ import json, sys
 import numpy as np
 import numba_ops
 from numba import typeof, types
+from numba_ops._dtypes import np_dtype
 from numba_ops.kernels._modes import MODES, PADDING_MODES
 
 def signatures():
@@ -42,7 +43,7 @@ def signatures():
 def call(spec):
     rng = np.random.default_rng(0)
     op, nd = spec["op"], spec["nd"]
-    dt = np.dtype(spec.get("dtype", "float32"))
+    dt = np_dtype(spec.get("dtype", "float32"))
     if op == "grid_sample":
         x = rng.standard_normal((1, 2) + (5,) * nd).astype(dt)
         g = rng.uniform(-1.2, 1.2, (1,) + (4,) * nd + (nd,)).astype(dt)
@@ -90,12 +91,16 @@ CALLS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def compiled():
-    p = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(CALLS)], capture_output=True, text=True,
+def _run(calls):
+    p = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(calls)], capture_output=True, text=True,
                        env=dict(os.environ, NUMBA_NUM_THREADS="1"), timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]
     return json.loads(p.stdout.split("@@")[-1])
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    return _run(CALLS)
 
 
 @pytest.mark.parametrize("i", range(len(CALLS)), ids=["-".join(str(v) for v in s.values()) for s in CALLS])
@@ -113,3 +118,19 @@ def test_forward_compiles_its_own_variant_alone(compiled, i):
         for j in chosen:
             got = rec["plain"][0][j]
             assert got == want[rec["params"][j]], f"{name}: {rec['params'][j]} is {got}, not the call's {want}"
+
+
+def test_16bit_forward_compiles_nothing_of_its_own():
+    """float16 and bfloat16 calls run the float32 kernels on widened copies: after the
+    float32 call of the same variant they compile (or load) nothing."""
+    calls = []
+    for spec in ({"op": "grid_sample", "nd": 2, "mode": "cubic", "padding": "reflection"},
+                 {"op": "affine_warp", "nd": 3, "mode": "linear", "padding": "zeros"},
+                 {"op": "deform_conv", "nd": 2, "o": 6}):
+        calls += [dict(spec, dtype=dt) for dt in ("float32", "float16", "bfloat16")]
+    got = _run(calls)
+    for spec, rec in zip(calls, got):
+        if spec["dtype"] == "float32":
+            assert rec["compiled"], spec  # the float32 call's kernels are there to be reused
+        else:
+            assert not rec["compiled"], (spec, sorted(rec["compiled"]))

@@ -228,13 +228,15 @@ def ptx_of(kern, sig, cc):
     return _PTX[key]
 
 
-def measure(ccs=CCS, tools=None, only=None):
-    """[Usage] of every kernel specialisation for every cc and assembler."""
+def measure(ccs=CCS, tools=None, only=None, module=None):
+    """[Usage] of every kernel specialisation for every cc and assembler (of the kernel
+    module named ``module`` alone, e.g. ``"grid_sample"``, if given)."""
     tools = assemblers() if tools is None else tools
     if not tools:
         raise RuntimeError("no PTX assembler here: neither ptxas (CUDA toolkit or the nvidia-cuda-nvcc wheel) "
                            "nor nvJitLink (cuda-bindings)")
-    jobs = [(mod, *job) for mod in modules() for job in mod.compile_jobs() if only is None or only in job[0]]
+    mods = modules() if module is None else [importlib.import_module(f"{KERNELS}.{module}")]
+    jobs = [(mod, *job) for mod in mods for job in mod.compile_jobs() if only is None or only in job[0]]
     rows = []
     for cc in ccs:
         with pretend_device(cc):

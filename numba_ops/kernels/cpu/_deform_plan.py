@@ -250,7 +250,7 @@ class State:
     """Everything ``launch`` derives from a call's geometry, kept per geometry (``state``).
     ``small``: the call runs on the caller's thread, by the ``direct`` loops or the tiled
     path; ``tilings``: a ``Tiling`` per thread count."""
-    __slots__ = ("p", "origin", "xshape", "dtype", "oC", "yshape", "view", "empty", "small", "direct", "nob",
+    __slots__ = ("p", "origin", "xshape", "dtype", "oC", "yshape", "empty", "small", "direct", "nob",
                  "tilings", "ctype")
 
     def __init__(self, x, w, p, origin=None, nth=None):
@@ -264,8 +264,6 @@ class State:
         _, S, tail = padded_extent.py_func(geo)  # sites of a padded image, its zero tail
         self.p, self.origin, self.xshape, self.dtype, self.oC = p, origin, x.shape, x.dtype, oC
         self.yshape = (N, oC) + tuple(p.out_spatial)
-        view = storage(x.dtype)
-        self.view = view if view != x.dtype else None  # 16-bit: their bit patterns
         self.empty = N == 0 or oC == 0
         self.nob = np.empty(0, x.dtype)  # the kernels' B when there is none
         work = N * P * K * (C + oC * (C // group) // 4 + 4)
@@ -284,7 +282,7 @@ class State:
         self.tilings = {}
         for nth in {1, _runtime.num_threads() if nth is None else nth}:
             T, nb, osplit = plan_sizes(N, C, K, oC, P, p.group, p.offset_group, nd, S + tail, item, nth,
-                                       SPLIT, self.view is None)
+                                       SPLIT, storage(x.dtype) == x.dtype)
             split = int(osplit) + int(osplit and nth > 1 and reduction_split(oC, p.group, nth))
             plan = Plan(C, K, p.group, p.offset_group, T, nb, nth, fast, S, 0, 0, split)
             metas = [pack(geo, plan._replace(has_mask=hm, has_b=hb)) for hm in (0, 1) for hb in (0, 1)]

@@ -21,10 +21,10 @@ numba's ``reload_init`` hook, before a caller's cached code is loaded from numba
 on-disk cache: the callee is compiled or loaded from the cache first, so the caller's
 cached machine code always finds it.
 
-``INTERNAL``: the ``njit`` options of functions that only jitted code calls (the
-opaque callees and the hot loops they call): numba then generates neither the
-Python wrapper nor the C wrapper of each (up to a third of a function's code to
-compile). Such a function cannot be called from Python.
+``INTERNAL`` (``kernels/_compat.py``): the ``njit`` options of functions that only
+jitted code calls (the opaque callees and the hot loops they call), compiled without
+numba's Python and C wrappers; ``INLINE``: those of the per-element helpers, the same
+and inlined by LLVM.
 """
 import functools
 import hashlib
@@ -34,9 +34,11 @@ from llvmlite import binding as ll
 from numba import types
 from numba.extending import intrinsic
 
-from .._compat import add_reload_init, cgutils
+from .._compat import INTERNAL, add_reload_init, cgutils
 
-INTERNAL = dict(cache=True, no_cpython_wrapper=True, no_cfunc_wrapper=True)
+#: the ``njit`` options of the per-element helpers that the kernels' loops call: compiled
+#: once per signature without wrappers (``INTERNAL``), and inlined by LLVM at each call
+INLINE = dict(INTERNAL, forceinline=True)
 
 
 def _publish(dispatcher, args):

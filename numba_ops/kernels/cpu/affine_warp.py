@@ -19,7 +19,7 @@ from .._compat import NO_NRT
 from .._dtypes import NAMES, compute
 from .._sample import TAPS, as_compute, unnormalize
 from . import _runtime
-from ._opaque import INTERNAL, opaque
+from ._opaque import INLINE, INTERNAL, opaque
 from .affine_grid import base_coords
 from .grid_sample import SEG, TOKEN, ZERO, accumulate, kernel_view, output_for, plan, prefetch_ahead, public, scratch
 
@@ -27,7 +27,7 @@ from .grid_sample import SEG, TOKEN, ZERO, accumulate, kernel_view, output_for, 
 DTYPES = NAMES  # the dtypes these kernels take (the dispatcher checks them)
 
 
-@njit(cache=True, forceinline=True, **NO_NRT)
+@njit(**INLINE, **NO_NRT)
 def positions(x, th, n, j0, m, H, W, align, one, xs, ys, zs, pos):
     """Output positions ``j0 .. j0 + m`` of image ``n`` (row-major over (D, H, W)),
     unnormalised into ``pos[k, :m]`` (axis ``k`` of x's spatial axes, outermost first),

@@ -86,7 +86,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic, overload
 
 from .._compat import impl_ret_borrowed
-from .._dtypes import NAMES
+from .._dtypes import NAMES, compute
 from .._sample import as_compute
 from .._scalar import border_corner, load, store
 from . import _runtime
@@ -1050,7 +1050,14 @@ def launch(x, w, offset, b, mask, p, origin=None):
 
     ``origin`` (internal, numba_ops.dask): a tuple of first output indices per spatial
     axis; the call then computes the region ``origin .. origin + p.out_spatial`` of
-    the whole output (``offset``/``mask`` hold that region only, ``x`` the whole image)."""
+    the whole output (``offset``/``mask`` hold that region only, ``x`` the whole image).
+
+    16-bit inputs are computed in float32 on widened copies and the result rounded
+    once: the kernels compile for float32 and float64 alone."""
+    dt = x.dtype
+    if compute(dt) != dt:
+        up = lambda a: None if a is None else a.astype(np.float32)  # noqa: E731
+        return launch(up(x), up(w), up(offset), up(b), up(mask), p, origin).astype(dt)
     st = state(x, w, p, origin)
     y = np.empty(st.yshape, x.dtype)
     if st.empty:
@@ -1065,8 +1072,6 @@ def launch(x, w, offset, b, mask, p, origin=None):
     # the kernels take C-contiguous arrays only (one layout to compile; ``_views``)
     c = np.ascontiguousarray
     args = (c(x), c(w), c(offset), c(mask), c(b), y)
-    if st.view is not None:  # 16-bit data as its bit patterns
-        args = tuple(a.view(st.view) for a in args)
     if lp.mode == DIRECT:
         _direct(*args, lp.meta)
     elif st.small:

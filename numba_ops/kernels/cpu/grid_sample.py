@@ -51,21 +51,22 @@ the serial one in ~0.5 s.
 
 A zeros-padded tap outside the input is read at a clamped index and replaced by
 an exact 0 (never ``0 * x``, which an Inf in ``x`` would turn into NaN). 16-bit
-data is widened on load and rounded once on store (float32 accumulation); uint8
+inputs are widened to float32 copies by the launcher (``kernel_view``) and the
+result rounded once, so the kernels compile for float32 and float64 alone; uint8
 ``x`` is computed in the grid's compute type and stored by ``to_uint8``.
 """
 import numpy as np
 from numba import njit, prange
 
 from .._compat import NO_NRT
-from .._dtypes import NAMES, compute, storage
+from .._dtypes import NAMES, compute
 from .._sample import (BORDER, CUBIC, LINEAR, NEAREST, REFLECTION, TAPS, ZEROS, as_compute, cubic_at, cubic_weights,
                        linear_at, load_sample, nearest_at, period, reflect_near, split_coord, split_near,
                        store_sample, unnormalize)
 from .._scalar import load
 from . import _runtime
 from ._gather import direct, gather_safe, gathered, lanes, prefetch
-from ._opaque import INTERNAL, opaque
+from ._opaque import INLINE, INTERNAL, opaque
 
 #: grid dtypes; ``x`` has the same dtype, or uint8
 DTYPES = NAMES  # the dtypes these kernels take (the dispatcher checks them)
@@ -84,7 +85,7 @@ SEG = 256
 GENERIC, AXIS_OUT = 1, 2
 
 
-@njit(cache=True, forceinline=True)
+@njit(**INLINE)
 def split32(p, zero, size):
     """``(i, t, scale, finite)``: ``floor(p)`` as an int32 and the fraction, of ``p``
     clamped to [-4, size + 2] (far and non-finite positions stay clear of integer
@@ -101,7 +102,7 @@ def split32(p, zero, size):
     return np.int32(f), pc - f, as_compute(zero, 1) if finite else as_compute(zero, np.nan), finite
 
 
-@njit(cache=True, forceinline=True)
+@njit(**INLINE)
 def _mark(j, i, lo, hi, size, finite, stride, base, kind, first):
     """``base[j]``'s share (the first tap's index ``i - lo`` times ``stride``) and the
     axis' ``kind`` bits for taps ``i - lo .. i + hi`` (zeros padding). In 32 bits
@@ -117,7 +118,7 @@ def _mark(j, i, lo, hi, size, finite, stride, base, kind, first):
     kind[j] = bits if first else kind[j] | bits
 
 
-@njit(cache=True, forceinline=True)
+@njit(**INLINE)
 def nearest_index(i, t, zero):
     """The nearest tap of a position split as ``(i, t)`` (``split32``): half to even."""
     half = as_compute(zero, 0.5)
@@ -125,7 +126,7 @@ def nearest_index(i, t, zero):
     return np.int32(i + np.int32(1)) if up else i
 
 
-@njit(cache=True, forceinline=True)
+@njit(**INLINE)
 def fast_axis(pos, m, k, size, stride, mtok, zero, base, pw, kind, first):
     """Spatial axis ``k`` of the positions ``pos[k, :m]``: the weights ``pw[k, :, j]``
     of the mode's taps from the position's fraction (NaN for a non-finite position),
@@ -156,7 +157,7 @@ def fast_axis(pos, m, k, size, stride, mtok, zero, base, pw, kind, first):
             _mark(j, i, 1, 2, size, finite, stride, base, kind, first)
 
 
-@njit(cache=True, forceinline=True)
+@njit(**INLINE)
 def _put(k, t, j, i, w, ok, stride, pidx, pw, pok):
     """Tap ``t`` of position ``j`` on axis ``k``: padded index ``i`` (as a flat offset),
     weight ``w``, inside flag ``ok``."""
@@ -165,7 +166,7 @@ def _put(k, t, j, i, w, ok, stride, pidx, pw, pok):
     pok[k, t, j] = ok
 
 
-@njit(cache=True, forceinline=True)
+@njit(**INLINE)
 def _taps_one(pos, j, k, size, per, stride, mtok, ptok, align, zero, near, pidx, pw, pok):
     """Position ``j``'s padded taps on spatial axis ``k`` (``_taps_axis``); ``near``:
     split by ``split_near`` (branch-free: the loop vectorises), else ``split_coord``."""
@@ -189,7 +190,7 @@ def _taps_one(pos, j, k, size, per, stride, mtok, ptok, align, zero, near, pidx,
         _put(k, 3, j, i3, w3, ok3, stride, pidx, pw, pok)
 
 
-@njit(cache=True, forceinline=True)
+@njit(**INLINE)
 def _taps_axis(pos, m, k, size, stride, mtok, ptok, align, zero, pidx, pw, pok):
     """The padded taps of spatial axis ``k`` for the positions ``pos[k, :m]``:
     ``pidx[k, t, j]`` the flat offset (padded index times ``stride``), ``pw`` the
@@ -212,7 +213,7 @@ def _taps_axis(pos, m, k, size, stride, mtok, ptok, align, zero, pidx, pw, pok):
         _taps_one(pos, j, k, size, per, stride, mtok, ptok, align, zero, False, pidx, pw, pok)
 
 
-@njit(cache=True, forceinline=True)
+@njit(**INLINE)
 def _generic(r, sh, pos, m, mtok, ptok, align, zero, pidx, pw, pok):
     """Padded taps (``_taps_axis``) of the segment's positions on every axis."""
     nd = r + 2
@@ -223,7 +224,7 @@ def _generic(r, sh, pos, m, mtok, ptok, align, zero, pidx, pw, pok):
         _taps_axis(pos, m, r - 3, sh[nd - 3], sh[nd - 2] * sh[nd - 1], mtok, ptok, align, zero, pidx, pw, pok)
 
 
-@njit(cache=True, forceinline=True)
+@njit(**INLINE)
 def _generic_at(r, sh, pos, j, mtok, ptok, align, zero, pidx, pw, pok):
     """Padded taps (``_taps_one``) of position ``j`` on every axis."""
     nd = r + 2
@@ -242,7 +243,7 @@ def _generic_at(r, sh, pos, j, mtok, ptok, align, zero, pidx, pw, pok):
 SPARSE = 8
 
 
-@njit(cache=True, forceinline=True)
+@njit(**INLINE)
 def _inside(pos, j, r, sh, lo, hi, zero):
     """Whether position ``j``'s taps ``i - lo .. i + hi`` are inside the input on every axis."""
     nd = r + 2
@@ -254,7 +255,7 @@ def _inside(pos, j, r, sh, lo, hi, zero):
     return inside
 
 
-@njit(cache=True, forceinline=True)
+@njit(**INLINE)
 def _few_padded(pos, m, r, sh, mtok, zero):
     """Whether fewer than 1 in ``SPARSE`` of every 8th of the segment's ``m`` positions
     are not interior: a guess at whether sorting pays under border padding (as where a
@@ -268,7 +269,7 @@ def _few_padded(pos, m, r, sh, mtok, zero):
     return n * SPARSE < (m + 7) // 8
 
 
-@njit(cache=True, forceinline=True)
+@njit(**INLINE)
 def _probe_interior(pos, m, r, sh, mtok, zero):
     """Whether the first, middle and last of the segment's ``m`` positions are all
     interior (every tap of every axis inside the input): a guess at whether sorting
@@ -282,7 +283,7 @@ def _probe_interior(pos, m, r, sh, mtok, zero):
     return True
 
 
-@njit(cache=True, forceinline=True)
+@njit(**INLINE)
 def small_image(x):
     """Whether a channel image of ``x`` has fewer than 2**31 elements: interior
     positions are planned in 32 bits (``split32``, ``_mark``), others take the padded taps."""
@@ -350,14 +351,14 @@ def plan(x, pos, m, mtok, ptok, align, zero, base, pidx, pw, pok, kind):
 
 # --- accumulate: one channel's samples of a segment --------------------------------------
 
-@njit(cache=True, forceinline=True)
+@njit(**INLINE)
 def _off(k, t, j, interior, stride, pidx):
     """Tap ``t``'s flat offset on axis ``k``: ``t * stride`` for an interior position
     (its taps consecutive from its base), else the planned padded offset."""
     return t * stride if interior else pidx[k, t, j]
 
 
-@njit(cache=True, forceinline=True)
+@njit(**INLINE)
 def _s1(xf, xb, j, T, masked, interior, pidx, pw, pok, zero):
     acc = zero
     for tx in range(T):
@@ -368,7 +369,7 @@ def _s1(xf, xb, j, T, masked, interior, pidx, pw, pok, zero):
     return acc
 
 
-@njit(cache=True, forceinline=True)
+@njit(**INLINE)
 def _s2(xf, xb, j, T, masked, interior, s1, pidx, pw, pok, zero):
     acc = zero
     for ty in range(T):
@@ -383,7 +384,7 @@ def _s2(xf, xb, j, T, masked, interior, s1, pidx, pw, pok, zero):
     return acc
 
 
-@njit(cache=True, forceinline=True)
+@njit(**INLINE)
 def _s3(xf, xb, j, T, masked, interior, s1, s2, pidx, pw, pok, zero):
     acc = zero
     for tz in range(T):
@@ -403,7 +404,7 @@ def _s3(xf, xb, j, T, masked, interior, s1, s2, pidx, pw, pok, zero):
     return acc
 
 
-@njit(cache=True, forceinline=True)
+@njit(**INLINE)
 def _sample(x, xf, xb, j, T, masked, interior, s1, s2, pidx, pw, pok, zero):
     """Sample ``j`` of the plan (``T`` taps per axis on each of ``x``'s spatial axes:
     ``x`` is passed for its rank alone), the weights nested innermost axis first as
@@ -422,7 +423,7 @@ def _sample(x, xf, xb, j, T, masked, interior, s1, s2, pidx, pw, pok, zero):
 MIXED = 255
 
 
-@njit(cache=True, forceinline=True)
+@njit(**INLINE)
 def _block(kind, j, m, V, blocks):
     """The ``kind`` of positions ``j .. j + V - 1`` of the segment (``m`` of them) when
     they all have the same, else ``MIXED`` (also when the block would pass ``m``, or
@@ -436,7 +437,7 @@ def _block(kind, j, m, V, blocks):
     return k if same else MIXED
 
 
-@njit(cache=True, forceinline=True)
+@njit(**INLINE)
 def _store_block(out, o, res, V):
     """``out[o + l] = res[l]`` for ``l < V``, each rounded or cast as ``store_sample`` does
     (nothing where ``gathered`` stored them itself: ``direct``)."""
@@ -545,7 +546,7 @@ def scratch(zero):
 PREFETCH_BYTES = 16 << 20
 
 
-@njit(cache=True, forceinline=True)
+@njit(**INLINE)
 def prefetch_ahead(xf, N, C, P, n, s, ns, first):
     """While unit ``s`` of the ``ns`` units of image ``n`` is sampled, prefetch the
     ``s``-th of ``ns`` shares of image ``n + 1`` of ``xf`` (the flat ``x``, N images),
@@ -629,20 +630,21 @@ ZERO = {np.dtype(t): t(0) for t in (np.float32, np.float64)}
 
 
 def kernel_view(a):
-    """``a`` C-contiguous in its kernel storage dtype (16-bit floats as their bit
-    patterns, uint8 as is); a copy only when ``a`` is not C-contiguous."""
-    a = np.ascontiguousarray(a)
-    return a if a.dtype == np.uint8 else a.view(storage(a.dtype))
+    """``a`` C-contiguous as the kernels take it: uint8, float32 and float64 as they
+    are (a copy only when ``a`` is not C-contiguous), 16-bit floats widened to float32
+    (a copy: the kernels compile for float32 and float64 alone, and a 16-bit result is
+    the float32 computation on the widened inputs, rounded once)."""
+    return np.ascontiguousarray(a, dtype=a.dtype if a.dtype == np.uint8 else compute(a.dtype))
 
 
 def output_for(x, shape):
-    """An uninitialised result of ``x``'s dtype (uint8 or float) in storage form."""
-    return np.empty(shape, dtype=np.uint8 if x.dtype == np.uint8 else storage(x.dtype))
+    """An uninitialised result for ``x`` (uint8, or its float compute type)."""
+    return np.empty(shape, dtype=np.uint8 if x.dtype == np.uint8 else compute(x.dtype))
 
 
 def public(out, x):
-    """The kernel's output viewed as ``x``'s dtype (16-bit: the bit patterns as their dtype)."""
-    return out if out.dtype == x.dtype else out.view(x.dtype)
+    """The kernel's output in ``x``'s dtype (16-bit: rounded once, to nearest even)."""
+    return out if out.dtype == x.dtype else out.astype(x.dtype)
 
 
 def launch_plan(xshape, gshape, mode):

@@ -72,7 +72,7 @@ from .._dtypes import NAMES, compute
 from .._sample import (CUBIC, LINEAR, NEAREST, REFLECTION, TAPS, ZEROS, as_compute, cubic_dweights, grad_taps,
                        unnormalize, unnormalize_scale)
 from . import _runtime
-from ._opaque import INTERNAL, opaque
+from ._opaque import INLINE, INTERNAL, opaque
 from . import affine_grid_backward
 from .affine_grid import base_coords
 from .affine_warp import positions
@@ -105,7 +105,7 @@ MIN_BLOCK = 16
 
 # --- plan: the forward's, with the weights' derivatives ----------------------------------
 
-@njit(cache=True, forceinline=True, **NO_NRT)
+@njit(**INLINE, **NO_NRT)
 def _fast_daxis(pos, m, k, size, mtok, ptok, zero, pd):
     """The weights' derivatives ``pd[k, :, j]`` on spatial axis ``k`` of the positions
     ``pos[k, :m]`` that the forward's ``fast_axis`` finds interior (for others the
@@ -131,7 +131,7 @@ def _fast_daxis(pos, m, k, size, mtok, ptok, zero, pd):
             pd[k, 3, j] = d3 * sc
 
 
-@njit(cache=True, forceinline=True, **NO_NRT)
+@njit(**INLINE, **NO_NRT)
 def _generic_taps(r, sh, pos, j, mode, padding, align, zero, pidx, pw, pd, pok):
     """Position ``j``'s padded taps on every axis with their derivatives
     (``_sample.grad_taps``, one call per axis); returns whether it is finite."""
@@ -152,7 +152,7 @@ def _generic_taps(r, sh, pos, j, mode, padding, align, zero, pidx, pw, pd, pok):
     return finite
 
 
-@njit(cache=True, forceinline=True)
+@njit(**INLINE)
 def _plan(x, pos, m, mtok, ptok, align, zero, deriv, base, pidx, pw, pd, pok, kind, fin):
     """The segment's plan: the forward's vectorised per-axis pass (``fast_axis``:
     ``kind``, ``base`` and weights of interior positions, 32-bit) and the derivatives'
@@ -194,13 +194,13 @@ def _plan(x, pos, m, mtok, ptok, align, zero, deriv, base, pidx, pw, pd, pok, ki
 
 # --- one position's gradients in one channel ---------------------------------------------
 
-@njit(cache=True, forceinline=True, **NO_NRT)
+@njit(**INLINE, **NO_NRT)
 def _off(k, t, j, interior, stride, pidx):
     """Tap ``t``'s flat offset on axis ``k`` (the forward's ``_off``)."""
     return t * stride if interior else pidx[k, t, j]
 
 
-@njit(cache=True, forceinline=True, **NO_NRT)
+@njit(**INLINE, **NO_NRT)
 def _mine(k, t, j, interior, stride, ti, pidx, own):
     """Whether tap ``t`` of position ``j`` on outer axis ``k`` lies in the unit's tile
     (``own[k]``: its first and last offsets on that axis, times ``stride``)."""
@@ -208,7 +208,7 @@ def _mine(k, t, j, interior, stride, ti, pidx, own):
     return (own[k, 0] <= off) & (off < own[k, 1])
 
 
-@njit(cache=True, forceinline=True, **NO_NRT)
+@njit(**INLINE, **NO_NRT)
 def _g1(xf, gx, xb, j, g, T, masked, interior, scatter, deriv, pidx, pw, pd, pok, zero):
     a = zero
     for tx in range(T):
@@ -223,7 +223,7 @@ def _g1(xf, gx, xb, j, g, T, masked, interior, scatter, deriv, pidx, pw, pd, pok
     return a, zero, zero
 
 
-@njit(cache=True, forceinline=True, **NO_NRT)
+@njit(**INLINE, **NO_NRT)
 def _g2(xf, gx, xb, j, g, T, masked, interior, scatter, deriv, s1, pidx, pw, pd, pok, zero, tiled, ti, own):
     a0 = zero
     a1 = zero
@@ -251,7 +251,7 @@ def _g2(xf, gx, xb, j, g, T, masked, interior, scatter, deriv, s1, pidx, pw, pd,
     return a0, a1, zero
 
 
-@njit(cache=True, forceinline=True, **NO_NRT)
+@njit(**INLINE, **NO_NRT)
 def _g3(xf, gx, xb, j, g, T, masked, interior, scatter, deriv, s1, s2, pidx, pw, pd, pok, zero, tiled, ti, own):
     a0 = zero
     a1 = zero
@@ -294,7 +294,7 @@ def _g3(xf, gx, xb, j, g, T, masked, interior, scatter, deriv, s1, s2, pidx, pw,
     return a0, a1, a2
 
 
-@njit(cache=True, forceinline=True, **NO_NRT)
+@njit(**INLINE, **NO_NRT)
 def _grad(x, xf, gx, xb, j, g, T, masked, interior, scatter, deriv, s1, s2, pidx, pw, pd, pok, zero, tiled, ti,
           own):
     """Position ``j``'s gradients in one channel (the channel image of ``xf`` and of
@@ -316,7 +316,7 @@ def _grad(x, xf, gx, xb, j, g, T, masked, interior, scatter, deriv, s1, s2, pidx
 
 # --- positions, and the tiles of grad_x that their taps reach ------------------------------
 
-@njit(cache=True, forceinline=True, **NO_NRT)
+@njit(**INLINE, **NO_NRT)
 def _positions(x, src, n, s0, m, osz, align, affine, one, xs, ys, zs, pos):
     """Positions ``s0 .. s0 + m`` of image ``n`` unnormalised into ``pos[k, :m]`` (axis
     ``k`` of x's spatial axes, outermost first): from the flat grid ``src``, or from
@@ -334,7 +334,7 @@ def _positions(x, src, n, s0, m, osz, align, affine, one, xs, ys, zs, pos):
                                          one)
 
 
-@njit(cache=True, forceinline=True)
+@njit(**INLINE)
 def _first_tap(p, size, mode, zero):
     """The first tap's index of an interior position ``p`` on its axis, as the forward's
     ``fast_axis`` finds it (``split32``; nearest rounds half to even); ``mode`` a

@@ -28,14 +28,14 @@ from .._dtypes import NAMES, compute
 from .._msda import axis_grad_taps, grad_corner, interior
 from .._sample import as_compute
 from . import _runtime
-from ._opaque import INTERNAL, opaque
+from ._opaque import INLINE, INTERNAL, opaque
 from ._views import flat
 from .ms_deform_attn import ONE, compute_view, level_table
 
 DTYPES = NAMES  # the dtypes these kernels take (the dispatcher checks them)
 
 
-@njit(cache=True, fastmath={"reassoc"}, forceinline=True)
+@njit(fastmath={"reassoc"}, **INLINE)
 def _dots(vf, gf, o0, o1, o2, o3, og, Dh, zero):
     """The dot products of four value rows (at ``o0..o3``) with the output gradient's row
     (at ``og``): the one place that is compiled with reassociation, so that the channel
