@@ -17,10 +17,13 @@ The four dot products of an interior point (``_dots``) are compiled with ``fastm
 reassociation, so that their channel sums vectorise (as partial sums over SIMD lanes):
 the order of every sum is still fixed by the compiled code, not by the threads or by
 which gradients are asked for (10-20 % of the encoder's backward here). Working
-memory: the gradients themselves, and for the encoder's many points per value row
-a head-major copy of value (``launch``). 16-bit inputs are widened to
-float32 by the launcher, and the gradients rounded once.
+memory, kept by each calling thread between calls (``launch``): unit-major copies of
+the locations and weights and their gradients, and for the encoder's many points per
+value row a head-major copy of value. 16-bit inputs are widened to float32 by the
+launcher, and the gradients rounded once.
 """
+import threading
+
 import numpy as np
 from numba import njit, prange
 
@@ -60,7 +63,8 @@ def _units(gy, v, shapes, starts, loc, attn, gv, gl, ga, want_v, want_l, want_a,
     gradient; ``loc`` (N, M, L, Lq, P, r) and ``attn`` (N, M, L, Lq, P) unit-major (a
     unit's points contiguous), ``gl`` and ``ga`` their gradients in the same layout,
     ``gv`` value's (zeroed); each gradient may be a dummy when its ``want_*`` is False.
-    ``v`` and ``gv`` are (N, S, M, Dh), or head-major (N, M, S, Dh) where ``hm``.
+    ``v`` is (N, S, M, Dh), or head-major (N, M, S, Dh) where ``hm``; ``gv`` is
+    (N, S, M, Dh).
 
     A 2-D or 3-D point whose taps are all inside (``_msda.interior``) reads and
     scatters the four corners of a plane in one pass over the channels; others take
@@ -85,6 +89,8 @@ def _units(gy, v, shapes, starts, loc, attn, gv, gl, ga, want_v, want_l, want_a,
         fW, fH, fD = as_compute(one, W), as_compute(one, H), as_compute(one, D)
         # head m's first position of the level
         at = ((n * M + m) * S + starts[lv]) * Dh if hm else ((n * S + starts[lv]) * M + m) * Dh
+        atg = ((n * S + starts[lv]) * M + m) * Dh  # grad_value: always (N, S, M, Dh)
+        rowg = M * Dh
         for q in range(Lq):
             og = ((n * Lq + q) * M + m) * Dh
             for p in range(P):
@@ -102,7 +108,8 @@ def _units(gy, v, shapes, starts, loc, attn, gv, gl, ga, want_v, want_l, want_a,
                 if okx & oky & okz & (r > 1):
                     for cz in range(2 if r > 2 else 1):
                         wz = one if r == 2 else (one - fz if cz == 0 else fz)
-                        o0 = at + (((kz + cz) * H1 + ky) * W1 + kx) * row
+                        k0 = ((kz + cz) * H1 + ky) * W1 + kx
+                        o0 = at + k0 * row
                         o2 = o0 + W1 * row
                         d0 = d1 = d2 = d3 = zero
                         if want_l or want_a:
@@ -111,12 +118,14 @@ def _units(gy, v, shapes, starts, loc, attn, gv, gl, ga, want_v, want_l, want_a,
                             w0 = a * wz * (one - fy)
                             w1 = a * wz * fy
                             c0, c1, c2, c3 = w0 * (one - fx), w0 * fx, w1 * (one - fx), w1 * fx
+                            g0 = atg + k0 * rowg
+                            g2 = g0 + W1 * rowg
                             for d in range(Dh):
                                 g = gf[np.uint64(og + d)]
-                                gvf[np.uint64(o0 + d)] += c0 * g
-                                gvf[np.uint64(o0 + row + d)] += c1 * g
-                                gvf[np.uint64(o2 + d)] += c2 * g
-                                gvf[np.uint64(o2 + row + d)] += c3 * g
+                                gvf[np.uint64(g0 + d)] += c0 * g
+                                gvf[np.uint64(g0 + rowg + d)] += c1 * g
+                                gvf[np.uint64(g2 + d)] += c2 * g
+                                gvf[np.uint64(g2 + rowg + d)] += c3 * g
                         bx0 = (one - fx) * d0 + fx * d1  # the plane's rows, interpolated along x
                         bx1 = (one - fx) * d2 + fx * d3
                         plane = (one - fy) * bx0 + fy * bx1
@@ -151,6 +160,7 @@ def _units(gy, v, shapes, starts, loc, attn, gv, gl, ga, want_v, want_l, want_a,
                             sz += gwz * dot
                         if want_v:
                             w = a * w
+                            o = atg + k * rowg
                             for d in range(Dh):
                                 gvf[np.uint64(o + d)] += w * gf[np.uint64(og + d)]
                 if want_a:
@@ -181,15 +191,36 @@ def _parallel(gy, v, shapes, starts, loc, attn, gv, gl, ga, want_v, want_l, want
                   c * units // nchunks, (c + 1) * units // nchunks)
 
 
-def unit_major(a):
-    """``a`` (N, Lq, M, L, ...) as the C-contiguous (N, M, L, Lq, ...) in its compute
-    type: a unit's points contiguous (a copy)."""
-    return compute_view(a.transpose((0, 2, 3, 1) + tuple(range(4, a.ndim))))
-
-
-#: points per value row from which a unit reads value and scatters its gradient head-major
-#: (``launch``)
+#: points per value row from which a unit reads value head-major (``launch``)
 HEAD_MAJOR_POINTS = 4
+
+#: each calling thread's buffers, kept between calls (``kept``)
+_KEPT = threading.local()
+
+
+def kept(name, shape, dtype):
+    """An uninitialised C-contiguous array of ``shape`` over a buffer that this thread
+    keeps between calls under ``name`` (grown when too small): the encoder's copies
+    and gradients are tens of MB, and fresh pages cost the kernel's time to clear as
+    they are first touched (a fifth of the encoder's backward here)."""
+    n = 1
+    for e in shape:
+        n *= e
+    bufs = _KEPT.__dict__
+    a = bufs.get(name)
+    if a is None or a.size < n or a.dtype != dtype:
+        bufs[name] = None  # free the old one first
+        a = bufs[name] = np.empty(max(n, 1), dtype)
+    return a[:n].reshape(shape)
+
+
+def unit_major(a, name):
+    """``a`` (N, Lq, M, L, ...) copied C-contiguous to (N, M, L, Lq, ...) in its compute
+    type, a unit's points contiguous, into the kept buffer ``name``."""
+    order = (0, 2, 3, 1) + tuple(range(4, a.ndim))
+    out = kept(name, tuple(a.shape[i] for i in order), compute(a.dtype))
+    np.copyto(out, a.transpose(order), casting="unsafe")  # (16-bit widened exactly)
+    return out
 
 
 def launch(grad_out, value, shapes, starts, loc, attn, want_value, want_loc, want_attn, stream=None):
@@ -201,34 +232,42 @@ def launch(grad_out, value, shapes, starts, loc, attn, want_value, want_loc, wan
     walks its points in memory order instead of 32 bytes of every kilobyte (a quarter
     of the encoder's backward here), and their gradients come back the same way.
     Where the points are many per value row (``HEAD_MAJOR_POINTS``: the encoder's),
-    value and its gradient are head-major as well, (N, M, S, Dh): a unit's rows are
-    then one contiguous block, not every M-th row of the whole value (10-15 % of the
-    encoder's backward here, for two copies of value's size); the decoder's few points
-    would not repay the copies."""
+    value is read head-major, (N, M, S, Dh): a unit's rows are then one contiguous
+    block, not every M-th row of the whole value; the decoder's few points would not
+    repay the copy. Value's gradient is written in value's own layout (its rows are
+    whole cache lines either way). The copies and the unit-major gradients live in
+    buffers the calling thread keeps (``kept``): only the returned gradients are new
+    memory."""
     dt = value.dtype
     ct = compute(dt)
     N, S, M, Dh = value.shape
-    Lq, L = loc.shape[1], loc.shape[3]
-    lt, at = unit_major(loc), unit_major(attn)
-    hm = Lq * L * loc.shape[4] >= HEAD_MAJOR_POINTS * S  # (the encoder's 16 per row; the decoder's 0.24)
-    vh = compute_view(value.transpose(0, 2, 1, 3) if hm else value)
-    gv = np.zeros(vh.shape if want_value else (0, 0, 0, 0), ct)
-    gl = np.zeros(lt.shape if want_loc else (0,) * 6, ct)
-    ga = np.zeros(at.shape if want_attn else (0,) * 5, ct)
+    Lq, L, P = loc.shape[1], loc.shape[3], loc.shape[4]
+    lt, at = unit_major(loc, "loc"), unit_major(attn, "attn")
+    hm = Lq * L * P >= HEAD_MAJOR_POINTS * S  # (the encoder's 16 per row; the decoder's 0.24)
+    if hm:
+        vh = kept("value", (N, M, S, Dh), ct)
+        np.copyto(vh, value.transpose(0, 2, 1, 3), casting="unsafe")
+    else:
+        vh = compute_view(value)
+    gv = np.zeros(value.shape if want_value else (0, 0, 0, 0), ct)
+    gl = kept("grad_loc", lt.shape if want_loc else (0,) * 6, ct)
+    ga = kept("grad_attn", at.shape if want_attn else (0,) * 5, ct)
     units = N * M * L
-    if units and Lq and loc.shape[4] and Dh and (want_value or want_loc or want_attn):
-        work = N * Lq * M * L * loc.shape[4] * Dh * (1 << loc.shape[5]) * 2
+    if units and Lq and P and Dh and (want_value or want_loc or want_attn):
+        work = N * Lq * M * L * P * Dh * (1 << loc.shape[5]) * 2
         gy = compute_view(grad_out).reshape(N, Lq, M, Dh)
         _runtime.run(_serial, _parallel, work, gy, vh, level_table(shapes),
                      np.ascontiguousarray(starts, np.int64), lt, at, gv, gl, ga,
                      bool(want_value), bool(want_loc), bool(want_attn), ONE[ct], hm)
+    else:  # (the kernel writes every point's gradients; without it they are 0)
+        gl.fill(0)
+        ga.fill(0)
 
     def public(g, want, order=None):
         if not want:
             return None
-        if order:  # back to the inputs' layout
-            g = np.ascontiguousarray(g.transpose(order + tuple(range(4, g.ndim))), dt)
+        if order:  # back to the inputs' layout, new memory
+            return np.ascontiguousarray(g.transpose(order + tuple(range(4, g.ndim))), dt)
         return g if g.dtype == dt else g.astype(dt)
 
-    return (public(gv, want_value, (0, 2, 1, 3) if hm else None), public(gl, want_loc, (0, 3, 1, 2)),
-            public(ga, want_attn, (0, 3, 1, 2)))
+    return public(gv, want_value), public(gl, want_loc, (0, 3, 1, 2)), public(ga, want_attn, (0, 3, 1, 2))
