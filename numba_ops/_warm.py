@@ -433,8 +433,10 @@ print("@@" + json.dumps({"compiled": r["compiled"], "failures": len(r["failures"
 
 def _in_workers(groups, jobs, progress, t0):
     """Warm each (op, dtype, device) of ``groups`` in a fresh process, ``jobs`` at
-    a time, the costliest (deform_conv) first; returns the functions they compiled.
-    Their failures are found again, and reported, by the caller's own pass."""
+    a time, the costliest (deform_conv) first and each op's 16-bit dtypes after its
+    compute types (their CPU calls run the float32 kernels: by then they load them
+    instead of compiling them in two processes at once); returns the functions they
+    compiled. Their failures are found again, and reported, by the caller's own pass."""
     import json
     import subprocess
     import threading
@@ -443,7 +445,7 @@ def _in_workers(groups, jobs, progress, t0):
     pkg_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ)
     env["PYTHONPATH"] = pkg_parent + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    order = sorted(groups, key=lambda g: g[0] != "deform_conv")
+    order = sorted(groups, key=lambda g: (g[0] != "deform_conv", g[1] not in ("float32", "float64")))
     lock = threading.Lock()
     done = [0]
 

@@ -49,7 +49,8 @@ Calls too small for the pool, and calls at one thread, run on the caller's threa
 uses the channel split's order, the weights read where they lie), and
 tiny ones (the seed example) skip the scratch and BLAS altogether
 (``_direct``: each output straight from the definition). Accumulation is
-float32 for float16/bfloat16/float32 (16-bit data is widened on load) and
+float32 for float16/bfloat16/float32 (16-bit inputs are widened to float32
+copies by ``launch``, so the kernels compile for float32 and float64 alone) and
 float64 for float64.
 
 Compile time: numba compiles each jitted function into a module of
@@ -103,7 +104,7 @@ DTYPES = NAMES  # the dtypes these kernels take (the dispatcher checks them)
 
 def _zero(like):
     """0 in the compute type of array ``like`` (a storage or a compute array): float64
-    for float64, else float32 (16-bit storage is widened on load)."""
+    for float64, else float32."""
 
 
 @overload(_zero, jit_options={"inline": "always"})
@@ -192,40 +193,6 @@ def _reorder_w(w3, wr, K, o):
         src = base + k
         for c in range(uCg):
             wr[dst + c] = load(wf, src + c * uK)
-
-
-def _native(w3):
-    """True when the storage type of ``w3`` is its compute type (float32, float64): the
-    channel split then multiplies by the weights where they lie."""
-
-
-@overload(_native, jit_options={"inline": "always"})
-def _native_ol(w3):
-    if w3.dtype in (types.float32, types.float64):
-        return lambda w3: True
-    return lambda w3: False
-
-
-def _wmat(w3, wr):
-    """The weights as (oC, C/group * K) rows in (channel, kernel point) order, flat: ``w3``
-    itself for float32/float64, else ``wr`` (``_convert_w`` fills it)."""
-
-
-@overload(_wmat, jit_options={"inline": "always"})
-def _wmat_ol(w3, wr):
-    if w3.dtype in (types.float32, types.float64):
-        return lambda w3, wr: flat(w3)
-    return lambda w3, wr: wr
-
-
-@njit(**INTERNAL)
-def _convert_w(w3, wr, o):
-    """wr's row ``o`` = w's row in the compute type, same order (16-bit weights, channel split)."""
-    n = np.uint64(w3.shape[1] * w3.shape[2])
-    wf = flat(w3)
-    base = np.uint64(o) * n
-    for i in range(n):
-        wr[base + i] = load(wf, base + i)
 
 
 @njit(**INTERNAL)
@@ -800,7 +767,7 @@ def _direct(x, w, off, m, b, y, meta):
 # --- drivers ------------------------------------------------------------------------
 
 #: set-up and reduction helpers of the entries, called through their own compiled code
-_pad_row_op, _reorder_w_op, _convert_w_op = opaque(_pad_row), opaque(_reorder_w), opaque(_convert_w)
+_pad_row_op, _reorder_w_op = opaque(_pad_row), opaque(_reorder_w)
 _to_cmajor_op, _reduction_phase_op = opaque(_to_cmajor), opaque(_reduction_phase)
 
 
@@ -818,12 +785,10 @@ def _pad_round(th, chunk, imgs, wts, geo, d):
     n0, nc = chunk
     x3, xp, rows = imgs
     w3, wr, wrows = wts
-    nth, K, csplit = d.nth, d.K, d.split != 0
+    nth, K = d.nth, d.K
     for i in range(th, nc * rows + wrows, nth):
         if i < nc * rows:
             _pad_row_op(x3, n0 + i // rows, xp[i // rows], geo, i % rows)
-        elif csplit:
-            _convert_w_op(w3, wr, i - nc * rows)
         else:
             _reorder_w_op(w3, wr, K, i - nc * rows)
 
@@ -898,16 +863,16 @@ def _entry(x, w, off, m, y, geo, d, fws, zero_tails):
     rows, sites, tail = padded_extent(geo)
     xp = _padded_buffer(fws[nw:nw + nxp], nb, sites, tail, C, zero_tails)
     shared = fws[nw + nxp + nth * ntile_ws:nw + nxp + nth * ntile_ws + T * K * C]  # (channel split only)
-    return (x3, w3, off3, m3, y3, wr, _mutable(_wmat(w3, wr)), shared, xp, _corner_offsets(geo.pstr, C),
+    return (x3, w3, off3, m3, y3, wr, _mutable(flat(w3)), shared, xp, _corner_offsets(geo.pstr, C),
             _segments(d), rows)
 
 
 @njit(cache=True, inline="always")
-def _weight_rows(d, n0, w3, oC):
+def _weight_rows(d, n0, oC):
     """The weight rows of the set-up round of the chunk of images from ``n0`` (see
-    ``_parallel``): the first chunk's set-up reorders or converts the weights unless the
-    channel split reads them where they lie."""
-    return oC if n0 == 0 and not (d.split != 0 and _native(w3)) else 0
+    ``_parallel``): the first chunk's set-up reorders the weights unless the channel
+    split reads them where they lie."""
+    return oC if n0 == 0 and d.split == 0 else 0
 
 
 @njit(**INTERNAL)
@@ -922,7 +887,7 @@ def _task(x, w, off, m, b, y, meta, fws, iws, th, rd, n0):
                                                                           rd < 0 and th == 0)
     chunk = (n0, min(d.nb, x3.shape[0] - n0))
     if rd < 0:
-        _pad_round_op(th, chunk, (x3, xp, rows), (w3, wr, _weight_rows(d, n0, w3, y3.shape[1])), geo, d)
+        _pad_round_op(th, chunk, (x3, xp, rows), (w3, wr, _weight_rows(d, n0, y3.shape[1])), geo, d)
     else:
         _round_op(th, rd, chunk, x.shape[2:], geo, d, (off3, m3, b, y3), (xp, coff, segs), (wr, wmat, shared),
                   (fws, iws))
