@@ -2,6 +2,7 @@
 with each position computed from theta as affine_grid computes it, and the
 positions' gradients summed into theta's (float64, per unit, then in order)."""
 from .._dtypes import NAMES
+from ._widen import narrowed
 from .grid_sample_backward import run
 
 DTYPES = NAMES  # the dtypes these kernels take (the dispatcher checks them)
@@ -13,4 +14,4 @@ def launch(gy, x, theta, size, mode, padding, align, want_x, want_theta, stream=
     in that dtype (None where not wanted). ``stream`` is ignored on the CPU."""
     gx, gt = run(x, gy, theta, tuple(size[2:]), mode, padding, align, True, want_x, want_theta)
     dt = x.dtype
-    return (None if gx is None else gx.astype(dt, copy=False)), (None if gt is None else gt.astype(dt))
+    return (None if gx is None else narrowed(gx, dt)), (None if gt is None else gt.astype(dt))

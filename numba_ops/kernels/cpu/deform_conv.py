@@ -96,6 +96,7 @@ from ._deform_plan import (padded_extent, state, tile_parts, unpack_geometry, un
                            ws_sizes)
 from ._opaque import INTERNAL, opaque
 from ._views import flat, flat3, shaped
+from ._widen import narrowed, widened
 
 DTYPES = NAMES  # the dtypes these kernels take (the dispatcher checks them)
 
@@ -1021,8 +1022,8 @@ def launch(x, w, offset, b, mask, p, origin=None):
     once: the kernels compile for float32 and float64 alone."""
     dt = x.dtype
     if compute(dt) != dt:
-        up = lambda a: None if a is None else a.astype(np.float32)  # noqa: E731
-        return launch(up(x), up(w), up(offset), up(b), up(mask), p, origin).astype(dt)
+        up = lambda a: None if a is None else widened(a)  # noqa: E731
+        return narrowed(launch(up(x), up(w), up(offset), up(b), up(mask), p, origin), dt)
     st = state(x, w, p, origin)
     y = np.empty(st.yshape, x.dtype)
     if st.empty:

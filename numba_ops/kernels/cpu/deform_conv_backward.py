@@ -53,6 +53,7 @@ from .._scalar import split_position
 from . import _runtime
 from ._blas import ONE_THREAD, gemm_nn, gemm_tn
 from ._opaque import INTERNAL, opaque
+from ._widen import narrowed, widened
 
 DTYPES = NAMES  # the dtypes these kernels take (the dispatcher checks them)
 
@@ -378,12 +379,12 @@ def launch(gy, x, w, offset, b, mask, p, wants, stream=None):
     gmask = np.zeros(N * og * K * P if want_m else 0, ct)
     need_gcol = want_x or want_off or want_m
     if N * C * oC and (need_gcol or want_w):  # (no channels in or out: every gradient 0)
-        flat = lambda a: np.ascontiguousarray(a, dtype=ct).reshape(-1)  # noqa: E731
+        flat = lambda a: widened(a).reshape(-1)  # noqa: E731
         off = flat(offset)
         msk = flat(mask) if mask is not None else np.zeros(0, ct)
         gyf = flat(gy)
         # W as the GEMM's B: (G, K, Cg, oCg), rows (k, c), output channels innermost
-        wTT = flat(np.asarray(w, dtype=ct).reshape(G, oCg, Cg, K).transpose(0, 3, 2, 1))
+        wTT = flat(widened(w).reshape(G, oCg, Cg, K).transpose(0, 3, 2, 1))
         geo = [nd, C, og, K, P, S, G]
         for a in range(nd):
             geo += [spatial[a], int(np.prod(spatial[a + 1:], dtype=np.int64)), p.out_spatial[a], p.strides[a],
@@ -405,7 +406,7 @@ def launch(gy, x, w, offset, b, mask, p, wants, stream=None):
         wanted, zero = (want_w, want_off, want_m), ct.type(0)
         with ONE_THREAD:
             for n in range(N):
-                xT = flat(np.asarray(x[n], dtype=ct).reshape(C, S).T)  # channel-last
+                xT = flat(widened(x[n]).reshape(C, S).T)  # channel-last
                 ins = (xT, off, msk, gyf, wTT)
                 if want_x:
                     gxT[:] = 0
@@ -425,7 +426,7 @@ def launch(gy, x, w, offset, b, mask, p, wants, stream=None):
     gb = None
     if want_b:
         gb = gy.astype(np.float64).sum(axis=tuple(i for i in range(gy.ndim) if i != 1)).astype(dt)
-    cast = lambda a, shape: None if a is None else a.reshape(shape).astype(dt, copy=False)  # noqa: E731
+    cast = lambda a, shape: None if a is None else narrowed(a.reshape(shape), dt)  # noqa: E731
     gw_out = np.ascontiguousarray(gw.reshape(G, oCg, K, Cg).transpose(0, 1, 3, 2)).reshape(w.shape) if want_w else None
     return (cast(gx if want_x else None, x.shape), cast(gw_out, w.shape),
             cast(goff if want_off else None, offset.shape), gb,

@@ -67,6 +67,7 @@ from .._scalar import load
 from . import _runtime
 from ._gather import direct, gather_safe, gathered, lanes, prefetch
 from ._opaque import INLINE, INTERNAL, opaque
+from ._widen import narrowed, widened
 
 #: grid dtypes; ``x`` has the same dtype, or uint8
 DTYPES = NAMES  # the dtypes these kernels take (the dispatcher checks them)
@@ -632,9 +633,9 @@ ZERO = {np.dtype(t): t(0) for t in (np.float32, np.float64)}
 def kernel_view(a):
     """``a`` C-contiguous as the kernels take it: uint8, float32 and float64 as they
     are (a copy only when ``a`` is not C-contiguous), 16-bit floats widened to float32
-    (a copy: the kernels compile for float32 and float64 alone, and a 16-bit result is
-    the float32 computation on the widened inputs, rounded once)."""
-    return np.ascontiguousarray(a, dtype=a.dtype if a.dtype == np.uint8 else compute(a.dtype))
+    (``_widen``: the kernels compile for float32 and float64 alone, and a 16-bit result
+    is the float32 computation on the widened inputs, rounded once)."""
+    return np.ascontiguousarray(a) if a.dtype == np.uint8 else widened(a)
 
 
 def output_for(x, shape):
@@ -644,7 +645,7 @@ def output_for(x, shape):
 
 def public(out, x):
     """The kernel's output in ``x``'s dtype (16-bit: rounded once, to nearest even)."""
-    return out if out.dtype == x.dtype else out.astype(x.dtype)
+    return narrowed(out, x.dtype)
 
 
 def launch_plan(xshape, gshape, mode):

@@ -73,6 +73,7 @@ from .._sample import (CUBIC, LINEAR, NEAREST, REFLECTION, TAPS, ZEROS, as_compu
                        unnormalize, unnormalize_scale)
 from . import _runtime
 from ._opaque import INLINE, INTERNAL, opaque
+from ._widen import narrowed, widened
 from . import affine_grid_backward
 from .affine_grid import base_coords
 from .affine_warp import positions
@@ -596,11 +597,6 @@ def _sum_buffers(gxb, U, M, out):
 _sum_buffers_serial = _runtime.serial_twin(_sum_buffers)
 
 
-def _as_compute(a, ct):
-    """``a`` C-contiguous in the compute type ``ct`` (16-bit data upcast: a copy)."""
-    return np.ascontiguousarray(a, dtype=ct)
-
-
 def channel_blocks(N, C):
     """Blocks of channels per image: a unit owns its channels' grad_x outright (no
     copies), so the units' count grows with the channels, towards ``TARGET_UNITS``
@@ -691,13 +687,13 @@ def run(x, gy, src, out_spatial, mode, padding, align, affine, want_x, want_pos)
     if N * P and (want_x or want_pos):
         osz = np.array((1,) * (3 - r) + tuple(int(s) for s in out_spatial), np.int64)
         zero = ct.type(0)
-        srcc = _as_compute(src, ct).reshape(-1)
-        xc = _as_compute(x, ct)
+        srcc = widened(src).reshape(-1)
+        xc = widened(x)
         if want_x and K > 1:
             bounds, box = _tiles(xc, srcc, osz, mode, padding, bool(align), bool(affine), zero, K1, K2)
         else:
             bounds, box = np.zeros((1, 2, 2), np.int64), np.zeros((1, 2, 2), np.int32)
-        _runtime.run(_serial, _parallel, work, xc, xc.reshape(-1), _as_compute(gy, ct).reshape(-1), srcc, gx, gpos,
+        _runtime.run(_serial, _parallel, work, xc, xc.reshape(-1), widened(gy).reshape(-1), srcc, gx, gpos,
                      np.int64(B), np.int64(K), bounds, box, osz, TOKEN[mode], TOKEN[padding], bool(align),
                      bool(affine), bool(want_x), bool(want_pos), zero)
         if want_pos and B > 1:
@@ -719,4 +715,4 @@ def launch(gy, x, grid, mode, padding, align, want_x, want_grid, stream=None):
     wanted). ``stream`` is ignored on the CPU."""
     gx, gg = run(x, gy, grid, tuple(grid.shape[1:-1]), mode, padding, align, False, want_x, want_grid)
     dt = x.dtype
-    return (None if gx is None else gx.astype(dt, copy=False)), (None if gg is None else gg.astype(dt, copy=False))
+    return (None if gx is None else narrowed(gx, dt)), (None if gg is None else narrowed(gg, dt))

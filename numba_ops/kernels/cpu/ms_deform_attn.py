@@ -22,6 +22,7 @@ from .._msda import axis_taps, corner, interior, level_table
 from . import _runtime
 from ._opaque import INTERNAL, opaque
 from ._views import flat
+from ._widen import narrowed, widened
 
 DTYPES = NAMES  # the dtypes these kernels take (the dispatcher checks them)
 
@@ -128,7 +129,7 @@ def rows_task(v, shapes, starts, loc, attn, out, one, th, items, rows):
 
 def compute_view(a):
     """``a`` C-contiguous in its compute type (16-bit floats widened: a copy)."""
-    return np.ascontiguousarray(a, dtype=compute(a.dtype))
+    return widened(a)
 
 
 def launch(value, shapes, starts, loc, attn, stream=None):
@@ -143,4 +144,4 @@ def launch(value, shapes, starts, loc, attn, stream=None):
         _runtime.run(_serial, _parallel, work, compute_view(value), level_table(shapes),
                      np.ascontiguousarray(starts, np.int64), compute_view(loc), compute_view(attn), out, ONE[ct])
     out = out.reshape(shape[0], shape[1], shape[2] * shape[3])
-    return out if ct == dt else out.astype(dt)
+    return narrowed(out, dt)

@@ -33,6 +33,7 @@ from .._sample import as_compute
 from . import _runtime
 from ._opaque import INLINE, INTERNAL, opaque
 from ._views import flat
+from ._widen import narrowed, widened
 from .ms_deform_attn import ONE, compute_view, level_table
 
 DTYPES = NAMES  # the dtypes these kernels take (the dispatcher checks them)
@@ -219,7 +220,7 @@ def unit_major(a, name):
     type, a unit's points contiguous, into the kept buffer ``name``."""
     order = (0, 2, 3, 1) + tuple(range(4, a.ndim))
     out = kept(name, tuple(a.shape[i] for i in order), compute(a.dtype))
-    np.copyto(out, a.transpose(order), casting="unsafe")  # (16-bit widened exactly)
+    np.copyto(out, widened(a).transpose(order))
     return out
 
 
@@ -246,7 +247,7 @@ def launch(grad_out, value, shapes, starts, loc, attn, want_value, want_loc, wan
     hm = Lq * L * P >= HEAD_MAJOR_POINTS * S  # (the encoder's 16 per row; the decoder's 0.24)
     if hm:
         vh = kept("value", (N, M, S, Dh), ct)
-        np.copyto(vh, value.transpose(0, 2, 1, 3), casting="unsafe")
+        np.copyto(vh, widened(value).transpose(0, 2, 1, 3))
     else:
         vh = compute_view(value)
     gv = np.zeros(value.shape if want_value else (0, 0, 0, 0), ct)
@@ -267,7 +268,7 @@ def launch(grad_out, value, shapes, starts, loc, attn, want_value, want_loc, wan
         if not want:
             return None
         if order:  # back to the inputs' layout, new memory
-            return np.ascontiguousarray(g.transpose(order + tuple(range(4, g.ndim))), dt)
-        return g if g.dtype == dt else g.astype(dt)
+            g = np.ascontiguousarray(g.transpose(order + tuple(range(4, g.ndim))))
+        return narrowed(g, dt)
 
     return public(gv, want_value), public(gl, want_loc, (0, 3, 1, 2)), public(ga, want_attn, (0, 3, 1, 2))
