@@ -123,7 +123,7 @@ def test_forward_compiles_its_own_variant_alone(compiled, i):
 def test_16bit_forward_compiles_nothing_of_its_own():
     """float16 and bfloat16 calls run the float32 kernels on widened copies: after the
     float32 call of the same variant they compile (or load) nothing but the
-    conversions (``kernels/cpu/_widen.py``)."""
+    conversions (``kernels/cpu/_copies.py``)."""
     calls = []
     for spec in ({"op": "grid_sample", "nd": 2, "mode": "cubic", "padding": "reflection"},
                  {"op": "affine_warp", "nd": 3, "mode": "linear", "padding": "zeros"},
@@ -134,5 +134,5 @@ def test_16bit_forward_compiles_nothing_of_its_own():
         if spec["dtype"] == "float32":
             assert rec["compiled"], spec  # the float32 call's kernels are there to be reused
         else:
-            own = sorted(k for k in rec["compiled"] if not k.startswith("numba_ops.kernels.cpu._widen."))
+            own = sorted(k for k in rec["compiled"] if not k.startswith("numba_ops.kernels.cpu._copies."))
             assert not own, (spec, own)

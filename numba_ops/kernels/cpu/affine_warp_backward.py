@@ -2,7 +2,7 @@
 with each position computed from theta as affine_grid computes it, and the
 positions' gradients summed into theta's (float64, per unit, then in order)."""
 from .._dtypes import NAMES
-from ._widen import narrowed
+from ._copies import narrowed
 from .grid_sample_backward import run
 
 DTYPES = NAMES  # the dtypes these kernels take (the dispatcher checks them)

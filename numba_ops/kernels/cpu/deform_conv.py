@@ -96,7 +96,7 @@ from ._deform_plan import (padded_extent, state, tile_parts, unpack_geometry, un
                            ws_sizes)
 from ._opaque import INTERNAL, opaque
 from ._views import flat, flat3, shaped
-from ._widen import narrowed, widened
+from ._copies import narrowed, widened
 
 DTYPES = NAMES  # the dtypes these kernels take (the dispatcher checks them)
 

@@ -53,7 +53,7 @@ from .._scalar import split_position
 from . import _runtime
 from ._blas import ONE_THREAD, gemm_nn, gemm_tn
 from ._opaque import INTERNAL, opaque
-from ._widen import narrowed, widened
+from ._copies import narrowed, widened
 
 DTYPES = NAMES  # the dtypes these kernels take (the dispatcher checks them)
 

@@ -67,7 +67,7 @@ from .._scalar import load
 from . import _runtime
 from ._gather import direct, gather_safe, gathered, lanes, prefetch
 from ._opaque import INLINE, INTERNAL, opaque
-from ._widen import narrowed, widened
+from ._copies import narrowed, widened
 
 #: grid dtypes; ``x`` has the same dtype, or uint8
 DTYPES = NAMES  # the dtypes these kernels take (the dispatcher checks them)
@@ -633,7 +633,7 @@ ZERO = {np.dtype(t): t(0) for t in (np.float32, np.float64)}
 def kernel_view(a):
     """``a`` C-contiguous as the kernels take it: uint8, float32 and float64 as they
     are (a copy only when ``a`` is not C-contiguous), 16-bit floats widened to float32
-    (``_widen``: the kernels compile for float32 and float64 alone, and a 16-bit result
+    (``_copies``: the kernels compile for float32 and float64 alone, and a 16-bit result
     is the float32 computation on the widened inputs, rounded once)."""
     return np.ascontiguousarray(a) if a.dtype == np.uint8 else widened(a)
 

@@ -73,7 +73,7 @@ from .._sample import (CUBIC, LINEAR, NEAREST, REFLECTION, TAPS, ZEROS, as_compu
                        unnormalize, unnormalize_scale)
 from . import _runtime
 from ._opaque import INLINE, INTERNAL, opaque
-from ._widen import narrowed, widened
+from ._copies import narrowed, widened
 from . import affine_grid_backward
 from .affine_grid import base_coords
 from .affine_warp import positions

@@ -22,7 +22,7 @@ from .._msda import axis_taps, corner, interior, level_table
 from . import _runtime
 from ._opaque import INTERNAL, opaque
 from ._views import flat
-from ._widen import narrowed, widened
+from ._copies import narrowed, widened
 
 DTYPES = NAMES  # the dtypes these kernels take (the dispatcher checks them)
 

@@ -33,7 +33,7 @@ from .._sample import as_compute
 from . import _runtime
 from ._opaque import INLINE, INTERNAL, opaque
 from ._views import flat
-from ._widen import narrowed, widened
+from ._copies import narrowed, swapped, widened
 from .ms_deform_attn import ONE, compute_view, level_table
 
 DTYPES = NAMES  # the dtypes these kernels take (the dispatcher checks them)
@@ -218,9 +218,10 @@ def kept(name, shape, dtype):
 def unit_major(a, name):
     """``a`` (N, Lq, M, L, ...) copied C-contiguous to (N, M, L, Lq, ...) in its compute
     type, a unit's points contiguous, into the kept buffer ``name``."""
-    order = (0, 2, 3, 1) + tuple(range(4, a.ndim))
-    out = kept(name, tuple(a.shape[i] for i in order), compute(a.dtype))
-    np.copyto(out, widened(a).transpose(order))
+    N, Lq, M, L = a.shape[:4]
+    K = int(np.prod(a.shape[4:]))
+    out = kept(name, (N, M, L, Lq) + a.shape[4:], compute(a.dtype))
+    swapped(widened(a).reshape(N, Lq, M * L, K), out.reshape(N, M * L, Lq, K))
     return out
 
 
@@ -247,7 +248,7 @@ def launch(grad_out, value, shapes, starts, loc, attn, want_value, want_loc, wan
     hm = Lq * L * P >= HEAD_MAJOR_POINTS * S  # (the encoder's 16 per row; the decoder's 0.24)
     if hm:
         vh = kept("value", (N, M, S, Dh), ct)
-        np.copyto(vh, widened(value).transpose(0, 2, 1, 3))
+        swapped(widened(value), vh)
     else:
         vh = compute_view(value)
     gv = np.zeros(value.shape if want_value else (0, 0, 0, 0), ct)
@@ -264,11 +265,17 @@ def launch(grad_out, value, shapes, starts, loc, attn, want_value, want_loc, wan
         gl.fill(0)
         ga.fill(0)
 
-    def public(g, want, order=None):
+    def public(g, want):
         if not want:
             return None
-        if order:  # back to the inputs' layout, new memory
-            g = np.ascontiguousarray(g.transpose(order + tuple(range(4, g.ndim))))
         return narrowed(g, dt)
 
-    return public(gv, want_value), public(gl, want_loc, (0, 3, 1, 2)), public(ga, want_attn, (0, 3, 1, 2))
+    def back(g, want):  # a unit-major gradient in the inputs' layout, new memory
+        if not want:
+            return None
+        K = int(np.prod(g.shape[4:]))
+        out = np.empty((N, Lq, M, L) + g.shape[4:], ct)
+        swapped(g.reshape(N, M * L, Lq, K), out.reshape(N, Lq, M * L, K))
+        return narrowed(out, dt)
+
+    return public(gv, want_value), back(gl, want_loc), back(ga, want_attn)
