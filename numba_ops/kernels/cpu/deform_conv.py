@@ -92,11 +92,11 @@ from .._sample import as_compute
 from .._scalar import border_corner, load, store
 from . import _runtime
 from ._blas import ONE_THREAD, gemm_tn
+from ._copies import narrowed, widened
 from ._deform_plan import (padded_extent, state, tile_parts, unpack_geometry, unpack_plan, workspace,
                            ws_sizes)
 from ._opaque import INTERNAL, opaque
 from ._views import flat, flat3, shaped
-from ._copies import narrowed, widened
 
 DTYPES = NAMES  # the dtypes these kernels take (the dispatcher checks them)
 

@@ -52,8 +52,8 @@ from .._sample import ZEROS, linear_at
 from .._scalar import split_position
 from . import _runtime
 from ._blas import ONE_THREAD, gemm_nn, gemm_tn
-from ._opaque import INTERNAL, opaque
 from ._copies import narrowed, widened
+from ._opaque import INTERNAL, opaque
 
 DTYPES = NAMES  # the dtypes these kernels take (the dispatcher checks them)
 

@@ -65,9 +65,9 @@ from .._sample import (BORDER, CUBIC, LINEAR, NEAREST, REFLECTION, TAPS, ZEROS, 
                        store_sample, unnormalize)
 from .._scalar import load
 from . import _runtime
+from ._copies import narrowed, widened
 from ._gather import direct, gather_safe, gathered, lanes, prefetch
 from ._opaque import INLINE, INTERNAL, opaque
-from ._copies import narrowed, widened
 
 #: grid dtypes; ``x`` has the same dtype, or uint8
 DTYPES = NAMES  # the dtypes these kernels take (the dispatcher checks them)

@@ -72,8 +72,8 @@ from .._dtypes import NAMES, compute
 from .._sample import (CUBIC, LINEAR, NEAREST, REFLECTION, TAPS, ZEROS, as_compute, cubic_dweights, grad_taps,
                        unnormalize, unnormalize_scale)
 from . import _runtime
-from ._opaque import INLINE, INTERNAL, opaque
 from ._copies import narrowed, widened
+from ._opaque import INLINE, INTERNAL, opaque
 from . import affine_grid_backward
 from .affine_grid import base_coords
 from .affine_warp import positions

@@ -20,9 +20,9 @@ from numba import njit, prange
 from .._dtypes import NAMES, compute
 from .._msda import axis_taps, corner, interior, level_table
 from . import _runtime
+from ._copies import narrowed, widened
 from ._opaque import INTERNAL, opaque
 from ._views import flat
-from ._copies import narrowed, widened
 
 DTYPES = NAMES  # the dtypes these kernels take (the dispatcher checks them)
 

@@ -31,9 +31,9 @@ from .._dtypes import NAMES, compute
 from .._msda import axis_grad_taps, grad_corner, interior
 from .._sample import as_compute
 from . import _runtime
+from ._copies import narrowed, swapped, widened
 from ._opaque import INLINE, INTERNAL, opaque
 from ._views import flat
-from ._copies import narrowed, swapped, widened
 from .ms_deform_attn import ONE, compute_view, level_table
 
 DTYPES = NAMES  # the dtypes these kernels take (the dispatcher checks them)
@@ -265,11 +265,6 @@ def launch(grad_out, value, shapes, starts, loc, attn, want_value, want_loc, wan
         gl.fill(0)
         ga.fill(0)
 
-    def public(g, want):
-        if not want:
-            return None
-        return narrowed(g, dt)
-
     def back(g, want):  # a unit-major gradient in the inputs' layout, new memory
         if not want:
             return None
@@ -278,4 +273,4 @@ def launch(grad_out, value, shapes, starts, loc, attn, want_value, want_loc, wan
         swapped(g.reshape(N, M * L, Lq, K), out.reshape(N, Lq, M * L, K))
         return narrowed(out, dt)
 
-    return public(gv, want_value), back(gl, want_loc), back(ga, want_attn)
+    return narrowed(gv, dt) if want_value else None, back(gl, want_loc), back(ga, want_attn)
