@@ -19,9 +19,10 @@ from .._compat import NO_NRT
 from .._dtypes import NAMES, compute
 from .._sample import TAPS, as_compute, unnormalize
 from . import _runtime
+from ._copies import narrowed
 from ._opaque import INLINE, INTERNAL, opaque
 from .affine_grid import base_coords
-from .grid_sample import SEG, TOKEN, ZERO, accumulate, kernel_view, output_for, plan, prefetch_ahead, public, scratch
+from .grid_sample import SEG, TOKEN, ZERO, accumulate, kernel_view, output_for, plan, prefetch_ahead, scratch
 
 #: theta dtypes; ``x`` has the same dtype, or uint8
 DTYPES = NAMES  # the dtypes these kernels take (the dispatcher checks them)
@@ -137,4 +138,4 @@ def launch(x, theta, size, mode, padding, align, stream=None):
         D = size[2] if len(size) == 5 else 1
         _runtime.run(_serial, _parallel, work, xs, xs.reshape(-1), th, out.reshape(-1), D, size[-2], size[-1],
                      TOKEN[mode], TOKEN[padding], bool(align), ZERO[ct])
-    return public(out, x)
+    return narrowed(out, x.dtype)

@@ -643,11 +643,6 @@ def output_for(x, shape):
     return np.empty(shape, dtype=np.uint8 if x.dtype == np.uint8 else compute(x.dtype))
 
 
-def public(out, x):
-    """The kernel's output in ``x``'s dtype (16-bit: rounded once, to nearest even)."""
-    return narrowed(out, x.dtype)
-
-
 def launch_plan(xshape, gshape, mode):
     """``(output shape, work, units)`` of a call on X of shape ``xshape`` and a grid of
     ``gshape``: the work that decides serial or parallel (``_runtime``), and the
@@ -680,4 +675,4 @@ def launch(x, grid, mode, padding, align, stream=None):
         gs = kernel_view(grid)
         _runtime.run(_serial, _parallel, work, xs, xs.reshape(-1), gs.reshape(-1), out.reshape(-1),
                      TOKEN[mode], TOKEN[padding], bool(align), ZERO[compute(grid.dtype)])
-    return public(out, x)
+    return narrowed(out, x.dtype)

@@ -127,11 +127,6 @@ def rows_task(v, shapes, starts, loc, attn, out, one, th, items, rows):
     _rows_op(v, shapes, starts, loc, attn, out, one, th * rows // items, (th + 1) * rows // items)
 
 
-def compute_view(a):
-    """``a`` C-contiguous in its compute type (16-bit floats widened: a copy)."""
-    return widened(a)
-
-
 def launch(value, shapes, starts, loc, attn, stream=None):
     """value (N, S, M, Dh), shapes int (L, r), starts int (L,), loc (N, Lq, M, L, P, r),
     attn (N, Lq, M, L, P): NumPy, validated by the front end. Returns (N, Lq, M * Dh)
@@ -141,7 +136,7 @@ def launch(value, shapes, starts, loc, attn, stream=None):
     ct = compute(dt)
     out = np.empty(shape, ct)
     if out.size:
-        _runtime.run(_serial, _parallel, work, compute_view(value), level_table(shapes),
-                     np.ascontiguousarray(starts, np.int64), compute_view(loc), compute_view(attn), out, ONE[ct])
+        _runtime.run(_serial, _parallel, work, widened(value), level_table(shapes),
+                     np.ascontiguousarray(starts, np.int64), widened(loc), widened(attn), out, ONE[ct])
     out = out.reshape(shape[0], shape[1], shape[2] * shape[3])
     return narrowed(out, dt)

@@ -34,7 +34,7 @@ from . import _runtime
 from ._copies import narrowed, swapped, widened
 from ._opaque import INLINE, INTERNAL, opaque
 from ._views import flat
-from .ms_deform_attn import ONE, compute_view, level_table
+from .ms_deform_attn import ONE, level_table
 
 DTYPES = NAMES  # the dtypes these kernels take (the dispatcher checks them)
 
@@ -250,14 +250,14 @@ def launch(grad_out, value, shapes, starts, loc, attn, want_value, want_loc, wan
         vh = kept("value", (N, M, S, Dh), ct)
         swapped(widened(value), vh)
     else:
-        vh = compute_view(value)
+        vh = widened(value)
     gv = np.zeros(value.shape if want_value else (0, 0, 0, 0), ct)
     gl = kept("grad_loc", lt.shape if want_loc else (0,) * 6, ct)
     ga = kept("grad_attn", at.shape if want_attn else (0,) * 5, ct)
     units = N * M * L
     if units and Lq and P and Dh and (want_value or want_loc or want_attn):
         work = N * Lq * M * L * P * Dh * (1 << loc.shape[5]) * 2
-        gy = compute_view(grad_out).reshape(N, Lq, M, Dh)
+        gy = widened(grad_out).reshape(N, Lq, M, Dh)
         _runtime.run(_serial, _parallel, work, gy, vh, level_table(shapes),
                      np.ascontiguousarray(starts, np.int64), lt, at, gv, gl, ga,
                      bool(want_value), bool(want_loc), bool(want_attn), ONE[ct], hm)
