@@ -13,6 +13,7 @@ numba-cuda is imported only by the functions that need it, so importing this
 module never loads numba-cuda.
 """
 import contextlib
+import os
 import sys
 import types as _pytypes
 
@@ -47,7 +48,11 @@ NO_NRT = dict(_nrt=False)
 #: the Python wrapper nor the C wrapper of each compiled signature, up to a third of a
 #: small function's compile time (GridSample's first forward compiled in 11 s with its
 #: helpers' wrappers, in 8 s without). Such a function cannot be called from Python.
-INTERNAL = dict(cache=True, no_cpython_wrapper=True, no_cfunc_wrapper=True)
+#: Under numba's CUDA simulator the CUDA kernels are Python and call the shared helpers
+#: from Python, so there they keep their wrappers, and stay out of the JIT cache (whose
+#: index does not tell a compilation with wrappers from one without).
+INTERNAL = (dict() if int(os.environ.get("NUMBA_ENABLE_CUDASIM") or 0)
+            else dict(cache=True, no_cpython_wrapper=True, no_cfunc_wrapper=True))
 
 
 def struct_value(proxy):
