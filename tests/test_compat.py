@@ -7,6 +7,10 @@ kernel compile; tests/test_opaque.py, test_grid_sample.py, test_warm.py and
 test_cuda.py check the behaviour built on them.
 """
 import importlib.metadata
+import os
+import subprocess
+import sys
+import textwrap
 import threading
 
 import llvmlite
@@ -92,6 +96,31 @@ def test_no_nrt_option():
     counted(np.zeros(3))
     (ir_text,) = counted.inspect_llvm().values()
     assert "NRT_" in ir_text, "the control: a function compiled with numba's runtime refers to it"
+
+
+def test_internal_helpers_under_the_simulator():
+    """``INTERNAL`` helpers have no Python wrapper, except under numba's CUDA simulator,
+    whose CUDA kernels are Python calling them: there they keep it and skip the JIT cache,
+    which holds this process's wrapper-less compilations (a simulated kernel calling one
+    of those crashed the process)."""
+    import numba_ops
+    theta = np.array([[[1.0, 0.2, 0.1], [0.0, 0.9, -0.1]]], np.float32)
+    numba_ops.grid_sample(np.ones((1, 1, 3, 3), np.float32), numba_ops.affine_grid(theta, [1, 1, 2, 2]))
+    assert "no_cpython_wrapper" in _compat.INTERNAL, "the CPU kernels' helpers compile without wrappers"
+    code = textwrap.dedent("""
+        import numpy as np, numba_ops
+        from numba_ops.kernels import _compat
+        assert "no_cpython_wrapper" not in _compat.INTERNAL and "cache" not in _compat.INTERNAL
+        theta = np.array([[[1.0, 0.2, 0.1], [0.0, 0.9, -0.1]]], np.float32)
+        grid = numba_ops.affine_grid(theta, [1, 1, 2, 2], device="cuda")
+        x = np.arange(9, dtype=np.float32).reshape(1, 1, 3, 3)
+        y = numba_ops.grid_sample(x, grid, device="cuda")
+        np.testing.assert_allclose(y, numba_ops.grid_sample(x, np.asarray(grid)), rtol=1e-6)
+        print("ok")
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, NUMBA_ENABLE_CUDASIM="1"))
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), (proc.returncode, proc.stderr[-3000:])
 
 
 def test_struct_proxy_getvalue():
