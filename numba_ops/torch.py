@@ -213,11 +213,14 @@ def _call(op, *args):
     mode on plain tensors (``_eager``), without the dispatcher's 30-50 us per call: the
     operator's function itself when no gradient is recorded, else its autograd
     ``function``, the formula the operator registers. Otherwise (``torch.compile``,
-    export, fake or meta tensors, vmap) the operator, which those see and trace."""
+    export, fake or meta tensors, vmap, a backward operator under ``create_graph``)
+    the operator, which those see and trace. The autograd formulas call the backward
+    operators through here too."""
     if _eager(args):
-        if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+        if not (torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)):
+            return op.plain(*args)
+        if hasattr(op, "function"):
             return op.function.apply(*args)
-        return op.plain(*args)
     return op.overload(*args)
 
 
@@ -261,7 +264,7 @@ def _affine_grid_setup(ctx, inputs, output):
 def _affine_grid_bwd(ctx, grad):
     g = None
     if ctx.needs_input_grad[0]:
-        g = _affine_grid_backward(grad, ctx.size, ctx.align)
+        g = _call(_affine_grid_backward, grad, ctx.size, ctx.align)
     return g, None, None
 
 
@@ -330,7 +333,7 @@ def _grid_sample_bwd(ctx, grad):
     want_x, want_grid = ctx.needs_input_grad[:2]
     if not (want_x or want_grid):
         return None, None, None, None, None
-    gx, gg = _grid_sample_backward(grad, x, grid, mode, padding_mode, align, want_x, want_grid)
+    gx, gg = _call(_grid_sample_backward, grad, x, grid, mode, padding_mode, align, want_x, want_grid)
     return (gx if want_x else None), (gg if want_grid else None), None, None, None
 
 
@@ -389,7 +392,7 @@ def _affine_warp_bwd(ctx, grad):
     want_x, want_theta = ctx.needs_input_grad[:2]
     if not (want_x or want_theta):
         return (None,) * 6
-    gx, gt = _affine_warp_backward(grad, x, theta, size, mode, padding_mode, align, want_x, want_theta)
+    gx, gt = _call(_affine_warp_backward, grad, x, theta, size, mode, padding_mode, align, want_x, want_theta)
     return (gx if want_x else None), (gt if want_theta else None), None, None, None, None
 
 
@@ -485,7 +488,7 @@ def _deform_conv_bwd(ctx, grad):
     wants = [bool(v) for v in (*ctx.needs_input_grad, False, False)[:5]]
     if not any(wants):
         return (None,) * 11
-    grads = _deform_conv_backward(grad, *args, wants)
+    grads = _call(_deform_conv_backward, grad, *args, wants)
     return tuple(g if want else None for g, want in zip(grads, wants)) + (None,) * 6
 
 
@@ -848,7 +851,7 @@ def _ms_deform_attn_bwd(ctx, grad):
     wants = [bool(ctx.needs_input_grad[i]) for i, _ in _MSDA_WRT]
     if not any(wants):
         return (None,) * 5
-    grads = _ms_deform_attn_backward(grad, *ctx.saved_tensors, wants)
+    grads = _call(_ms_deform_attn_backward, grad, *ctx.saved_tensors, wants)
     gv, gl, ga = (g if want else None for g, want in zip(grads, wants))
     return gv, None, None, gl, ga
 
