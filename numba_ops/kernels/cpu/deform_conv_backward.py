@@ -47,13 +47,14 @@ allocates its scratch once.
 import numpy as np
 from numba import njit, prange
 
+from .._compat import NO_NRT
 from .._dtypes import NAMES, compute
-from .._sample import ZEROS, linear_at
+from .._sample import ZEROS, as_compute, linear_at
 from .._scalar import split_position
 from . import _runtime
 from ._blas import ONE_THREAD, gemm_nn, gemm_tn
 from ._copies import narrowed, widened
-from ._opaque import INTERNAL, opaque
+from ._opaque import INLINE, INTERNAL, opaque
 
 DTYPES = NAMES  # the dtypes these kernels take (the dispatcher checks them)
 
@@ -68,6 +69,17 @@ BLOCK = 16
 def tile(P, rows, itemsize):
     """Positions per tile: ``TILE_BYTES`` of ``rows`` columns, at least 64 (a function of the shape alone)."""
     return int(max(1, min(P, max(64, TILE_BYTES // max(1, rows * itemsize)))))
+
+
+@njit(**INLINE, **NO_NRT, fastmath={"reassoc", "nsz"})
+def _dot(a, ia, b, ib, n, zero):
+    """``sum(a[ia:ia+n] * b[ib:ib+n])`` (unsigned offsets), its additions reassociable so
+    that LLVM sums in vector lanes (one chain of dependent adds runs at the adder's
+    latency). The order is the compiled code's: the same on every call and thread."""
+    t = zero
+    for i in range(n):
+        t += a[ia + i] * b[ib + i]
+    return t
 
 
 @njit(**INTERNAL)
@@ -85,8 +97,8 @@ def _columns(u0, u1, xT, off, msk, gcol, col, gmask, goff, cidx, cw, geo, at, nd
     want_w, want_off, want_m = wants
     nd = len(ndt)
     C, og, K, P, G = geo[1], geo[2], geo[3], geo[4], geo[6]
-    one = zero + 1
-    nan = zero + np.nan
+    one = as_compute(zero, 1)
+    nan = as_compute(zero, np.nan)
     NC = 1 << nd
     Cog = C // og
     Cg = C // G
@@ -96,7 +108,7 @@ def _columns(u0, u1, xT, off, msk, gcol, col, gmask, goff, cidx, cw, geo, at, nd
     fr = np.empty(nd, type(zero))  # the upper corner's weight per axis
     dwt = np.empty(NC * nd, type(zero))  # per corner: d weight / d pos_a
     s = np.empty(Cog, type(zero))  # per channel: the sample ...
-    ds = np.zeros((nd, Cog), type(zero))  # ... and its derivatives
+    ds = np.zeros(nd * Cog, type(zero))  # ... and its derivatives (axis-major)
     gs = np.empty(nd, type(zero))  # the offsets' gradient sums
     lo = np.empty(nd, np.int64)
     hi = np.empty(nd, np.int64)
@@ -133,7 +145,7 @@ def _columns(u0, u1, xT, off, msk, gcol, col, gmask, goff, cidx, cw, geo, at, nd
                     oi[a] += 1
             m = msk[((n * og + g) * K + k) * P + p] if msk.size else one
             finite = True
-            row = (gk * T + q) * NC
+            row = ((g * T + q) * K + k) * NC
             # axis by axis: the position and its two corners' offsets (lo, hi), flags, fraction
             for a in range(nd):
                 b = 7 + 7 * a
@@ -177,9 +189,8 @@ def _columns(u0, u1, xT, off, msk, gcol, col, gmask, goff, cidx, cw, geo, at, nd
             for c in range(Cog):
                 s[c] = zero
             if want_off:
-                for a in range(nd):
-                    for c in range(Cog):
-                        ds[a, c] = zero
+                for c in range(nd * Cog):
+                    ds[c] = zero
             for cn in range(NC):
                 ix = cidx[row + cn]
                 if ix < 0:
@@ -191,8 +202,9 @@ def _columns(u0, u1, xT, off, msk, gcol, col, gmask, goff, cidx, cw, geo, at, nd
                 if want_off:
                     for a in range(nd):
                         dv = dwt[cn * nd + a]
+                        da = np.uint64(a * Cog)
                         for c in range(np.uint64(Cog)):
-                            ds[a, c] += dv * xT[xb + c]
+                            ds[da + c] += dv * xT[xb + c]
             sm = zero
             for a in range(nd):
                 gs[a] = zero
@@ -207,14 +219,10 @@ def _columns(u0, u1, xT, off, msk, gcol, col, gmask, goff, cidx, cw, geo, at, nd
                     for c in range(u0c, u1c):
                         col[rb + c] = m * s[c]
                 if want_gcol:
-                    for c in range(u0c, u1c):
-                        sm += gcol[rb + c] * s[c]
+                    sm += _dot(gcol, rb + u0c, s, u0c, u1c - u0c, zero)
                     if want_off:
                         for a in range(nd):
-                            acc = zero
-                            for c in range(u0c, u1c):
-                                acc += gcol[rb + c] * ds[a, c]
-                            gs[a] += acc
+                            gs[a] += _dot(gcol, rb + u0c, ds, np.uint64(a * Cog) + u0c, u1c - u0c, zero)
                 c0 = c1
             if want_m:
                 gmask[((n * og + g) * K + k) * P + p] = sm if finite else nan
@@ -242,14 +250,13 @@ def _scatter(b0, b1, gxT, gcol, msk, cidx, cw, blocks, geo, at, ndt, one):
         g = c0 // Cog
         gc = c0 // Cg
         nbc = np.uint64(c1 - c0)
-        for k in range(K):
-            gk = g * K + k
-            for q in range(T):
+        for q in range(T):  # position-major: gcol's and the table's rows in memory order
+            for k in range(K):
                 m = msk[((n * og + g) * K + k) * P + p0 + q] if msk.size else one
                 rb = np.uint64((gc * T + q) * RW + k * Cg + c0 - gc * Cg)
                 for c in range(nbc):
                     gv[c] = gcol[rb + c] * m
-                row = (gk * T + q) * NC
+                row = ((g * T + q) * K + k) * NC
                 for cn in range(NC):
                     ix = cidx[row + cn]
                     if ix < 0:
@@ -328,7 +335,7 @@ def _part(phase, u0, u1, ins, bufs, outs, geo, dims, blocks, at, ndt, wants, zer
     elif phase == GW:
         _gw_op(u0, u1, gyf, col, gw, tmp, dims, at)
     else:
-        _scatter_op(u0, u1, gxT, gcol, msk, cidx, cw, blocks, geo, at, ndt, zero + 1)
+        _scatter_op(u0, u1, gxT, gcol, msk, cidx, cw, blocks, geo, at, ndt, as_compute(zero, 1))
 
 
 #: one compiled pass for every phase (``_part`` through its own code: the entries compile
