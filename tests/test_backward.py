@@ -580,6 +580,7 @@ TV_CASES = [
     dict(N=2, C=4, D=(6, 7), oC=4, k=(3, 3), pads=[1, 1, 1, 1], strides=[2, 1], dil=[1, 2], group=2, og=2),
     dict(N=1, C=3, D=(5, 4), oC=6, k=(2, 3), pads=[2, 1, 2, 1], group=3, og=3, mask=False),
     dict(N=1, C=4, D=(7, 6), oC=2, k=(3, 2), strides=[2, 2], dil=[2, 1], og=4, bias=False),
+    dict(N=1, C=4, D=(5, 6), oC=4, k=(2, 2), pads=[1, 1, 1, 1], group=2, og=1),  # an offset group over 2 conv groups
 ]
 
 

@@ -8,18 +8,19 @@ channel-last (``xT``, spatial x C), and per tile of ``tile(...)`` output positio
 
 1. ``gcol[g, q, (k, c)] = sum over oc of grad_y[n, oc, q] W[oc, c, k]`` (a GEMM
    per group; only when x, offset or mask is wanted);
-2. ``_columns`` (parallel over units of (offset group, kernel point, positions)):
-   each position's 2**n corners (spatial index, weight; a corner outside the input
-   is skipped) go into a table, then over the offset group's channels at once:
-   ``col = mask * S`` (for W's gradient), ``grad_mask = sum_c gcol * S`` and
-   ``grad_offset_i = mask * sum_c gcol * dS/dpos_i``, the derivative from ``floor``
-   of the position (the taps: ``_sample.linear_at``, GridSample's, under zeros
-   padding);
+2. ``_columns`` (parallel over units of (offset group, positions), each position
+   with every kernel point): each sample's 2**n corners (spatial index, weight; a
+   corner outside the input is skipped) go into a table, then over the offset
+   group's channels at once: ``col = mask * S`` (for W's gradient) and per corner
+   ``gcol . x`` there, of which ``grad_mask = sum_c gcol * S`` and ``grad_offset_i =
+   mask * sum_c gcol * dS/dpos_i`` are the sums weighted by the corner weights and by
+   their derivatives from ``floor`` of the position (the taps:
+   ``_sample.linear_at``, GridSample's, under zeros padding);
 3. ``grad_W_g += grad_y[n, g, :, tile] @ col_g`` (a GEMM);
 4. ``_scatter`` (parallel over blocks of channels): ``grad_xT[corner, c] += gcol *
    mask * weight`` from the table, each block's channels one thread's, so no two
    threads ever add to one element: no atomics, and every sum runs in one fixed
-   order (tiles, kernel points, positions, corners). ``grad_x`` is ``grad_xT``
+   order (tiles, positions, kernel points, corners). ``grad_x`` is ``grad_xT``
    transposed back.
 
 So the gradients are the same bits on every call, whatever the number of threads:
@@ -60,8 +61,8 @@ DTYPES = NAMES  # the dtypes these kernels take (the dispatcher checks them)
 
 #: bytes of ``col`` (and of ``gcol``) per tile: the tile's positions follow from it
 TILE_BYTES = 4 << 20
-#: positions of one unit of the sampling pass
-UNIT = 32
+#: positions of one unit of the sampling pass (each with every kernel point)
+UNIT = 16
 #: channels of one block of the scatter (blocks never cross a group's boundary)
 BLOCK = 16
 
@@ -84,14 +85,14 @@ def _dot(a, ia, b, ib, n, zero):
 
 @njit(**INTERNAL)
 def _columns(u0, u1, xT, off, msk, gcol, col, gmask, goff, cidx, cw, geo, at, ndt, wants, zero):
-    """Pass 2, units ``u0:u1`` (a unit: ``UNIT`` positions of one offset group and
-    kernel point) of the tile ``at`` (image ``n``, positions ``p0:p0+T``); ``xT`` the
+    """Pass 2, units ``u0:u1`` (a unit: ``UNIT`` positions of one offset group, each
+    with every kernel point) of the tile ``at`` (image ``n``, positions ``p0:p0+T``); ``xT`` the
     image channel-last (S x C). ``geo`` (int64): nd, C, og, K, P, S, G, then per axis
     (outermost first) size, stride of x, output size, conv stride, pad begin,
     dilation, kernel size; ``ndt`` a tuple of nd entries (nd is a constant where this
     compiles, so the corner loops unroll); ``wants``: W's, the offsets' and the mask's
-    gradients. Fills the corner table ``cidx``/``cw`` (og*K*T rows of 2**nd: spatial
-    index or -1 outside, weight), ``col`` (G*T*RW) and writes ``gmask`` (N*og*K*P)
+    gradients. Fills the corner table ``cidx``/``cw`` (og*T*K rows of 2**nd, position-
+    major: spatial index or -1 outside, weight), ``col`` (G*T*RW) and writes ``gmask`` (N*og*K*P)
     and ``goff`` (N*og*K*nd*P)."""
     n, p0, T = at
     want_w, want_off, want_m = wants
@@ -107,33 +108,38 @@ def _columns(u0, u1, xT, off, msk, gcol, col, gmask, goff, cidx, cw, geo, at, nd
     want_gcol = want_off or want_m
     fr = np.empty(nd, type(zero))  # the upper corner's weight per axis
     dwt = np.empty(NC * nd, type(zero))  # per corner: d weight / d pos_a
-    s = np.empty(Cog, type(zero))  # per channel: the sample ...
-    ds = np.zeros(nd * Cog, type(zero))  # ... and its derivatives (axis-major)
+    s = np.empty(Cog, type(zero))  # per channel: the sample
+    dc = np.empty(NC, type(zero))  # per corner: gcol . x there
+    rc0 = np.empty(Cog, np.int64)  # runs of channels within one conv group: first, end,
+    rc1 = np.empty(Cog, np.int64)
+    rb = np.empty(Cog, np.int64)  # and base in col and gcol
     gs = np.empty(nd, type(zero))  # the offsets' gradient sums
     lo = np.empty(nd, np.int64)
     hi = np.empty(nd, np.int64)
     oklo = np.empty(nd, np.bool_)
     okhi = np.empty(nd, np.bool_)
     pre = np.empty(nd, type(zero))
-    kofs = np.empty(nd, np.int64)
+    # per kernel point and axis: its offset from the output position (its index times the
+    # dilation, less the pad)
+    kofs = np.empty(K * nd, np.int64)
+    for k in range(K):
+        kr = k
+        for a in range(nd - 1, -1, -1):
+            b = 7 + 7 * a
+            kofs[k * nd + a] = (kr % geo[b + 6]) * geo[b + 5] - geo[b + 4]
+            kr //= geo[b + 6]
     oi = np.empty(nd, np.int64)
     for u in range(u0, u1):
-        gk = u // nu
-        q0 = (u - gk * nu) * UNIT
+        g = u // nu
+        q0 = (u - g * nu) * UNIT
         q1 = min(T, q0 + UNIT)
-        g = gk // K
-        k = gk - g * K
-        # per axis: the kernel point's offset from the output position (its index times
-        # the dilation, less the pad), and the output index of the unit's first position,
-        # advanced position by position below (no divisions in the loop)
+        # the output index of the unit's first position per axis, advanced position by
+        # position below (no divisions in the loop)
         rem = p0 + q0
-        kr = k
         for a in range(nd - 1, -1, -1):
             b = 7 + 7 * a
             oi[a] = rem % geo[b + 2]
             rem //= geo[b + 2]
-            kofs[a] = (kr % geo[b + 6]) * geo[b + 5] - geo[b + 4]
-            kr //= geo[b + 6]
         for q in range(q0, q1):
             p = p0 + q
             if q > q0:
@@ -143,92 +149,101 @@ def _columns(u0, u1, xT, off, msk, gcol, col, gmask, goff, cidx, cw, geo, at, nd
                     oi[a] = 0
                     a -= 1
                     oi[a] += 1
-            m = msk[((n * og + g) * K + k) * P + p] if msk.size else one
-            finite = True
-            row = ((g * T + q) * K + k) * NC
-            # axis by axis: the position and its two corners' offsets (lo, hi), flags, fraction
-            for a in range(nd):
-                b = 7 + 7 * a
-                base = oi[a] * geo[b + 3] + kofs[a]
-                i, frac, near, fa = split_position(base, off[(((n * og + g) * K + k) * nd + a) * P + p], zero)
-                if not near:  # huge: outside, every corner 0
-                    i = np.int64(-2)
-                    frac = zero
-                # the two linear taps under zeros padding: the forward's (and grad_taps_at's)
-                t0, t1, _, _, ok0, ok1 = linear_at(i, frac, fa, geo[b], np.int64(0), ZEROS, False, zero)
-                finite &= fa
-                fr[a] = frac
-                lo[a] = t0 * geo[b + 1]
-                hi[a] = t1 * geo[b + 1]
-                oklo[a] = ok0
-                okhi[a] = ok1
-            # corner by corner (bit a of cn: the upper corner along axis a): spatial index or
-            # -1 outside, weight, and d weight / d pos_a = the other axes' weights, signed
-            for cn in range(NC):
-                idx = np.int64(0)
-                inside = finite
-                wt = one
+            for k in range(K):  # (the unit's offsets, mask and their gradients stay in cache)
+                m = msk[((n * og + g) * K + k) * P + p] if msk.size else one
+                finite = True
+                row = ((g * T + q) * K + k) * NC
+                # axis by axis: the position and its two corners' offsets (lo, hi), flags, fraction
                 for a in range(nd):
-                    up = (cn >> (nd - 1 - a)) & 1
-                    f = fr[a] if up else one - fr[a]
-                    pre[a] = wt  # the product of the axes before a
-                    wt *= f
-                    idx += hi[a] if up else lo[a]
-                    inside &= okhi[a] if up else oklo[a]
-                post = one  # the product of the axes after a
-                for a in range(nd - 1, -1, -1):
-                    up = (cn >> (nd - 1 - a)) & 1
-                    dw = pre[a] * post
-                    dwt[cn * nd + a] = (dw if up else -dw) if inside else zero
-                    post *= fr[a] if up else one - fr[a]
-                cidx[row + cn] = idx if inside else -1
-                cw[row + cn] = wt if inside else zero
-            if not (want_w or want_gcol):
-                continue
-            # the sample and its derivatives for every channel of the offset group at once
-            for c in range(Cog):
-                s[c] = zero
-            if want_off:
-                for c in range(nd * Cog):
-                    ds[c] = zero
-            for cn in range(NC):
-                ix = cidx[row + cn]
-                if ix < 0:
+                    b = 7 + 7 * a
+                    base = oi[a] * geo[b + 3] + kofs[k * nd + a]
+                    i, frac, near, fa = split_position(base, off[(((n * og + g) * K + k) * nd + a) * P + p], zero)
+                    if not near:  # huge: outside, every corner 0
+                        i = np.int64(-2)
+                        frac = zero
+                    # the two linear taps under zeros padding: the forward's (and grad_taps_at's)
+                    t0, t1, _, _, ok0, ok1 = linear_at(i, frac, fa, geo[b], np.int64(0), ZEROS, False, zero)
+                    finite &= fa
+                    fr[a] = frac
+                    lo[a] = t0 * geo[b + 1]
+                    hi[a] = t1 * geo[b + 1]
+                    oklo[a] = ok0
+                    okhi[a] = ok1
+                # corner by corner (bit a of cn: the upper corner along axis a): spatial index or
+                # -1 outside, weight, and d weight / d pos_a = the other axes' weights, signed
+                for cn in range(NC):
+                    idx = np.int64(0)
+                    inside = finite
+                    wt = one
+                    for a in range(nd):
+                        up = (cn >> (nd - 1 - a)) & 1
+                        f = fr[a] if up else one - fr[a]
+                        pre[a] = wt  # the product of the axes before a
+                        wt *= f
+                        idx += hi[a] if up else lo[a]
+                        inside &= okhi[a] if up else oklo[a]
+                    post = one  # the product of the axes after a
+                    for a in range(nd - 1, -1, -1):
+                        up = (cn >> (nd - 1 - a)) & 1
+                        dw = pre[a] * post
+                        dwt[cn * nd + a] = (dw if up else -dw) if inside else zero
+                        post *= fr[a] if up else one - fr[a]
+                    cidx[row + cn] = idx if inside else -1
+                    cw[row + cn] = wt if inside else zero
+                if not (want_w or want_gcol):
                     continue
-                xb = np.uint64(ix * C + g * Cog)  # unsigned: no index pays for negative wraparound (vectorises)
-                wv = cw[row + cn]
-                for c in range(np.uint64(Cog)):
-                    s[c] += wv * xT[xb + c]
+                # the runs of the offset group's channels within one conv group (one unless
+                # groups cut it): contiguous in col and gcol, ``rb[r] + c`` for channel c
+                nr = 0
+                c0 = 0
+                while c0 < Cog:
+                    cc = g * Cog + c0
+                    gc = cc // Cg
+                    c1 = min(Cog, c0 + (gc + 1) * Cg - cc)
+                    rc0[nr], rc1[nr] = c0, c1
+                    rb[nr] = (gc * T + q) * RW + k * Cg + (cc - gc * Cg) - c0
+                    nr += 1
+                    c0 = c1
+                # per corner: the sample's share (W's columns) and gcol . x at the corner, of
+                # which the mask's and the offsets' gradients are weighted sums: by the corner
+                # weights and by their derivatives
+                if want_w:
+                    for c in range(Cog):
+                        s[c] = zero
+                for cn in range(NC):
+                    ix = cidx[row + cn]
+                    dc[cn] = zero
+                    if ix < 0:
+                        continue
+                    xb = np.uint64(ix * C + g * Cog)  # unsigned: no index pays for negative wraparound (vectorises)
+                    if want_w:
+                        wv = cw[row + cn]
+                        for c in range(np.uint64(Cog)):
+                            s[c] += wv * xT[xb + c]
+                    if want_gcol:
+                        d = zero
+                        for r in range(nr):
+                            u0c = np.uint64(rc0[r])
+                            d += _dot(gcol, np.uint64(rb[r]) + u0c, xT, xb + u0c, np.uint64(rc1[r]) - u0c, zero)
+                        dc[cn] = d
+                if want_w:
+                    for r in range(nr):
+                        cb = np.uint64(rb[r])
+                        for c in range(np.uint64(rc0[r]), np.uint64(rc1[r])):
+                            col[cb + c] = m * s[c]
+                sm = zero
+                for a in range(nd):
+                    gs[a] = zero
+                if want_gcol:
+                    for cn in range(NC):
+                        sm += cw[row + cn] * dc[cn]
+                        for a in range(nd):
+                            gs[a] += dwt[cn * nd + a] * dc[cn]
+                if want_m:
+                    gmask[((n * og + g) * K + k) * P + p] = sm if finite else nan
                 if want_off:
                     for a in range(nd):
-                        dv = dwt[cn * nd + a]
-                        da = np.uint64(a * Cog)
-                        for c in range(np.uint64(Cog)):
-                            ds[da + c] += dv * xT[xb + c]
-            sm = zero
-            for a in range(nd):
-                gs[a] = zero
-            c0 = 0
-            while c0 < Cog:  # runs of channels within one conv group: contiguous in col and gcol
-                cc = g * Cog + c0
-                gc = cc // Cg
-                c1 = min(Cog, c0 + (gc + 1) * Cg - cc)
-                rb = np.uint64((gc * T + q) * RW + k * Cg + (cc - gc * Cg) - c0)
-                u0c, u1c = np.uint64(c0), np.uint64(c1)
-                if want_w:
-                    for c in range(u0c, u1c):
-                        col[rb + c] = m * s[c]
-                if want_gcol:
-                    sm += _dot(gcol, rb + u0c, s, u0c, u1c - u0c, zero)
-                    if want_off:
-                        for a in range(nd):
-                            gs[a] += _dot(gcol, rb + u0c, ds, np.uint64(a * Cog) + u0c, u1c - u0c, zero)
-                c0 = c1
-            if want_m:
-                gmask[((n * og + g) * K + k) * P + p] = sm if finite else nan
-            if want_off:
-                for a in range(nd):
-                    goff[(((n * og + g) * K + k) * nd + a) * P + p] = m * gs[a] if finite else nan
+                        goff[(((n * og + g) * K + k) * nd + a) * P + p] = m * gs[a] if finite else nan
 
 
 @njit(**INTERNAL)
@@ -283,7 +298,7 @@ def _gcol(u0, u1, wTT, gyT, gcol, dims, at):
     """Pass 1, GEMMs ``u0:u1`` (one per group and 64 positions): ``gcol[g, q, (k, c)] =
     sum_oc grad_y[n, g, oc, p0 + q] W[g, oc, c, k]``."""
     T = at[2]
-    oC, G, oCg, RW = dims[0], dims[2], dims[3], dims[4]
+    oC, oCg, RW = dims[0], dims[3], dims[4]
     nq = (T + 63) // 64
     for u in range(u0, u1):
         g = u // nq
@@ -423,7 +438,7 @@ def launch(gy, x, w, offset, b, mask, p, wants, stream=None):
                     nq = (Tt + 63) // 64
                     for phase, units, wanted_here in (
                             (GY_ROWS, Tt, need_gcol), (GCOL, G * nq, need_gcol),
-                            (COLUMNS, og * K * ((Tt + UNIT - 1) // UNIT), True),
+                            (COLUMNS, og * ((Tt + UNIT - 1) // UNIT), True),
                             (GW, G * ((oCg + 15) // 16), want_w), (SCATTER, blocks.size // 2, want_x)):
                         if wanted_here:
                             _runtime.run(_serial, _parallel, work, phase, units, ins, bufs, outs, geo, dims, blocks,
