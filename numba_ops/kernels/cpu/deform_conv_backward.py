@@ -86,14 +86,14 @@ def _dot(a, ia, b, ib, n, zero):
 @njit(**INTERNAL)
 def _columns(u0, u1, xT, off, msk, gcol, col, gmask, goff, cidx, cw, geo, at, ndt, wants, zero):
     """Pass 2, units ``u0:u1`` (a unit: ``UNIT`` positions of one offset group, each
-    with every kernel point) of the tile ``at`` (image ``n``, positions ``p0:p0+T``); ``xT`` the
-    image channel-last (S x C). ``geo`` (int64): nd, C, og, K, P, S, G, then per axis
-    (outermost first) size, stride of x, output size, conv stride, pad begin,
-    dilation, kernel size; ``ndt`` a tuple of nd entries (nd is a constant where this
-    compiles, so the corner loops unroll); ``wants``: W's, the offsets' and the mask's
-    gradients. Fills the corner table ``cidx``/``cw`` (og*T*K rows of 2**nd, position-
-    major: spatial index or -1 outside, weight), ``col`` (G*T*RW) and writes ``gmask`` (N*og*K*P)
-    and ``goff`` (N*og*K*nd*P)."""
+    with every kernel point) of the tile ``at`` (image ``n``, positions
+    ``p0:p0+T``); ``xT`` the image channel-last (S x C). ``geo`` (int64): nd, C, og,
+    K, P, S, G, then per axis (outermost first) size, stride of x, output size, conv
+    stride, pad begin, dilation, kernel size; ``ndt`` a tuple of nd entries (nd is a
+    constant where this compiles, so the corner loops unroll); ``wants``: W's, the
+    offsets' and the mask's gradients. Fills the corner table ``cidx``/``cw`` (og*T*K
+    rows of 2**nd, position-major: spatial index or -1 outside, weight), ``col``
+    (G*T*RW) and writes ``gmask`` (N*og*K*P) and ``goff`` (N*og*K*nd*P)."""
     n, p0, T = at
     want_w, want_off, want_m = wants
     nd = len(ndt)
