@@ -65,6 +65,10 @@ TILE_BYTES = 4 << 20
 UNIT = 16
 #: channels of one block of the scatter (blocks never cross a group's boundary)
 BLOCK = 16
+#: positions per GEMM of pass 1
+GCOL_POSITIONS = 64
+#: rows ``(kernel point, channel)`` of W's gradient per GEMM of pass 3
+GW_ROWS = 64
 
 
 def tile(P, rows, itemsize):
@@ -295,34 +299,37 @@ def _gy_rows(q0, q1, gyf, gyT, dims, at):
 
 @njit(**INTERNAL)
 def _gcol(u0, u1, wTT, gyT, gcol, dims, at):
-    """Pass 1, GEMMs ``u0:u1`` (one per group and 64 positions): ``gcol[g, q, (k, c)] =
-    sum_oc grad_y[n, g, oc, p0 + q] W[g, oc, c, k]``."""
+    """Pass 1, GEMMs ``u0:u1`` (one per group and ``GCOL_POSITIONS`` positions):
+    ``gcol[g, q, (k, c)] = sum_oc grad_y[n, g, oc, p0 + q] W[g, oc, c, k]``."""
     T = at[2]
     oC, oCg, RW = dims[0], dims[3], dims[4]
-    nq = (T + 63) // 64
+    nq = (T + GCOL_POSITIONS - 1) // GCOL_POSITIONS
     for u in range(u0, u1):
         g = u // nq
-        q0 = (u - g * nq) * 64
+        q0 = (u - g * nq) * GCOL_POSITIONS
         gemm_tn(wTT, g * RW * oCg, oCg, gyT, q0 * oC + g * oCg, oC, gcol, (g * T + q0) * RW, RW,
-                RW, min(64, T - q0), oCg)
+                RW, min(GCOL_POSITIONS, T - q0), oCg)
 
 
 @njit(**INTERNAL)
 def _gw(u0, u1, gyf, col, gw, tmp, dims, at):
-    """Pass 3, GEMMs ``u0:u1`` (one per group and 16 output channels): ``grad_W[g, oc, (k, c)]
-    += sum_q grad_y[n, g, oc, p0 + q] col[g, q, (k, c)]``, into ``tmp``, then added (a fixed
-    order)."""
+    """Pass 3, GEMMs ``u0:u1`` (one per group and ``GW_ROWS`` rows ``(k, c)``):
+    ``grad_W[g, oc, (k, c)] += sum_q grad_y[n, g, oc, p0 + q] col[g, q, (k, c)]`` for every
+    output channel of the group, into ``tmp``, then added (a fixed order). (Split by
+    rows of ``col``, each packed by one GEMM: split by output channels, every GEMM
+    packed all of it.)"""
     n, p0, T = at
     oC, P, oCg, RW = dims[0], dims[1], dims[3], dims[4]
-    no = (oCg + 15) // 16
+    nr = (RW + GW_ROWS - 1) // GW_ROWS
     for u in range(u0, u1):
-        g = u // no
-        o0 = (u - g * no) * 16
-        nn = min(16, oCg - o0)
-        base = (g * oCg + o0) * RW
-        gemm_nn(col, g * T * RW, RW, gyf, (n * oC + g * oCg + o0) * P + p0, P, tmp, base, RW, RW, nn, T)
-        for i in range(base, base + nn * RW):
-            gw[i] += tmp[i]
+        g = u // nr
+        i0 = (u - g * nr) * GW_ROWS
+        m = min(GW_ROWS, RW - i0)
+        base = g * oCg * RW + i0
+        gemm_nn(col, g * T * RW + i0, RW, gyf, (n * oC + g * oCg) * P + p0, P, tmp, base, RW, m, oCg, T)
+        for o in range(oCg):
+            for i in range(base + o * RW, base + o * RW + m):
+                gw[i] += tmp[i]
 
 
 _columns_op, _scatter_op, _gy_rows_op, _gcol_op, _gw_op = (opaque(f) for f in (_columns, _scatter, _gy_rows, _gcol,
@@ -435,11 +442,12 @@ def launch(gy, x, w, offset, b, mask, p, wants, stream=None):
                 for p0 in range(0, P, T):
                     Tt = min(T, P - p0)  # (the buffers' first C*K*Tt elements serve a shorter last tile)
                     at = (n, p0, Tt)
-                    nq = (Tt + 63) // 64
+                    nq = (Tt + GCOL_POSITIONS - 1) // GCOL_POSITIONS
                     for phase, units, wanted_here in (
                             (GY_ROWS, Tt, need_gcol), (GCOL, G * nq, need_gcol),
                             (COLUMNS, og * ((Tt + UNIT - 1) // UNIT), True),
-                            (GW, G * ((oCg + 15) // 16), want_w), (SCATTER, blocks.size // 2, want_x)):
+                            (GW, G * ((RW + GW_ROWS - 1) // GW_ROWS), want_w),
+                            (SCATTER, blocks.size // 2, want_x)):
                         if wanted_here:
                             _runtime.run(_serial, _parallel, work, phase, units, ins, bufs, outs, geo, dims, blocks,
                                          at, ndt, wanted, zero)
