@@ -78,7 +78,8 @@ def main():
     f_floor = lambda: torch.autograd.grad(y1, [floor], g1, retain_graph=True)  # noqa: E731
     for _ in range(100):
         f_floor()
-    print(f"(torch.autograd.grad of one native multiply: {min(best_us(f_floor, a.calls, 1) for _ in range(a.blocks)):.1f} us)")
+    floor_us = min(best_us(f_floor, a.calls, 1) for _ in range(a.blocks))
+    print(f"(torch.autograd.grad of one native multiply: {floor_us:.1f} us)")
     print(f"{'op':16s} {'numpy':>7s} {'torch':>7s} {'+grad':>7s} {'over':>7s} {'over+grad':>9s}  "
           f"{'bwd numpy':>9s} {'bwd torch':>9s} {'over':>7s}")
     for op, (f_np, f_t, tensors, b_np) in cases().items():
