@@ -446,10 +446,10 @@ def _(x, w, offset, b=None, mask=None, kernel_shape=None, strides=None, pads=Non
     return x.new_empty(_dc_out_shape(x, w, kernel_shape, strides, pads, dilations))
 
 
-@_op("deform_conv_backward", f"(Tensor grad_y, Tensor x, Tensor w, Tensor offset, Tensor? b, Tensor? mask, "
-                             f"SymInt[]? kernel_shape, SymInt[]? strides, SymInt[]? pads, SymInt[]? dilations, "
-                             f"SymInt group, SymInt offset_group, bool[] wants) -> "
-                             f"(Tensor, Tensor, Tensor, Tensor, Tensor)")
+@_op("deform_conv_backward", "(Tensor grad_y, Tensor x, Tensor w, Tensor offset, Tensor? b, Tensor? mask, "
+                             "SymInt[]? kernel_shape, SymInt[]? strides, SymInt[]? pads, SymInt[]? dilations, "
+                             "SymInt group, SymInt offset_group, bool[] wants) -> "
+                             "(Tensor, Tensor, Tensor, Tensor, Tensor)")
 def _deform_conv_backward(grad_y, x, w, offset, b, mask, kernel_shape, strides, pads, dilations, group,
                           offset_group, wants):
     _one_device(grad_y=grad_y, x=x, w=w, offset=offset, b=b, mask=mask)
