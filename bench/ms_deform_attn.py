@@ -61,7 +61,6 @@ def torch_path(torch, value, shapes, loc, attn):
 
 
 def worker(side, threads):
-    import numpy as np
     if side == "torch":
         import torch
         torch.set_num_threads(threads)

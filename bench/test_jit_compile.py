@@ -16,7 +16,6 @@ import tempfile
 import pytest
 
 from numba_ops._dtypes import NAMES as DTYPE_NAMES
-from numba_ops.benchmark import cases as _cases
 
 SCRIPT = r"""
 import json, sys, time

@@ -65,7 +65,6 @@ def _units(x, xf, theta, out, D, H, W, mtok, ptok, align, zero, u0, u1):
     GridSample's: rows shorter than ``SEG`` share one) of ``out`` (flat, N*C*D*H*W;
     D = 1 in 2-D); ``x`` (N, C, [Di,] Hi, Wi) C-contiguous, ``xf`` its flat view,
     ``theta`` (N, r, r+1) in the compute type."""
-    r = x.ndim - 2
     N, C = x.shape[0], x.shape[1]
     P = D * H * W
     S = xf.size // (N * C)

@@ -70,7 +70,7 @@ def _units(gy, v, shapes, starts, loc, attn, gv, gl, ga, want_v, want_l, want_a,
     A 2-D or 3-D point whose taps are all inside (``_msda.interior``) reads and
     scatters the four corners of a plane in one pass over the channels; others take
     every axis' padded taps (``axis_grad_taps``) corner by corner."""
-    N, Lq, M, Dh = gy.shape[0], gy.shape[1], gy.shape[2], gy.shape[3]
+    Lq, M, Dh = gy.shape[1], gy.shape[2], gy.shape[3]
     L, P, r = loc.shape[2], loc.shape[4], loc.shape[5]
     S = v.shape[2] if hm else v.shape[1]
     vf = flat(v)
