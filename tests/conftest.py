@@ -42,15 +42,15 @@ def pytest_collection_modifyitems(config, items):
     """Mark for ``-m cuda`` every test that runs the CUDA kernels: each one
     parametrised with ``device="cuda"`` (fixture or parametrize) and all of
     test_cuda.py, so the simulator run (``NUMBA_ENABLE_CUDASIM=1 pytest -m cuda``)
-    executes every device test on the CUDA kernels. Not ``test_compile_ptx``: it
-    compiles PTX in a process of its own without the simulator, the same in both
-    runs, so the plain ``--full`` run's pass is the check (minutes of CI time saved).
+    executes every device test on the CUDA kernels. The tests marked ``ptx`` compile
+    PTX in a process without the simulator, the same work in both runs: CI's
+    simulator pass deselects them (``-m "cuda and not ptx"``; minutes of CI time).
 
     Without ``--full``, deselect the tests marked ``full``."""
     for item in items:
         callspec = getattr(item, "callspec", None)
         on_cuda = callspec is not None and callspec.params.get("device") == "cuda"
-        if on_cuda or (item.path.name == "test_cuda.py" and item.originalname != "test_compile_ptx"):
+        if on_cuda or item.path.name == "test_cuda.py":
             item.add_marker(pytest.mark.cuda)
     if not config.getoption("--full"):
         full = [item for item in items if item.get_closest_marker("full")]

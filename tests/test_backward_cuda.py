@@ -379,6 +379,7 @@ def compile_backward(cc):
 
 
 @FULL  # a minute of NVVM: with --full
+@pytest.mark.ptx
 def test_compile_ptx_backward():
     cc = (9, 0)
     if not SIMULATOR:

@@ -85,6 +85,7 @@ def _pretend_device(setattr_, cc):
 
 
 @pytest.mark.full  # minutes of NVVM: with --full
+@pytest.mark.ptx
 @pytest.mark.parametrize("cc", CCS, ids=lambda cc: f"sm_{cc[0]}{cc[1]}")
 @pytest.mark.parametrize("which", ["affine_grid", "deform_conv", "pack", "grid_sample", "affine_warp"])
 def test_compile_ptx(which, cc, monkeypatch):

@@ -348,6 +348,7 @@ def _without_simulator(code, timeout):
 
 
 @FULL  # NVVM: with --full
+@pytest.mark.ptx
 def test_compile_ptx():
     cc = (9, 0)
     if not SIMULATOR:
@@ -371,6 +372,7 @@ def _resources_available():
 
 
 @FULL  # NVVM and ptxas: with --full
+@pytest.mark.ptx
 @pytest.mark.skipif(not _resources_available(), reason="no numba-cuda or no PTX assembler (ptxas or nvJitLink)")
 def test_no_spills():
     """The resource report's rows of these kernels (tests/test_resources.py checks every
