@@ -83,12 +83,15 @@ def _bfloat16():
 
 
 def _np(t):
-    """A CPU tensor as the NumPy array over its memory (bfloat16: its bits, viewed)."""
+    """A CPU tensor as the NumPy array over its memory (bfloat16: its bits, viewed);
+    detached only where it requires grad (a detach costs a new tensor, ~0.6 us)."""
     if t is None:
         return None
+    if t.requires_grad:
+        t = t.detach()
     if t.dtype is _TBF16:
-        return t.detach().view(torch.int16).numpy().view(_bfloat16())
-    return t.detach().numpy()
+        return t.view(torch.int16).numpy().view(_bfloat16())
+    return t.numpy()
 
 
 def _tensor(a):
