@@ -106,7 +106,7 @@ def test_internal_helpers_under_the_simulator():
     import numba_ops
     theta = np.array([[[1.0, 0.2, 0.1], [0.0, 0.9, -0.1]]], np.float32)
     numba_ops.affine_grid(theta, [1, 1, 2, 2])
-    simulated = bool(int(os.environ.get("NUMBA_ENABLE_CUDASIM") or 0))
+    simulated = _compat.cuda_simulator_enabled()
     assert ("no_cpython_wrapper" in _compat.INTERNAL) != simulated, "the CPU kernels' helpers: no wrappers"
     code = textwrap.dedent("""
         import numpy as np, numba_ops

@@ -13,10 +13,10 @@ numba-cuda is imported only by the functions that need it, so importing this
 module never loads numba-cuda.
 """
 import contextlib
-import os
 import sys
 import types as _pytypes
 
+import numba
 from numba.core import cgutils  # noqa: F401  (LLVM IR helpers of numba's own lowering)
 from numba.core.imputils import impl_ret_borrowed  # noqa: F401  (an intrinsic returning a borrowed array)
 from numba.np.ufunc import parallel as _parallel
@@ -50,8 +50,9 @@ NO_NRT = dict(_nrt=False)
 #: helpers' wrappers, in 8 s without). Such a function cannot be called from Python.
 #: Under numba's CUDA simulator the CUDA kernels are Python and call the shared helpers
 #: from Python, so there they keep their wrappers, and stay out of the JIT cache (whose
-#: index does not tell a compilation with wrappers from one without).
-INTERNAL = (dict() if int(os.environ.get("NUMBA_ENABLE_CUDASIM") or 0)
+#: index does not tell a compilation with wrappers from one without). (numba's own
+#: config reads NUMBA_ENABLE_CUDASIM too: no need to load numba-cuda here.)
+INTERNAL = (dict() if numba.config.ENABLE_CUDASIM
             else dict(cache=True, no_cpython_wrapper=True, no_cfunc_wrapper=True))
 
 

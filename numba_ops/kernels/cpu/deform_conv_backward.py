@@ -144,6 +144,18 @@ def _columns(u0, u1, xT, off, msk, gcol, col, gmask, goff, cidx, cw, geo, at, nd
             b = 7 + 7 * a
             oi[a] = rem % geo[b + 2]
             rem //= geo[b + 2]
+        # the runs of the offset group's channels within one conv group (one unless groups
+        # cut it): contiguous in col and gcol, channel c of run r at ``rb[r] + qk + c``
+        nr = 0
+        c0 = 0
+        while c0 < Cog:
+            cc = g * Cog + c0
+            gc = cc // Cg
+            c1 = min(Cog, c0 + (gc + 1) * Cg - cc)
+            rc0[nr], rc1[nr] = c0, c1
+            rb[nr] = gc * T * RW + (cc - gc * Cg) - c0
+            nr += 1
+            c0 = c1
         for q in range(q0, q1):
             p = p0 + q
             if q > q0:
@@ -196,18 +208,7 @@ def _columns(u0, u1, xT, off, msk, gcol, col, gmask, goff, cidx, cw, geo, at, nd
                     cw[row + cn] = wt if inside else zero
                 if not (want_w or want_gcol):
                     continue
-                # the runs of the offset group's channels within one conv group (one unless
-                # groups cut it): contiguous in col and gcol, ``rb[r] + c`` for channel c
-                nr = 0
-                c0 = 0
-                while c0 < Cog:
-                    cc = g * Cog + c0
-                    gc = cc // Cg
-                    c1 = min(Cog, c0 + (gc + 1) * Cg - cc)
-                    rc0[nr], rc1[nr] = c0, c1
-                    rb[nr] = (gc * T + q) * RW + k * Cg + (cc - gc * Cg) - c0
-                    nr += 1
-                    c0 = c1
+                qk = q * RW + k * Cg  # the sample's row and kernel point in col and gcol
                 # per corner: the sample's share (W's columns) and gcol . x at the corner, of
                 # which the mask's and the offsets' gradients are weighted sums: by the corner
                 # weights and by their derivatives
@@ -228,11 +229,11 @@ def _columns(u0, u1, xT, off, msk, gcol, col, gmask, goff, cidx, cw, geo, at, nd
                         d = zero
                         for r in range(nr):
                             u0c = np.uint64(rc0[r])
-                            d += _dot(gcol, np.uint64(rb[r]) + u0c, xT, xb + u0c, np.uint64(rc1[r]) - u0c, zero)
+                            d += _dot(gcol, np.uint64(rb[r] + qk) + u0c, xT, xb + u0c, np.uint64(rc1[r]) - u0c, zero)
                         dc[cn] = d
                 if want_w:
                     for r in range(nr):
-                        cb = np.uint64(rb[r])
+                        cb = np.uint64(rb[r] + qk)
                         for c in range(np.uint64(rc0[r]), np.uint64(rc1[r])):
                             col[cb + c] = m * s[c]
                 sm = zero
