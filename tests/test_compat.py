@@ -98,23 +98,29 @@ def test_no_nrt_option():
     assert "NRT_" in ir_text, "the control: a function compiled with numba's runtime refers to it"
 
 
-def test_internal_helpers_under_the_simulator():
-    """``INTERNAL`` helpers have no Python wrapper, except under numba's CUDA simulator,
-    whose CUDA kernels are Python calling them: there they keep it and skip the JIT cache,
-    which holds this process's wrapper-less compilations (a simulated kernel calling one
-    of those crashed the process)."""
+def test_shared_helpers_under_the_simulator():
+    """The per-element helpers both devices share (``SHARED``) have no Python wrapper,
+    except under numba's CUDA simulator, whose CUDA kernels are Python calling them:
+    there they keep it and skip the JIT cache, which holds this process's wrapper-less
+    compilations (a simulated kernel calling one of those crashed the process). The CPU
+    kernels' own functions (``INTERNAL``) stay cached in both, so a simulated run loads
+    the CPU kernels this process compiled instead of compiling them again."""
     import numba_ops
     theta = np.array([[[1.0, 0.2, 0.1], [0.0, 0.9, -0.1]]], np.float32)
     numba_ops.affine_grid(theta, [1, 1, 2, 2])
     simulated = _compat.cuda_simulator_enabled()
-    assert ("no_cpython_wrapper" in _compat.INTERNAL) != simulated, "the CPU kernels' helpers: no wrappers"
+    assert ("no_cpython_wrapper" in _compat.SHARED) != simulated, "the shared helpers: no wrappers"
+    assert "no_cpython_wrapper" in _compat.INTERNAL and _compat.INTERNAL["cache"]
     code = textwrap.dedent("""
         import numpy as np, numba_ops
         from numba_ops.kernels import _compat
-        assert "no_cpython_wrapper" not in _compat.INTERNAL and "cache" not in _compat.INTERNAL
+        from numba_ops.kernels.cpu import affine_grid
+        assert "no_cpython_wrapper" not in _compat.SHARED and "cache" not in _compat.SHARED
         theta = np.array([[[1.0, 0.2, 0.1], [0.0, 0.9, -0.1]]], np.float32)
-        grid = numba_ops.affine_grid(theta, [1, 1, 2, 2], device="cuda")  # (its base_coord is INTERNAL)
+        grid = numba_ops.affine_grid(theta, [1, 1, 2, 2], device="cuda")  # (its base_coord is SHARED)
         np.testing.assert_array_equal(grid, numba_ops.affine_grid(theta, [1, 1, 2, 2]))
+        # the CPU call loaded its kernel (INTERNAL) from the cache the parent process filled
+        assert affine_grid._rows.stats.cache_hits, affine_grid._rows.stats
         print("ok")
     """)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,

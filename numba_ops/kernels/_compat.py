@@ -48,12 +48,17 @@ NO_NRT = dict(_nrt=False)
 #: the Python wrapper nor the C wrapper of each compiled signature, up to a third of a
 #: small function's compile time (GridSample's first forward compiled in 11 s with its
 #: helpers' wrappers, in 8 s without). Such a function cannot be called from Python.
-#: Under numba's CUDA simulator the CUDA kernels are Python and call the shared helpers
-#: from Python, so there they keep their wrappers, and stay out of the JIT cache (whose
-#: index does not tell a compilation with wrappers from one without). (numba's own
+INTERNAL = dict(cache=True, no_cpython_wrapper=True, no_cfunc_wrapper=True)
+
+#: ``njit`` options of the per-element helpers that both devices share (``kernels/_sample``,
+#: ``_scalar``, ``_msda``): ``INTERNAL``, except under numba's CUDA simulator. There the
+#: CUDA kernels are Python and call those helpers from Python, so they keep their wrappers
+#: and stay out of the JIT cache, whose index does not tell a compilation with wrappers
+#: from one without (a simulated kernel calling a cached wrapper-less helper crashed the
+#: process). The CPU kernels' own functions stay ``INTERNAL`` and cached in every process:
+#: the simulator's CPU calls load them from the cache as any other run does. (numba's own
 #: config reads NUMBA_ENABLE_CUDASIM too: no need to load numba-cuda here.)
-INTERNAL = (dict() if numba.config.ENABLE_CUDASIM
-            else dict(cache=True, no_cpython_wrapper=True, no_cfunc_wrapper=True))
+SHARED = dict() if numba.config.ENABLE_CUDASIM else INTERNAL
 
 
 def struct_value(proxy):

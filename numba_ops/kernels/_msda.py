@@ -24,14 +24,14 @@ index 0, weight 1 and derivative 0, so every kernel loops over three axes.
 import numpy as np
 from numba import njit
 
-from ._compat import INTERNAL
+from ._compat import SHARED
 from ._modes import LINEAR, ZEROS
 from ._sample import as_compute, grad_taps, linear_taps, unnormalize
 
 _HUGE = float(1 << 62)
 
 
-@njit(**INTERNAL)
+@njit(**SHARED)
 def position(loc, size, one):
     """The position on an axis of ``size`` elements that location ``loc`` (in [0, 1])
     samples: ``unnormalize(2 * loc - 1)`` with ``align_corners=False``, held within
@@ -43,7 +43,7 @@ def position(loc, size, one):
     return pos
 
 
-@njit(**INTERNAL)
+@njit(**SHARED)
 def interior(loc, size, one):
     """``(i, frac, inside)``: for a position whose taps ``i, i + 1`` both lie inside an
     axis of ``size`` elements (``inside``), its floor and fraction, as ``axis_taps``
@@ -56,7 +56,7 @@ def interior(loc, size, one):
     return i, pc - as_compute(one, i), ok
 
 
-@njit(**INTERNAL)
+@njit(**SHARED)
 def axis_taps(loc, size, one):
     """``(i0, i1, w0, w1, in0, in1, finite)``: the two taps of ``loc`` on an axis of
     ``size`` elements (indices always in ``[0, size - 1]``), their weights and
@@ -69,7 +69,7 @@ def axis_taps(loc, size, one):
     return i0, i1, w0, w1, in0, in1, (pos - pos) == zero
 
 
-@njit(**INTERNAL)
+@njit(**SHARED)
 def axis_grad_taps(loc, size, one):
     """``(i0, i1, w0, w1, d0, d1, in0, in1, finite)``: ``axis_taps`` with each weight's
     derivative with respect to ``loc`` (GridSample's, times ``d position / d loc =
@@ -84,7 +84,7 @@ def axis_grad_taps(loc, size, one):
     return i0, i1, w0, w1, d0 * s, d1 * s, in0, in1, finite
 
 
-@njit(**INTERNAL)
+@njit(**SHARED)
 def corner(c, x, y, z, W1, H1):
     """Corner ``c`` (0..7; bit 0 picks x's tap, bit 1 y's, bit 2 z's) of a point whose
     axes' taps are ``x, y, z`` (``axis_taps``' tuples): ``(k, w, inside)``, the corner's
@@ -97,7 +97,7 @@ def corner(c, x, y, z, W1, H1):
     return (kz * H1 + ky) * W1 + kx, wz * wy * wx, ix & iy & iz
 
 
-@njit(**INTERNAL)
+@njit(**SHARED)
 def grad_corner(c, x, y, z, W1, H1):
     """``corner`` of ``axis_grad_taps``' tuples, with the weight's derivatives along x, y
     and z: ``(k, w, dw_x, dw_y, dw_z, inside)``."""

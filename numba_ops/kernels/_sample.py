@@ -42,7 +42,7 @@ from numba import njit, types
 from numba.extending import overload
 
 from ._modes import BORDER, CUBIC, LINEAR, MODES, NEAREST, PADDING_MODES, REFLECTION, TAPS, ZEROS  # noqa: F401
-from ._compat import INTERNAL
+from ._compat import SHARED
 from ._scalar import load, split_position, store
 
 _HUGE = 1 << 62
@@ -91,7 +91,7 @@ def _load_sample_ol(a, i, zero):
     return lambda a, i, zero: load(a, i)
 
 
-@njit(**INTERNAL)
+@njit(**SHARED)
 def to_uint8(v):
     """A computed sample as ONNX casts it to uint8: NaN -> 0, clamped to 0..255,
     truncated toward zero. Branch-free."""
@@ -121,7 +121,7 @@ def _store_sample_ol(out, i, v):
     return impl
 
 
-@njit(**INTERNAL)
+@njit(**SHARED)
 def unnormalize(g, size, align, one):
     """The grid value ``g`` as a position on an axis of ``size`` elements, in the
     compute type of ``one`` (onnxruntime's ``GsDenormalize``)."""
@@ -130,7 +130,7 @@ def unnormalize(g, size, align, one):
     return ((g + one) * as_compute(one, size) - one) / (one + one)
 
 
-@njit(**INTERNAL)
+@njit(**SHARED)
 def period(size, padding, align):
     """The period of the padded axis: that of reflection padding (0 for a single
     element with ``align_corners``, where every tap reflects onto it), else 0."""
@@ -139,7 +139,7 @@ def period(size, padding, align):
     return np.int64(2 * (size - 1) if align else 2 * size)
 
 
-@njit(**INTERNAL)
+@njit(**SHARED)
 def split_coord(pos, per, zero):
     """``(i, frac, finite)``: ``pos = i + frac`` with ``i`` an int64 and ``frac`` in
     [0, 1), exact; ``i`` reduced into ``[0, per)`` when ``per > 0`` (reflection,
@@ -157,7 +157,7 @@ def split_coord(pos, per, zero):
     return i, frac, finite
 
 
-@njit(**INTERNAL)
+@njit(**SHARED)
 def pad_tap(t, size, per, padding, align):
     """``(index, inside)`` for tap ``t`` on an axis of ``size`` (``per``: ``period``;
     under reflection ``t`` is within one tap of ``[0, per)``, as ``split_coord``
@@ -176,7 +176,7 @@ def pad_tap(t, size, per, padding, align):
     return t, True
 
 
-@njit(**INTERNAL)
+@njit(**SHARED)
 def cubic_weights(t, one):
     """Keys' cubic convolution weights (A = -0.75, as onnxruntime and PyTorch) of
     the taps at distances ``1 + t, t, 1 - t, 2 - t`` for a fraction ``t`` in [0, 1]."""
@@ -195,7 +195,7 @@ def cubic_weights(t, one):
     return c0, c1, c2, c3
 
 
-@njit(**INTERNAL)
+@njit(**SHARED)
 def split_near(pos, per, zero):
     """``split_coord(pos, per, zero)`` for a position that ``reflect_near`` accepts,
     without its branches (one step of the period instead of a division; the CPU's
@@ -209,14 +209,14 @@ def split_near(pos, per, zero):
     return i, pc - f, (pos - pos) == zero
 
 
-@njit(**INTERNAL)
+@njit(**SHARED)
 def reflect_near(pos, per, zero):
     """Whether ``pos`` lies in ``[-per, 2 * per)`` (so it is finite and ``per > 0``)."""
     fp = as_compute(zero, per)
     return (pos >= -fp) & (pos < fp + fp)
 
 
-@njit(**INTERNAL)
+@njit(**SHARED)
 def nearest_at(i, frac, finite, size, per, padding, align, zero):
     """``nearest_tap`` of the split position ``(i, frac, finite)`` (``split_coord``)."""
     half = as_compute(zero, 0.5)
@@ -226,7 +226,7 @@ def nearest_at(i, frac, finite, size, per, padding, align, zero):
     return idx, (one if finite else as_compute(zero, np.nan)), ok
 
 
-@njit(**INTERNAL)
+@njit(**SHARED)
 def nearest_tap(pos, size, padding, align, zero):
     """``(index, weight, inside)`` of the nearest element (ties to the even index),
     padded; ``weight`` is 1, or NaN for a non-finite position."""
@@ -235,7 +235,7 @@ def nearest_tap(pos, size, padding, align, zero):
     return nearest_at(i, frac, finite, size, per, padding, align, zero)
 
 
-@njit(**INTERNAL)
+@njit(**SHARED)
 def linear_at(i, frac, finite, size, per, padding, align, zero):
     """``linear_taps`` of the split position ``(i, frac, finite)`` (``split_coord``)."""
     one = as_compute(zero, 1)
@@ -245,7 +245,7 @@ def linear_at(i, frac, finite, size, per, padding, align, zero):
     return i0, i1, (one - frac) * s, frac * s, in0, in1
 
 
-@njit(**INTERNAL)
+@njit(**SHARED)
 def linear_taps(pos, size, padding, align, zero):
     """``(i0, i1, w0, w1, in0, in1)``: the two padded taps around ``pos``, their
     weights (NaN for a non-finite position) and whether each is inside."""
@@ -254,7 +254,7 @@ def linear_taps(pos, size, padding, align, zero):
     return linear_at(i, frac, finite, size, per, padding, align, zero)
 
 
-@njit(**INTERNAL)
+@njit(**SHARED)
 def cubic_at(i, frac, finite, size, per, padding, align, zero):
     """``cubic_taps`` of the split position ``(i, frac, finite)`` (``split_coord``)."""
     one = as_compute(zero, 1)
@@ -267,7 +267,7 @@ def cubic_at(i, frac, finite, size, per, padding, align, zero):
     return i0, i1, i2, i3, c0 * s, c1 * s, c2 * s, c3 * s, in0, in1, in2, in3
 
 
-@njit(**INTERNAL)
+@njit(**SHARED)
 def cubic_taps(pos, size, padding, align, zero):
     """``(i0..i3, w0..w3, in0..in3)``: the four padded taps ``floor(pos) - 1 ..
     floor(pos) + 2``, Keys' weights (NaN for a non-finite position) and whether
@@ -279,14 +279,14 @@ def cubic_taps(pos, size, padding, align, zero):
 
 # --- gradients (the backward kernels of grid_sample, affine_warp and deform_conv) ---------
 
-@njit(**INTERNAL)
+@njit(**SHARED)
 def unnormalize_scale(size, align, one):
     """``d unnormalize(g) / d g`` on an axis of ``size`` elements: ``(size - 1) / 2``
     with ``align_corners``, else ``size / 2``."""
     return as_compute(one, size - 1 if align else size) / (one + one)
 
 
-@njit(**INTERNAL)
+@njit(**SHARED)
 def cubic_dweights(t, one):
     """``d/dt`` of ``cubic_weights(t)``: Keys' kernel differentiated at the taps'
     distances ``1 + t, t, 1 - t, 2 - t`` (their sum is 0, as the weights' is 1)."""
@@ -305,7 +305,7 @@ def cubic_dweights(t, one):
     return d0, d1, d2, d3
 
 
-@njit(**INTERNAL)
+@njit(**SHARED)
 def grad_taps_at(mode, i, frac, finite, size, per, padding, align, zero):
     """The taps of one axis with their weights' derivatives, for the backward kernels:
     ``(i0..i3, w0..w3, d0..d3, ok0..ok3)`` for the split position ``(i, frac,
@@ -352,7 +352,7 @@ def grad_taps_at(mode, i, frac, finite, size, per, padding, align, zero):
     return (i0, i1, i2, i3, w0, w1, w2, w3, d0 * s, d1 * s, d2 * s, d3 * s, ok0, ok1, ok2, ok3)
 
 
-@njit(**INTERNAL)
+@njit(**SHARED)
 def grad_taps(mode, pos, size, padding, align, zero):
     """``grad_taps_at`` of the position ``pos`` on an axis of ``size`` (GridSample's
     taps: ``split_coord`` first, with the padding's period), then whether ``pos`` is

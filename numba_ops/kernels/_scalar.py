@@ -22,7 +22,7 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic, overload
 
-from ._compat import INTERNAL
+from ._compat import SHARED
 
 _F16_DENORM_MAGIC = np.int64(((127 - 15) + (23 - 10) + 1) << 23)
 
@@ -153,7 +153,7 @@ def _store(out, i, v):
 
 # --- AffineGrid ---------------------------------------------------------------
 
-@njit(**INTERNAL)
+@njit(**SHARED)
 def base_coord(i, length, align_corners, one):
     """ONNX AffineGrid base coordinate of index ``i`` on an axis of ``length``.
 
@@ -193,7 +193,7 @@ def _offset_limit_ol(base, zero):
     return lambda base, zero: np.float64(lim)
 
 
-@njit(**INTERNAL)
+@njit(**SHARED)
 def border_corner(base, off, size, zero):
     """Linear-interpolation support of the position ``base + off`` (``base`` an
     integer, ``off`` a float of the compute type) on an axis of ``size`` stored
@@ -222,7 +222,7 @@ def border_corner(base, off, size, zero):
     return (i if ok else base - base), (lam if ok else zero), ok, finite
 
 
-@njit(**INTERNAL)
+@njit(**SHARED)
 def split_position(base, off, zero):
     """The position ``base + off`` split exactly into ``(i, frac, near, finite)``:
     ``i = base + floor(off)`` in ``base``'s integer type and ``frac = off -
