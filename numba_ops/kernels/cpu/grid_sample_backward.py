@@ -59,10 +59,14 @@ size, and ``B <= TARGET_UNITS``); for affine_warp, the positions' gradient (``r`
 values a position); with tiles, four int32 a segment of ``SEG`` positions; per
 thread a segment's plan (~60 KiB). The returned gradients own their memory.
 
-The rank, mode and padding reach the kernel as the input's rank and tokens (tuples
-whose length numba folds to a constant), so each combination compiles into loops of
-constant trip counts. 16-bit inputs are computed in float32 (their gradients rounded
-once), so the kernels compile for float32 and float64 only.
+The rank and mode reach the kernel as the input's rank and a token (a tuple whose
+length numba folds to a constant), so each combination compiles into loops of
+constant trip counts. The padding is a run-time code: it changes only the plan of the
+positions that are not interior (``grad_taps``, the derivative at the first index) and
+whether their taps are masked, not the interior positions' loops, and one compilation
+serves all three paddings (a third of the variants to compile; each took 3-4 s).
+16-bit inputs are computed in float32 (their gradients rounded once), so the kernels
+compile for float32 and float64 only.
 """
 import numpy as np
 from numba import njit, prange
@@ -82,8 +86,8 @@ from .grid_sample import AXIS_OUT, GENERIC, fast_axis, nearest_index, small_imag
 
 DTYPES = NAMES  # the dtypes these kernels take (the dispatcher checks them)
 
-#: a mode's or padding's token: a tuple as long as its code, so that ``len(tok)`` is a
-#: constant where numba compiles, and LLVM drops the other modes' and paddings' code
+#: a mode's token: a tuple as long as its code, so that ``len(tok)`` is a constant where
+#: numba compiles, and LLVM drops the other modes' code
 TOKEN = ((), (0,), (0, 0))
 #: positions planned in one pass (the forward's plan arrays: 3 axes x 4 taps x SEG)
 SEG = 256
@@ -107,7 +111,7 @@ MIN_BLOCK = 16
 # --- plan: the forward's, with the weights' derivatives ----------------------------------
 
 @njit(**INLINE, **NO_NRT)
-def _fast_daxis(pos, m, k, size, mtok, ptok, zero, pd):
+def _fast_daxis(pos, m, k, size, mtok, padding, zero, pd):
     """The weights' derivatives ``pd[k, :, j]`` on spatial axis ``k`` of the positions
     ``pos[k, :m]`` that the forward's ``fast_axis`` finds interior (for others the
     values are overwritten by ``_generic_taps``): branch-free loops over the segment,
@@ -115,7 +119,7 @@ def _fast_daxis(pos, m, k, size, mtok, ptok, zero, pd):
     the position lies exactly on the first element under border or reflection padding
     (PyTorch's clamp); cubic: ``cubic_dweights``."""
     if len(mtok) == LINEAR:
-        edge = len(ptok) != ZEROS
+        edge = padding != ZEROS
         for j in range(np.uint64(m)):
             i, t, sc, finite = split32(pos[k, j], zero, size)
             d = zero * sc if edge & (t == zero) & (i == np.int32(0)) else sc
@@ -154,7 +158,7 @@ def _generic_taps(r, sh, pos, j, mode, padding, align, zero, pidx, pw, pd, pok):
 
 
 @njit(**INLINE)
-def _plan(x, pos, m, mtok, ptok, align, zero, deriv, base, pidx, pw, pd, pok, kind, fin):
+def _plan(x, pos, m, mtok, padding, align, zero, deriv, base, pidx, pw, pd, pok, kind, fin):
     """The segment's plan: the forward's vectorised per-axis pass (``fast_axis``:
     ``kind``, ``base`` and weights of interior positions, 32-bit) and the derivatives'
     (``_fast_daxis``), then the padded taps of the others one by one (``grad_taps``);
@@ -165,15 +169,15 @@ def _plan(x, pos, m, mtok, ptok, align, zero, deriv, base, pidx, pw, pd, pok, ki
     if small_image(x):
         fast_axis(pos, m, r - 1, sh[nd - 1], 1, mtok, zero, base, pw, kind, True)
         if deriv:
-            _fast_daxis(pos, m, r - 1, sh[nd - 1], mtok, ptok, zero, pd)
+            _fast_daxis(pos, m, r - 1, sh[nd - 1], mtok, padding, zero, pd)
         if r >= 2:
             fast_axis(pos, m, r - 2, sh[nd - 2], sh[nd - 1], mtok, zero, base, pw, kind, False)
             if deriv:
-                _fast_daxis(pos, m, r - 2, sh[nd - 2], mtok, ptok, zero, pd)
+                _fast_daxis(pos, m, r - 2, sh[nd - 2], mtok, padding, zero, pd)
         if r >= 3:
             fast_axis(pos, m, r - 3, sh[nd - 3], sh[nd - 2] * sh[nd - 1], mtok, zero, base, pw, kind, False)
             if deriv:
-                _fast_daxis(pos, m, r - 3, sh[nd - 3], mtok, ptok, zero, pd)
+                _fast_daxis(pos, m, r - 3, sh[nd - 3], mtok, padding, zero, pd)
     else:
         for j in range(np.uint64(m)):
             kind[j] = GENERIC
@@ -182,7 +186,7 @@ def _plan(x, pos, m, mtok, ptok, align, zero, deriv, base, pidx, pw, pd, pok, ki
     for j in range(m):
         if kind[j] == 0:
             continue
-        if len(ptok) == ZEROS and (kind[j] & AXIS_OUT):
+        if padding == ZEROS and (kind[j] & AXIS_OUT):
             # every tap of an axis outside: no taps to take (``_units`` skips it), NaN
             # where another axis is not finite
             f = True
@@ -190,7 +194,7 @@ def _plan(x, pos, m, mtok, ptok, align, zero, deriv, base, pidx, pw, pd, pok, ki
                 f &= (pos[k, j] - pos[k, j]) == zero
             fin[j] = f
         else:
-            fin[j] = _generic_taps(r, sh, pos, j, len(mtok), len(ptok), align, zero, pidx, pw, pd, pok)
+            fin[j] = _generic_taps(r, sh, pos, j, len(mtok), padding, align, zero, pidx, pw, pd, pok)
 
 
 # --- one position's gradients in one channel ---------------------------------------------
@@ -401,7 +405,7 @@ def _boxes_parallel(x, src, osz, mode, padding, align, affine, zero, box, nchunk
 # --- units: (image, tile of grad_x, block of channels), segment by segment -----------------
 
 @njit(**INTERNAL)
-def _units(x, xf, gyf, src, gx, gpos, B, K, bounds, box, osz, mtok, ptok, align, affine, want_x, want_pos, zero,
+def _units(x, xf, gyf, src, gx, gpos, B, K, bounds, box, osz, mtok, padding, align, affine, want_x, want_pos, zero,
            u0, u1):
     """Units ``u0:u1`` (image-major; unit ``(n, t, b)``: tile ``t`` of the ``K`` tiles of
     image ``n``'s grad_x, block ``b`` of its ``B`` blocks of channels). ``x`` (N, C,
@@ -427,7 +431,7 @@ def _units(x, xf, gyf, src, gx, gpos, B, K, bounds, box, osz, mtok, ptok, align,
     s2 = s1 * x.shape[nd - 2] if r >= 2 else s1
     mode = len(mtok)
     T = 1 if mode == NEAREST else (2 if mode == LINEAR else 4)
-    masked = len(ptok) == ZEROS
+    masked = padding == ZEROS
     deriv = want_pos and mode != NEAREST
     tiled = want_x and K > 1
     nseg = (P + SEG - 1) // SEG
@@ -483,7 +487,7 @@ def _units(x, xf, gyf, src, gx, gpos, B, K, bounds, box, osz, mtok, ptok, align,
                 if not meets:
                     continue
             _positions(x, src, n, s0, m, osz, align, affine, one, xs, ys, zs, pos)
-            _plan(x, pos, m, mtok, ptok, align, zero, deriv, base, pidx, pw, pd, pok, kind, fin)
+            _plan(x, pos, m, mtok, padding, align, zero, deriv, base, pidx, pw, pd, pok, kind, fin)
             if tiled:  # the unit's share of each position: all, some (tap by tap) or none of its taps
                 for k in range(r - 1):
                     for j in range(np.uint64(m)):
@@ -566,18 +570,18 @@ _units_op = opaque(_units)
 
 
 @njit(cache=True, nogil=True)
-def _serial(x, xf, gyf, src, gx, gpos, B, K, bounds, box, osz, mtok, ptok, align, affine, want_x, want_pos, zero):
-    _units_op(x, xf, gyf, src, gx, gpos, B, K, bounds, box, osz, mtok, ptok, align, affine, want_x, want_pos, zero,
+def _serial(x, xf, gyf, src, gx, gpos, B, K, bounds, box, osz, mtok, padding, align, affine, want_x, want_pos, zero):
+    _units_op(x, xf, gyf, src, gx, gpos, B, K, bounds, box, osz, mtok, padding, align, affine, want_x, want_pos, zero,
               0, x.shape[0] * K * B)
 
 
 @njit(cache=True, parallel=True, nogil=True)
-def _parallel(x, xf, gyf, src, gx, gpos, B, K, bounds, box, osz, mtok, ptok, align, affine, want_x, want_pos, zero,
+def _parallel(x, xf, gyf, src, gx, gpos, B, K, bounds, box, osz, mtok, padding, align, affine, want_x, want_pos, zero,
               nchunks):
     units = x.shape[0] * K * B
     nchunks = min(units, nchunks)
     for c in prange(nchunks):
-        _units_op(x, xf, gyf, src, gx, gpos, B, K, bounds, box, osz, mtok, ptok, align, affine, want_x, want_pos,
+        _units_op(x, xf, gyf, src, gx, gpos, B, K, bounds, box, osz, mtok, padding, align, affine, want_x, want_pos,
                   zero, c * units // nchunks, (c + 1) * units // nchunks)
 
 
@@ -694,7 +698,7 @@ def run(x, gy, src, out_spatial, mode, padding, align, affine, want_x, want_pos)
         else:
             bounds, box = np.zeros((1, 2, 2), np.int64), np.zeros((1, 2, 2), np.int32)
         _runtime.run(_serial, _parallel, work, xc, xc.reshape(-1), widened(gy).reshape(-1), srcc, gx, gpos,
-                     np.int64(B), np.int64(K), bounds, box, osz, TOKEN[mode], TOKEN[padding], bool(align),
+                     np.int64(B), np.int64(K), bounds, box, osz, TOKEN[mode], np.int64(padding), bool(align),
                      bool(affine), bool(want_x), bool(want_pos), zero)
         if want_pos and B > 1:
             out = np.empty(N * P * r, ct)
