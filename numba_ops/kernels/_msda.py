@@ -6,7 +6,7 @@ as ``grid_sample`` samples the grid value ``2 * loc - 1`` (linear, zeros padding
 ``align_corners=False``), which is how mmcv's and Deformable DETR's
 ``multi_scale_deformable_attn_pytorch`` define the op: the position is
 ``unnormalize(2 * loc - 1)`` (``= loc * size - 0.5``) and its two taps and
-weights are GridSample's ``linear_taps`` / ``grad_taps`` of ``kernels/_sample.py``,
+weights are GridSample's ``linear_taps`` / ``grad_taps_linear`` of ``kernels/_sample.py``,
 so the n-linear sampling is the same code as GridSample's and DeformConv's.
 
 A finite location whose position overflows the compute type (``2 * loc`` beyond
@@ -25,8 +25,8 @@ import numpy as np
 from numba import njit
 
 from ._compat import SHARED
-from ._modes import LINEAR, ZEROS
-from ._sample import as_compute, grad_taps, linear_taps, unnormalize
+from ._modes import ZEROS
+from ._sample import as_compute, grad_taps_linear, linear_taps, split_coord, unnormalize
 
 _HUGE = float(1 << 62)
 
@@ -78,8 +78,10 @@ def axis_grad_taps(loc, size, one):
     if size == 0:
         return np.int64(0), np.int64(0), one, zero, zero, zero, True, False, True
     pos = position(loc, size, one)
-    i0, i1, _, _, w0, w1, _, _, d0, d1, _, _, in0, in1, _, _, finite = grad_taps(LINEAR, pos, size, ZEROS, False,
-                                                                                   zero)
+    per = np.int64(0)  # (zeros padding: no period)
+    i, frac, finite = split_coord(pos, per, zero)
+    i0, i1, _, _, w0, w1, _, _, d0, d1, _, _, in0, in1, _, _ = grad_taps_linear(i, frac, finite, size, per, ZEROS,
+                                                                               False, zero)
     s = as_compute(one, size)
     return i0, i1, w0, w1, d0 * s, d1 * s, in0, in1, finite
 

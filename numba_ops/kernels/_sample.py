@@ -306,11 +306,54 @@ def cubic_dweights(t, one):
 
 
 @njit(**SHARED)
+def grad_taps_nearest(i, frac, finite, size, per, padding, align, zero):
+    """``grad_taps_at`` in nearest mode: one tap, derivative 0 (NaN at a non-finite position)."""
+    s = as_compute(zero, 1) if finite else as_compute(zero, np.nan)
+    i0, w0, ok0 = nearest_at(i, frac, finite, size, per, padding, align, zero)
+    return (i0, i0, i0, i0, w0, zero, zero, zero, zero * s, zero, zero, zero, ok0, False, False, False)
+
+
+@njit(**SHARED)
+def grad_taps_linear(i, frac, finite, size, per, padding, align, zero):
+    """``grad_taps_at`` in linear mode (PyTorch's bilinear derivative; see there)."""
+    one = as_compute(zero, 1)
+    s = one if finite else as_compute(zero, np.nan)
+    # PyTorch reflects the coordinate first and takes floor after: at an integer in a
+    # mirrored stretch (i in [size, per), reduced) those are the taps i - 1, i with
+    # weights 0, 1 (the same sample, the mirrored side's derivative)
+    back = (padding == REFLECTION) & (frac == zero) & (i >= size)
+    if back:
+        i0, i1, w0, w1, ok0, ok1 = linear_at(i - 1, one, finite, size, per, padding, align, zero)
+    else:
+        i0, i1, w0, w1, ok0, ok1 = linear_at(i, frac, finite, size, per, padding, align, zero)
+    # clamped (PyTorch's clip_coordinates_set_grad): two taps padded onto one element
+    # (a border clamp, a reflection's edge), whose derivatives cancel, exactly 0 (not
+    # -1 + 1 after rounding in the other axes' weights); and, under border and
+    # reflection, a position exactly on an edge element (the first index under
+    # border; the first or last one, or a mirror of them, under reflection)
+    at = i1 if back else i0  # the element the position is on when frac is 0
+    on_edge = (padding != ZEROS) & (frac == zero) & ((at == 0) | (at == size - 1))
+    d = zero * s if ((i0 == i1) & ok0 & ok1) | on_edge else s
+    return (i0, i1, i1, i1, w0, w1, zero, zero, -d, d, zero, zero, ok0, ok1, False, False)
+
+
+@njit(**SHARED)
+def grad_taps_cubic(i, frac, finite, size, per, padding, align, zero):
+    """``grad_taps_at`` in cubic mode: each padded tap's weight differentiated, unclamped."""
+    one = as_compute(zero, 1)
+    s = one if finite else as_compute(zero, np.nan)
+    i0, i1, i2, i3, w0, w1, w2, w3, ok0, ok1, ok2, ok3 = cubic_at(i, frac, finite, size, per, padding, align, zero)
+    d0, d1, d2, d3 = cubic_dweights(frac, one)
+    return (i0, i1, i2, i3, w0, w1, w2, w3, d0 * s, d1 * s, d2 * s, d3 * s, ok0, ok1, ok2, ok3)
+
+
+@njit(**SHARED)
 def grad_taps_at(mode, i, frac, finite, size, per, padding, align, zero):
     """The taps of one axis with their weights' derivatives, for the backward kernels:
     ``(i0..i3, w0..w3, d0..d3, ok0..ok3)`` for the split position ``(i, frac,
     finite)`` (``split_coord``) in ``mode`` (a runtime code: one function serves
-    every mode). The mode's ``TAPS[mode]`` taps come first (``nearest_at``,
+    every mode; a kernel whose mode is a constant calls ``grad_taps_nearest``,
+    ``grad_taps_linear`` or ``grad_taps_cubic`` and compiles that mode alone). The mode's ``TAPS[mode]`` taps come first (``nearest_at``,
     ``linear_at``, ``cubic_at``: the forward's taps and weights); the rest have
     weight 0 and ``ok`` False. ``d`` is the derivative of each weight with respect
     to the position (PyTorch's: taken from ``floor``, so the right-hand one at an
@@ -324,32 +367,11 @@ def grad_taps_at(mode, i, frac, finite, size, per, padding, align, zero):
     ``i - 1, i`` (weights 0, 1: the reflected coordinate's right-hand derivative).
     Cubic differentiates each padded tap's weight, unclamped, as PyTorch's bicubic
     does. Weights and derivatives are NaN at a non-finite position."""
-    one = as_compute(zero, 1)
-    s = one if finite else as_compute(zero, np.nan)
     if mode == NEAREST:
-        i0, w0, ok0 = nearest_at(i, frac, finite, size, per, padding, align, zero)
-        return (i0, i0, i0, i0, w0, zero, zero, zero, zero * s, zero, zero, zero, ok0, False, False, False)
+        return grad_taps_nearest(i, frac, finite, size, per, padding, align, zero)
     if mode == LINEAR:
-        # PyTorch reflects the coordinate first and takes floor after: at an integer in a
-        # mirrored stretch (i in [size, per), reduced) those are the taps i - 1, i with
-        # weights 0, 1 (the same sample, the mirrored side's derivative)
-        back = (padding == REFLECTION) & (frac == zero) & (i >= size)
-        if back:
-            i0, i1, w0, w1, ok0, ok1 = linear_at(i - 1, one, finite, size, per, padding, align, zero)
-        else:
-            i0, i1, w0, w1, ok0, ok1 = linear_at(i, frac, finite, size, per, padding, align, zero)
-        # clamped (PyTorch's clip_coordinates_set_grad): two taps padded onto one element
-        # (a border clamp, a reflection's edge), whose derivatives cancel, exactly 0 (not
-        # -1 + 1 after rounding in the other axes' weights); and, under border and
-        # reflection, a position exactly on an edge element (the first index under
-        # border; the first or last one, or a mirror of them, under reflection)
-        at = i1 if back else i0  # the element the position is on when frac is 0
-        on_edge = (padding != ZEROS) & (frac == zero) & ((at == 0) | (at == size - 1))
-        d = zero * s if ((i0 == i1) & ok0 & ok1) | on_edge else s
-        return (i0, i1, i1, i1, w0, w1, zero, zero, -d, d, zero, zero, ok0, ok1, False, False)
-    i0, i1, i2, i3, w0, w1, w2, w3, ok0, ok1, ok2, ok3 = cubic_at(i, frac, finite, size, per, padding, align, zero)
-    d0, d1, d2, d3 = cubic_dweights(frac, one)
-    return (i0, i1, i2, i3, w0, w1, w2, w3, d0 * s, d1 * s, d2 * s, d3 * s, ok0, ok1, ok2, ok3)
+        return grad_taps_linear(i, frac, finite, size, per, padding, align, zero)
+    return grad_taps_cubic(i, frac, finite, size, per, padding, align, zero)
 
 
 @njit(**SHARED)

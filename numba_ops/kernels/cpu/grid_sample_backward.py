@@ -73,8 +73,8 @@ from numba import njit, prange
 
 from .._compat import NO_NRT
 from .._dtypes import NAMES, compute
-from .._sample import (CUBIC, LINEAR, NEAREST, REFLECTION, TAPS, ZEROS, as_compute, cubic_dweights, grad_taps,
-                       unnormalize, unnormalize_scale)
+from .._sample import (CUBIC, LINEAR, NEAREST, REFLECTION, TAPS, ZEROS, as_compute, cubic_dweights, grad_taps_cubic,
+                       grad_taps_linear, grad_taps_nearest, period, split_coord, unnormalize, unnormalize_scale)
 from . import _runtime
 from ._copies import narrowed, widened
 from ._opaque import INLINE, INTERNAL, opaque
@@ -89,6 +89,9 @@ DTYPES = NAMES  # the dtypes these kernels take (the dispatcher checks them)
 #: a mode's token: a tuple as long as its code, so that ``len(tok)`` is a constant where
 #: numba compiles, and LLVM drops the other modes' code
 TOKEN = ((), (0,), (0, 0))
+#: where the positions come from, as a token (numba compiles only that source's code):
+#: ``SOURCE[False]`` a grid, ``SOURCE[True]`` theta (affine_warp)
+SOURCE = {False: (), True: (0,)}
 #: positions planned in one pass (the forward's plan arrays: 3 axes x 4 taps x SEG)
 SEG = 256
 #: units a call is cut into at least where its channels allow (``channel_blocks``)
@@ -137,17 +140,30 @@ def _fast_daxis(pos, m, k, size, mtok, padding, zero, pd):
 
 
 @njit(**INLINE, **NO_NRT)
-def _generic_taps(r, sh, pos, j, mode, padding, align, zero, pidx, pw, pd, pok):
+def _grad_taps(mtok, i, frac, finite, size, per, padding, align, zero):
+    """``_sample.grad_taps_at`` of the mode of token ``mtok``: only that mode's taps compile."""
+    if len(mtok) == NEAREST:
+        return grad_taps_nearest(i, frac, finite, size, per, padding, align, zero)
+    if len(mtok) == LINEAR:
+        return grad_taps_linear(i, frac, finite, size, per, padding, align, zero)
+    return grad_taps_cubic(i, frac, finite, size, per, padding, align, zero)
+
+
+@njit(**INLINE, **NO_NRT)
+def _generic_taps(r, sh, pos, j, mtok, padding, align, zero, pidx, pw, pd, pok):
     """Position ``j``'s padded taps on every axis with their derivatives
-    (``_sample.grad_taps``, one call per axis); returns whether it is finite."""
+    (``_sample.grad_taps``' split and taps, one axis at a time); returns whether it
+    is finite."""
     nd = r + 2
     finite = True
     stride = 1
     for q in range(r):
         k = r - 1 - q
         size = sh[nd - 1 - q]
-        (i0, i1, i2, i3, w0, w1, w2, w3, d0, d1, d2, d3, ok0, ok1, ok2, ok3,
-         f) = grad_taps(mode, pos[k, j], size, padding, align, zero)
+        per = period(size, padding, align)
+        i, frac, f = split_coord(pos[k, j], per, zero)
+        (i0, i1, i2, i3, w0, w1, w2, w3, d0, d1, d2, d3, ok0, ok1, ok2,
+         ok3) = _grad_taps(mtok, i, frac, f, size, per, padding, align, zero)
         finite &= f
         pidx[k, 0, j], pidx[k, 1, j], pidx[k, 2, j], pidx[k, 3, j] = i0 * stride, i1 * stride, i2 * stride, i3 * stride
         pw[k, 0, j], pw[k, 1, j], pw[k, 2, j], pw[k, 3, j] = w0, w1, w2, w3
@@ -194,7 +210,7 @@ def _plan(x, pos, m, mtok, padding, align, zero, deriv, base, pidx, pw, pd, pok,
                 f &= (pos[k, j] - pos[k, j]) == zero
             fin[j] = f
         else:
-            fin[j] = _generic_taps(r, sh, pos, j, len(mtok), padding, align, zero, pidx, pw, pd, pok)
+            fin[j] = _generic_taps(r, sh, pos, j, mtok, padding, align, zero, pidx, pw, pd, pok)
 
 
 # --- one position's gradients in one channel ---------------------------------------------
@@ -322,14 +338,15 @@ def _grad(x, xf, gx, xb, j, g, T, masked, interior, scatter, deriv, s1, s2, pidx
 # --- positions, and the tiles of grad_x that their taps reach ------------------------------
 
 @njit(**INLINE, **NO_NRT)
-def _positions(x, src, n, s0, m, osz, align, affine, one, xs, ys, zs, pos):
+def _positions(x, src, n, s0, m, osz, align, atok, one, xs, ys, zs, pos):
     """Positions ``s0 .. s0 + m`` of image ``n`` unnormalised into ``pos[k, :m]`` (axis
-    ``k`` of x's spatial axes, outermost first): from the flat grid ``src``, or from
-    the flat theta (affine_warp: its forward's ``positions``, so the same bits)."""
+    ``k`` of x's spatial axes, outermost first): from the flat grid ``src``, or, where
+    ``atok`` is ``SOURCE[True]``, from the flat theta (affine_warp: its forward's
+    ``positions`` over the base coordinates ``xs, ys, zs``, ``_bases``: the same bits)."""
     r = x.ndim - 2
     D, H, W = osz[0], osz[1], osz[2]
     P = D * H * W
-    if affine:
+    if len(atok):
         positions(x, src, n, s0, m, H, W, align, one, xs, ys, zs, pos)
     else:
         g0 = np.uint64((n * P + s0) * r)
@@ -337,6 +354,15 @@ def _positions(x, src, n, s0, m, osz, align, affine, one, xs, ys, zs, pos):
             for kk in range(r):
                 pos[kk, j] = unnormalize(src[g0 + j * np.uint64(r) + np.uint64(r - 1 - kk)], x.shape[2 + kk], align,
                                          one)
+
+
+@njit(**INLINE)
+def _bases(atok, osz, align, one, empty):
+    """The output's base coordinates on its x, y and z axes (``base_coords``) where the
+    positions come from theta (``atok``), else ``empty`` three times."""
+    if len(atok):
+        return base_coords(osz[2], align, one), base_coords(osz[1], align, one), base_coords(osz[0], align, one)
+    return empty, empty, empty
 
 
 @njit(**INLINE)
@@ -353,7 +379,7 @@ def _first_tap(p, size, mode, zero):
 
 
 @njit(**INTERNAL)
-def _boxes(x, src, osz, mode, padding, align, affine, zero, box, u0, u1):
+def _boxes(x, src, osz, mode, padding, align, atok, zero, box, u0, u1):
     """Segments ``u0:u1`` of all images' positions (segment ``u``: positions
     ``(u % nseg) * SEG`` on of image ``u // nseg``): on each outer axis ``k`` of x the
     first and last index any of its positions' taps can take, clamped (a position's
@@ -368,14 +394,12 @@ def _boxes(x, src, osz, mode, padding, align, affine, zero, box, u0, u1):
     T = TAPS[mode]
     one = as_compute(zero, 1)
     pos = np.zeros((3, SEG), type(zero))
-    xs = base_coords(W, align, one)
-    ys = base_coords(H, align, one)
-    zs = base_coords(D, align, one)
+    xs, ys, zs = _bases(atok, osz, align, one, pos[0, :0])
     for u in range(u0, u1):
         n = u // nseg
         s0 = (u - n * nseg) * SEG
         m = min(SEG, P - s0)
-        _positions(x, src, n, s0, m, osz, align, affine, one, xs, ys, zs, pos)
+        _positions(x, src, n, s0, m, osz, align, atok, one, xs, ys, zs, pos)
         for k in range(r - 1):
             size = x.shape[2 + k]
             lo = np.int32(size)
@@ -394,24 +418,24 @@ _boxes_op = opaque(_boxes)
 
 
 @njit(cache=True, parallel=True, nogil=True)
-def _boxes_parallel(x, src, osz, mode, padding, align, affine, zero, box, nchunks):
+def _boxes_parallel(x, src, osz, mode, padding, align, atok, zero, box, nchunks):
     units = box.shape[0]
     nchunks = min(units, nchunks)
     for c in prange(nchunks):
-        _boxes_op(x, src, osz, mode, padding, align, affine, zero, box, c * units // nchunks,
+        _boxes_op(x, src, osz, mode, padding, align, atok, zero, box, c * units // nchunks,
                   (c + 1) * units // nchunks)
 
 
 # --- units: (image, tile of grad_x, block of channels), segment by segment -----------------
 
 @njit(**INTERNAL)
-def _units(x, xf, gyf, src, gx, gpos, B, K, bounds, box, osz, mtok, padding, align, affine, want_x, want_pos, zero,
+def _units(x, xf, gyf, src, gx, gpos, B, K, bounds, box, osz, mtok, padding, align, atok, want_x, want_pos, zero,
            u0, u1):
     """Units ``u0:u1`` (image-major; unit ``(n, t, b)``: tile ``t`` of the ``K`` tiles of
     image ``n``'s grad_x, block ``b`` of its ``B`` blocks of channels). ``x`` (N, C,
     D1..Dr) in the compute type, ``xf`` its flat view; ``osz`` the output's spatial
     sizes as (D, H, W) (D = 1, H = 1 below 3-D); ``src`` the flat grid (N*P*r), or
-    theta (N*r*(r+1)) when ``affine``. Tiles (``tiled``: grad_x wanted, ``K > 1``):
+    theta (N*r*(r+1)) when ``atok`` is ``SOURCE[True]``. Tiles (``tiled``: grad_x wanted, ``K > 1``):
     the unit walks the segments of its image whose ``box`` (``_boxes``) meets its
     tile (``bounds[t]``: the first and last index + 1 on each outer axis) and
     scatters only the taps in the tile (the others are another unit's); a position's
@@ -460,9 +484,7 @@ def _units(x, xf, gyf, src, gx, gpos, B, K, bounds, box, osz, mtok, padding, ali
     scl = np.zeros(3, ct)
     for q in range(r):
         scl[q] = unnormalize_scale(x.shape[2 + q], align, one)
-    xs = base_coords(W, align, one)
-    ys = base_coords(H, align, one)
-    zs = base_coords(D, align, one)
+    xs, ys, zs = _bases(atok, osz, align, one, scl[:0])
     for u in range(u0, u1):
         n = u // (K * B)
         t = (u - n * K * B) // B
@@ -486,7 +508,7 @@ def _units(x, xf, gyf, src, gx, gpos, B, K, bounds, box, osz, mtok, padding, ali
                         (box[n * nseg + s0 // SEG, k, 1] >= bounds[t, k, 0])
                 if not meets:
                     continue
-            _positions(x, src, n, s0, m, osz, align, affine, one, xs, ys, zs, pos)
+            _positions(x, src, n, s0, m, osz, align, atok, one, xs, ys, zs, pos)
             _plan(x, pos, m, mtok, padding, align, zero, deriv, base, pidx, pw, pd, pok, kind, fin)
             if tiled:  # the unit's share of each position: all, some (tap by tap) or none of its taps
                 for k in range(r - 1):
@@ -570,18 +592,18 @@ _units_op = opaque(_units)
 
 
 @njit(cache=True, nogil=True)
-def _serial(x, xf, gyf, src, gx, gpos, B, K, bounds, box, osz, mtok, padding, align, affine, want_x, want_pos, zero):
-    _units_op(x, xf, gyf, src, gx, gpos, B, K, bounds, box, osz, mtok, padding, align, affine, want_x, want_pos, zero,
+def _serial(x, xf, gyf, src, gx, gpos, B, K, bounds, box, osz, mtok, padding, align, atok, want_x, want_pos, zero):
+    _units_op(x, xf, gyf, src, gx, gpos, B, K, bounds, box, osz, mtok, padding, align, atok, want_x, want_pos, zero,
               0, x.shape[0] * K * B)
 
 
 @njit(cache=True, parallel=True, nogil=True)
-def _parallel(x, xf, gyf, src, gx, gpos, B, K, bounds, box, osz, mtok, padding, align, affine, want_x, want_pos, zero,
+def _parallel(x, xf, gyf, src, gx, gpos, B, K, bounds, box, osz, mtok, padding, align, atok, want_x, want_pos, zero,
               nchunks):
     units = x.shape[0] * K * B
     nchunks = min(units, nchunks)
     for c in prange(nchunks):
-        _units_op(x, xf, gyf, src, gx, gpos, B, K, bounds, box, osz, mtok, padding, align, affine, want_x, want_pos,
+        _units_op(x, xf, gyf, src, gx, gpos, B, K, bounds, box, osz, mtok, padding, align, atok, want_x, want_pos,
                   zero, c * units // nchunks, (c + 1) * units // nchunks)
 
 
@@ -653,7 +675,7 @@ def plan_units(N, C, P, spatial, nth, want_x=True):
     return B, _per_image(N, B, P, nth), 1
 
 
-def _tiles(x, src, osz, mode, padding, align, affine, zero, K1, K2):
+def _tiles(x, src, osz, mode, padding, align, atok, zero, K1, K2):
     """``(bounds, box)``: each tile's first and last index + 1 on the outer axes, and
     each segment's box (``_boxes``)."""
     N, r = int(x.shape[0]), x.ndim - 2
@@ -666,7 +688,7 @@ def _tiles(x, src, osz, mode, padding, align, affine, zero, K1, K2):
     P = int(np.prod(osz))
     box = np.zeros((N * ((P + SEG - 1) // SEG), 2, 2), np.int32)
     with _runtime.POOL_LOCK:  # (tiles are cut for several threads only: no serial twin to compile)
-        _boxes_parallel(x, src, osz, np.int64(mode), np.int64(padding), align, affine, zero, box,
+        _boxes_parallel(x, src, osz, np.int64(mode), np.int64(padding), align, atok, zero, box,
                         _runtime.ITEMS_PER_THREAD * _runtime.num_threads())
     return bounds, box
 
@@ -694,12 +716,12 @@ def run(x, gy, src, out_spatial, mode, padding, align, affine, want_x, want_pos)
         srcc = widened(src).reshape(-1)
         xc = widened(x)
         if want_x and K > 1:
-            bounds, box = _tiles(xc, srcc, osz, mode, padding, bool(align), bool(affine), zero, K1, K2)
+            bounds, box = _tiles(xc, srcc, osz, mode, padding, bool(align), SOURCE[bool(affine)], zero, K1, K2)
         else:
             bounds, box = np.zeros((1, 2, 2), np.int64), np.zeros((1, 2, 2), np.int32)
         _runtime.run(_serial, _parallel, work, xc, xc.reshape(-1), widened(gy).reshape(-1), srcc, gx, gpos,
                      np.int64(B), np.int64(K), bounds, box, osz, TOKEN[mode], np.int64(padding), bool(align),
-                     bool(affine), bool(want_x), bool(want_pos), zero)
+                     SOURCE[bool(affine)], bool(want_x), bool(want_pos), zero)
         if want_pos and B > 1:
             out = np.empty(N * P * r, ct)
             _runtime.call(_sum_buffers_serial, _sum_buffers, B * N * P * r, gpos, B, N * P * r, out)
