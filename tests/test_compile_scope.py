@@ -1,5 +1,6 @@
 """A forward call compiles (or loads from the JIT cache) what it runs and nothing more:
-no backward kernel, and no other mode, padding, rank or dtype variant of its own.
+no backward kernel, and no other mode, padding, rank or dtype variant of its own; a
+sampling backward compiles no other mode, rank, dtype or source of positions.
 
 The calls run in turn in one fresh process (over the test session's cache, so that
 their compilation is the one the other tests would do anyway); after each, every
@@ -44,14 +45,23 @@ def call(spec):
     rng = np.random.default_rng(0)
     op, nd = spec["op"], spec["nd"]
     dt = np_dtype(spec.get("dtype", "float32"))
+    back = spec.get("backward", False)  # the backward alone (its forward's variant is another call's)
     if op == "grid_sample":
         x = rng.standard_normal((1, 2) + (5,) * nd).astype(dt)
         g = rng.uniform(-1.2, 1.2, (1,) + (4,) * nd + (nd,)).astype(dt)
-        numba_ops.grid_sample(x, g, mode=spec["mode"], padding_mode=spec["padding"], device="cpu")
+        attrs = dict(mode=spec["mode"], padding_mode=spec["padding"], device="cpu")
+        if back:
+            numba_ops.grid_sample_backward(np.ones((1, 2) + (4,) * nd, dt), x, g, **attrs)
+        else:
+            numba_ops.grid_sample(x, g, **attrs)
     elif op == "affine_warp":
         x = rng.standard_normal((1, 2) + (5,) * nd).astype(dt)
         theta = np.concatenate([np.eye(nd), np.full((nd, 1), 0.1)], 1)[None].astype(dt)
-        numba_ops.affine_warp(x, theta, mode=spec["mode"], padding_mode=spec["padding"], device="cpu")
+        attrs = dict(mode=spec["mode"], padding_mode=spec["padding"], device="cpu")
+        if back:
+            numba_ops.affine_warp_backward(np.ones_like(x), x, theta, **attrs)
+        else:
+            numba_ops.affine_warp(x, theta, **attrs)
     else:  # deform_conv: spec["o"] output positions per axis (1: the direct loops; more: the tiled path)
         o = spec["o"]
         x = rng.standard_normal((1, 4) + (o + 2,) * nd).astype(dt)
@@ -62,7 +72,8 @@ def call(spec):
     want = {"x": str(typeof(x)) if dt.kind != "V" else dt.name, "tok": str(typeof(x.shape[2:]))}  # (numba has no bfloat16)
     if "mode" in spec:
         want.update(mtok=str(typeof((0,) * MODES[spec["mode"]])),
-                    ptok=str(typeof((0,) * PADDING_MODES[spec["padding"]])))
+                    ptok=str(typeof((0,) * PADDING_MODES[spec["padding"]])),
+                    atok=str(typeof((0,) * (op == "affine_warp"))))  # (the backward's source of positions)
     return want
 
 out = []
@@ -80,7 +91,8 @@ print("@@" + json.dumps(out))
 """
 
 #: ``_sample``'s helpers that only gradients use
-GRADIENT_HELPERS = {"unnormalize_scale", "cubic_dweights", "grad_taps_at", "grad_taps"}
+GRADIENT_HELPERS = {"unnormalize_scale", "cubic_dweights", "grad_taps_at", "grad_taps", "grad_taps_nearest",
+                    "grad_taps_linear", "grad_taps_cubic"}
 
 
 CALLS = [
@@ -118,6 +130,32 @@ def test_forward_compiles_its_own_variant_alone(compiled, i):
         for j in chosen:
             got = rec["plain"][0][j]
             assert got == want[rec["params"][j]], f"{name}: {rec['params'][j]} is {got}, not the call's {want}"
+
+
+BACKWARD_CALLS = [
+    {"op": "grid_sample", "nd": 2, "mode": "linear", "padding": "border", "backward": True},
+    {"op": "affine_warp", "nd": 3, "mode": "cubic", "padding": "zeros", "backward": True},
+]
+
+
+def test_backward_compiles_its_own_variant_alone():
+    """A GridSample or affine_warp backward compiles its own rank, dtype, mode and source
+    of positions (grid or theta) alone; the padding is a run-time code there. With an
+    empty cache it is also seen that no other mode's taps compile."""
+    for spec, rec in zip(BACKWARD_CALLS, _run(BACKWARD_CALLS)):
+        want, compiled = rec["want"], rec["compiled"]
+        assert any(k.startswith("numba_ops.kernels.cpu.grid_sample_backward.") for k in compiled), compiled.keys()
+        others = {"linear": ("grad_taps_nearest", "grad_taps_cubic", "nearest_at", "cubic_at"),
+                  "cubic": ("grad_taps_nearest", "grad_taps_linear", "nearest_at", "linear_at")}[spec["mode"]]
+        assert not [k for k in compiled if k.split(".")[-1] in others], (spec, sorted(compiled))
+        for name, rec in compiled.items():
+            chosen = [j for j, p in enumerate(rec["params"]) if p in want]
+            if not chosen:
+                continue
+            assert len(rec["plain"]) == 1, f"{name} compiled {len(rec['plain'])} variants: {rec['plain']}"
+            for j in chosen:
+                got = rec["plain"][0][j]
+                assert got == want[rec["params"][j]], f"{name}: {rec['params'][j]} is {got}, not the call's {want}"
 
 
 def test_16bit_forward_compiles_nothing_of_its_own():
