@@ -71,3 +71,51 @@ def shaped(typingctx, a, shape):
                    for v, t in zip(cgutils.unpack_tuple(builder, args[1], len(shape)), sig.args[1])]
         return _view(context, builder, sig.args[0], args[0], rt, extents)
     return rt(a, shape), codegen
+
+
+@intrinsic
+def carve(typingctx, buf, start, like, shape):
+    """A C-contiguous array of ``like``'s type (a number or a bool) with the extents of
+    the integer tuple ``shape``, over the bytes of ``buf`` (a C-contiguous uint8
+    array) from byte ``start`` on; it keeps ``buf``'s memory alive. The caller keeps it
+    aligned and inside ``buf``. One allocation then serves arrays of several dtypes and
+    ranks, where numba compiles ``np.zeros`` once per dtype and rank (0.15-0.2 s each:
+    GridSample's segment buffers took 1.3 s of its first call's compilation)."""
+    if not isinstance(buf, types.Array) or buf.layout != "C" or buf.dtype != types.uint8 \
+            or not isinstance(start, types.Integer) or not isinstance(like, (types.Number, types.Boolean)) \
+            or not isinstance(shape, types.BaseTuple) or len(shape) == 0 \
+            or not all(isinstance(t, types.Integer) for t in shape):
+        return None
+    dtype = types.unliteral(like)
+    rt = types.Array(dtype, len(shape), "C")
+
+    def codegen(context, builder, sig, args):
+        bty = sig.args[0]
+        src = context.make_array(bty)(context, builder, args[0])
+        out = context.make_array(rt)(context, builder)
+        itemsize = context.get_constant(types.intp, context.get_abi_sizeof(context.get_data_type(dtype)))
+        extents = [context.cast(builder, v, t, types.intp)
+                   for v, t in zip(cgutils.unpack_tuple(builder, args[3], len(shape)), sig.args[3])]
+        strides = [itemsize]
+        for extent in reversed(extents[1:]):
+            strides.insert(0, builder.mul(strides[0], extent))
+        first = context.cast(builder, args[1], sig.args[1], types.intp)
+        data = builder.bitcast(builder.gep(src.data, [first]), context.get_data_type(dtype).as_pointer())
+        context.populate_array(out, data=data, shape=cgutils.pack_array(builder, extents),
+                               strides=cgutils.pack_array(builder, strides), itemsize=itemsize,
+                               meminfo=src.meminfo, parent=src.parent)
+        res = struct_value(out)
+        context.nrt.incref(builder, rt, res)
+        return res
+    return rt(buf, start, like, shape), codegen
+
+
+def layout(*parts):
+    """``(offsets, total)``: the byte offsets of buffers of ``parts`` (each ``(elements,
+    itemsize)``) laid out one after another in one allocation, each 64-byte aligned
+    (for ``carve``), and the bytes in all."""
+    offsets, o = [], 0
+    for n, size in parts:
+        offsets.append(o)
+        o += -(-n * size // 64) * 64
+    return tuple(offsets), o

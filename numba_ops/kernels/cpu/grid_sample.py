@@ -68,6 +68,7 @@ from . import _runtime
 from ._copies import narrowed, widened
 from ._gather import direct, gather_safe, gathered, lanes, prefetch
 from ._opaque import INLINE, INTERNAL, opaque
+from ._views import carve, layout
 
 #: grid dtypes; ``x`` has the same dtype, or uint8
 DTYPES = NAMES  # the dtypes these kernels take (the dispatcher checks them)
@@ -526,6 +527,12 @@ def accumulate(x, xf, out, xb, xs, ob, os, C, m, mtok, ptok, count, full, base, 
         o += osu
 
 
+#: byte offsets of ``scratch``'s buffers in its one allocation (pos, base, pidx, pw, pok,
+#: kind, res, bkind; sized for float64, float32 leaves gaps), and its bytes
+_SCRATCH_AT, _SCRATCH_BYTES = layout((3 * SEG, 8), (SEG, 4), (12 * SEG, 8), (12 * SEG, 8), (12 * SEG, 1), (SEG, 1),
+                                     (16, 8), (SEG // 8 + 1, 1))
+
+
 @njit(**INTERNAL)
 def scratch(zero):
     """``(pos, base, pidx, pw, pok, kind, res, bkind)``: one thread's segment buffers
@@ -534,10 +541,14 @@ def scratch(zero):
     AVX-512 masked stores, and a masked store to a page not yet touched (fresh
     memory, or one that the OS took back) takes a microcode assist even with every
     lane off: with buffers from ``np.empty`` two threads ran 4-8x slower than one on
-    a Zen 5 VM."""
-    return (np.zeros((3, SEG), type(zero)), np.zeros(SEG, np.int32), np.zeros((3, 4, SEG), np.int64),
-            np.zeros((3, 4, SEG), type(zero)), np.zeros((3, 4, SEG), np.bool_), np.zeros(SEG, np.uint8),
-            np.zeros(16, type(zero)), np.zeros(SEG // 8 + 1, np.uint8))
+    a Zen 5 VM. One allocation, carved (``_views.carve``: ``np.zeros`` compiles once
+    per dtype and rank)."""
+    buf = np.zeros(_SCRATCH_BYTES, np.uint8)
+    at = _SCRATCH_AT
+    return (carve(buf, at[0], zero, (3, SEG)), carve(buf, at[1], np.int32(0), (SEG,)),
+            carve(buf, at[2], np.int64(0), (3, 4, SEG)), carve(buf, at[3], zero, (3, 4, SEG)),
+            carve(buf, at[4], False, (3, 4, SEG)), carve(buf, at[5], np.uint8(0), (SEG,)),
+            carve(buf, at[6], zero, (16,)), carve(buf, at[7], np.uint8(0), (SEG // 8 + 1,)))
 
 
 # --- GridSample ------------------------------------------------------------------------

@@ -77,6 +77,7 @@ from .._sample import (CUBIC, LINEAR, NEAREST, REFLECTION, TAPS, ZEROS, as_compu
                        grad_taps_linear, grad_taps_nearest, period, split_coord, unnormalize, unnormalize_scale)
 from . import _runtime
 from ._copies import narrowed, widened
+from ._views import carve, layout
 from ._opaque import INLINE, INTERNAL, opaque
 from . import affine_grid_backward
 from .affine_grid import base_coords
@@ -428,6 +429,14 @@ def _boxes_parallel(x, src, osz, mode, padding, align, atok, zero, box, nchunks)
 
 # --- units: (image, tile of grad_x, block of channels), segment by segment -----------------
 
+#: byte offsets of a unit's buffers in its one allocation (``_units``: pos, base, pidx, pw,
+#: pd, pok, kind, fin, home, gyv, ti, own, dv, res, bkind, ga, scl; sized for float64),
+#: and its bytes
+_UNIT_AT, _UNIT_BYTES = layout((3 * SEG, 8), (SEG, 4), (12 * SEG, 8), (12 * SEG, 8), (12 * SEG, 8), (12 * SEG, 1),
+                               (SEG, 1), (SEG, 1), (SEG, 1), (SEG, 8), (3 * SEG, 8), (6, 8), (3 * SEG, 8), (16, 8),
+                               (SEG // 8 + 1, 1), (3 * SEG, 8), (3, 8))
+
+
 @njit(**INTERNAL)
 def _units(x, xf, gyf, src, gx, gpos, B, K, bounds, box, osz, mtok, padding, align, atok, want_x, want_pos, zero,
            u0, u1):
@@ -461,27 +470,31 @@ def _units(x, xf, gyf, src, gx, gpos, B, K, bounds, box, osz, mtok, padding, ali
     nseg = (P + SEG - 1) // SEG
     one = as_compute(zero, 1)
     nan = as_compute(zero, np.nan)
-    ct = type(zero)
-    # zeroed (the forward's ``scratch``: masked stores to untouched pages are slow)
-    pos = np.zeros((3, SEG), ct)
-    base = np.zeros(SEG, np.int32)
-    pidx = np.zeros((3, 4, SEG), np.int64)
-    pw = np.zeros((3, 4, SEG), ct)
-    pd = np.zeros((3, 4, SEG), ct)
-    pok = np.zeros((3, 4, SEG), np.bool_)
-    kind = np.zeros(SEG, np.uint8)
-    fin = np.zeros(SEG, np.bool_)
-    home = np.ones(SEG, np.bool_)  # whether the unit writes the position's gradient
-    gyv = np.zeros(SEG, ct)  # one channel's grad_y at the segment's positions
-    ti = np.zeros((3, SEG), np.int64)  # tiled: interior positions' first taps, outer axes
-    own = np.zeros((3, 2), np.int64)  # tiled: the tile's offsets on the outer axes
-    dv = np.zeros(3 * SEG, ct)  # one channel's d sample / d pos, per axis and position
-    res = np.zeros(16, ct)
+    # zeroed (the forward's ``scratch``: masked stores to untouched pages are slow), in one
+    # allocation (``_views.carve``: ``np.zeros`` compiles once per dtype and rank)
+    buf = np.zeros(_UNIT_BYTES, np.uint8)
+    at = _UNIT_AT
+    pos = carve(buf, at[0], zero, (3, SEG))
+    base = carve(buf, at[1], np.int32(0), (SEG,))
+    pidx = carve(buf, at[2], np.int64(0), (3, 4, SEG))
+    pw = carve(buf, at[3], zero, (3, 4, SEG))
+    pd = carve(buf, at[4], zero, (3, 4, SEG))
+    pok = carve(buf, at[5], False, (3, 4, SEG))
+    kind = carve(buf, at[6], np.uint8(0), (SEG,))
+    fin = carve(buf, at[7], False, (SEG,))
+    home = carve(buf, at[8], False, (SEG,))  # whether the unit writes the position's gradient
+    for j in range(SEG):
+        home[j] = True
+    gyv = carve(buf, at[9], zero, (SEG,))  # one channel's grad_y at the segment's positions
+    ti = carve(buf, at[10], np.int64(0), (3, SEG))  # tiled: interior positions' first taps, outer axes
+    own = carve(buf, at[11], np.int64(0), (3, 2))  # tiled: the tile's offsets on the outer axes
+    dv = carve(buf, at[12], zero, (3 * SEG,))  # one channel's d sample / d pos, per axis and position
+    res = carve(buf, at[13], zero, (16,))
     wd = (pw, pd)  # (a tuple of arrays built in the loop would count references there)
     V = lanes(pw)
-    bkind = np.zeros(SEG // 8 + 1, np.uint8)
-    ga = np.zeros((3, SEG), ct)  # d loss / d pos, per axis and position, summed over channels
-    scl = np.zeros(3, ct)
+    bkind = carve(buf, at[14], np.uint8(0), (SEG // 8 + 1,))
+    ga = carve(buf, at[15], zero, (3, SEG))  # d loss / d pos, per axis and position, summed over channels
+    scl = carve(buf, at[16], zero, (3,))
     for q in range(r):
         scl[q] = unnormalize_scale(x.shape[2 + q], align, one)
     xs, ys, zs = _bases(atok, osz, align, one, scl[:0])
