@@ -47,7 +47,10 @@ def _gemm(trans_a):
             dt = sig.args[0].dtype
             fn, kind = _xxgemm(context, builder, dt)
             char, vp = ir.IntType(8), ir.IntType(8).as_pointer()
-            av = [context.cast(builder, v, t, types.intp) for v, t in zip(args, sig.args)]
+            # the integer arguments as intp (an array cast to intp would be numba's size-1
+            # array-to-scalar conversion: np.take compiled for nothing, 0.36 s)
+            av = [context.cast(builder, v, t, types.intp) if isinstance(t, types.Integer) else None
+                  for v, t in zip(args, sig.args)]
 
             def ptr(i):
                 data = context.make_array(sig.args[i])(context, builder, args[i]).data
