@@ -77,8 +77,8 @@ from .._sample import (CUBIC, LINEAR, NEAREST, REFLECTION, TAPS, ZEROS, as_compu
                        grad_taps_linear, grad_taps_nearest, period, split_coord, unnormalize, unnormalize_scale)
 from . import _runtime
 from ._copies import narrowed, widened
-from ._views import carve, layout
 from ._opaque import INLINE, INTERNAL, opaque
+from ._views import carve, layout
 from . import affine_grid_backward
 from .affine_grid import base_coords
 from .affine_warp import positions
