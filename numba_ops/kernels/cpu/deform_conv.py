@@ -87,7 +87,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic, overload
 
 from .._compat import impl_ret_borrowed
-from .._dtypes import NAMES, compute
+from .._dtypes import NAMES
 from .._sample import as_compute
 from .._scalar import border_corner, load, store
 from . import _runtime
@@ -1021,28 +1021,28 @@ def launch(x, w, offset, b, mask, p, origin=None):
     16-bit inputs are computed in float32 on widened copies and the result rounded
     once: the kernels compile for float32 and float64 alone."""
     dt = x.dtype
-    if compute(dt) != dt:
+    if dt.itemsize == 2:  # float16, bfloat16 (of the four dtypes the dispatcher lets through)
         up = lambda a: None if a is None else widened(a)  # noqa: E731
         return narrowed(launch(up(x), up(w), up(offset), up(b), up(mask), p, origin), dt)
     st = state(x, w, p, origin)
     y = np.empty(st.yshape, x.dtype)
     if st.empty:
         return y
-    # (a small call runs on the caller's thread: asking the pool costs a tiny call 15 %)
-    lp = plan(st, x, w, mask is not None, b is not None,
-              1 if st.small else _runtime.num_threads() if _runtime.pool_usable() else 1)
+    # the kernels take C-contiguous arrays only (one layout to compile; ``_views``)
+    c = np.ascontiguousarray
+    if st.small:  # the caller's thread, the one-thread tiling: no pool to ask, no plan to make
+        # (each cost a tiny call ~10 %: what ``plan`` would give, taken directly)
+        meta = st.tilings[1].metas[2 * (mask is not None) + (b is not None)]
+        args = (c(x), c(w), c(offset), c(offset if mask is None else mask), c(st.nob if b is None else b), y)
+        (_direct if st.direct else _serial)(*args, meta)
+        return y
+    lp = plan(st, x, w, mask is not None, b is not None, _runtime.num_threads() if _runtime.pool_usable() else 1)
     if mask is None:
         mask = offset  # never read
     if b is None:
         b = st.nob
-    # the kernels take C-contiguous arrays only (one layout to compile; ``_views``)
-    c = np.ascontiguousarray
     args = (c(x), c(w), c(offset), c(mask), c(b), y)
-    if lp.mode == DIRECT:
-        _direct(*args, lp.meta)
-    elif st.small:
-        _serial(*args, lp.meta)
-    elif lp.mode == SERIAL:  # the caller's thread alone: no pool, so no pool lock (Dask tasks run side by side)
+    if lp.mode == SERIAL:  # the caller's thread alone: no pool, so no pool lock (Dask tasks run side by side)
         with ONE_THREAD:
             _serial(*args, lp.meta)
     else:
