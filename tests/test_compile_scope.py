@@ -110,6 +110,19 @@ def _run(calls):
     return json.loads(p.stdout.split("@@")[-1])
 
 
+def _assert_own_variant(compiled, want):
+    """Every function that takes a variant-selecting argument (``want``'s names) compiled
+    one variant, the call's."""
+    for name, rec in compiled.items():
+        chosen = [j for j, p in enumerate(rec["params"]) if p in want]
+        if not chosen:
+            continue
+        assert len(rec["plain"]) == 1, f"{name} compiled {len(rec['plain'])} variants: {rec['plain']}"
+        for j in chosen:
+            got = rec["plain"][0][j]
+            assert got == want[rec["params"][j]], f"{name}: {rec['params'][j]} is {got}, not the call's {want}"
+
+
 @pytest.fixture(scope="module")
 def compiled():
     return _run(CALLS)
@@ -122,14 +135,7 @@ def test_forward_compiles_its_own_variant_alone(compiled, i):
     backward = sorted(k for k in compiled if k.split(".")[-2].endswith("_backward")
                       or (k.startswith("numba_ops.kernels._sample.") and k.split(".")[-1] in GRADIENT_HELPERS))
     assert not backward, f"a {spec['op']} forward compiled backward code: {backward}"
-    for name, rec in compiled.items():
-        chosen = [j for j, p in enumerate(rec["params"]) if p in want]
-        if not chosen:
-            continue
-        assert len(rec["plain"]) == 1, f"{name} compiled {len(rec['plain'])} variants: {rec['plain']}"
-        for j in chosen:
-            got = rec["plain"][0][j]
-            assert got == want[rec["params"][j]], f"{name}: {rec['params'][j]} is {got}, not the call's {want}"
+    _assert_own_variant(compiled, want)
 
 
 BACKWARD_CALLS = [
@@ -148,14 +154,7 @@ def test_backward_compiles_its_own_variant_alone():
         others = {"linear": ("grad_taps_nearest", "grad_taps_cubic", "nearest_at", "cubic_at"),
                   "cubic": ("grad_taps_nearest", "grad_taps_linear", "nearest_at", "linear_at")}[spec["mode"]]
         assert not [k for k in compiled if k.split(".")[-1] in others], (spec, sorted(compiled))
-        for name, rec in compiled.items():
-            chosen = [j for j, p in enumerate(rec["params"]) if p in want]
-            if not chosen:
-                continue
-            assert len(rec["plain"]) == 1, f"{name} compiled {len(rec['plain'])} variants: {rec['plain']}"
-            for j in chosen:
-                got = rec["plain"][0][j]
-                assert got == want[rec["params"][j]], f"{name}: {rec['params'][j]} is {got}, not the call's {want}"
+        _assert_own_variant(compiled, want)
 
 
 def test_16bit_forward_compiles_nothing_of_its_own():

@@ -999,17 +999,21 @@ class LaunchPlan(NamedTuple):
     tiling: object
 
 
+def _meta(tiling, has_mask, has_b):
+    """The packed vector of ``tiling`` for a call with or without mask and bias."""
+    return tiling.metas[2 * bool(has_mask) + bool(has_b)]
+
+
 def plan(st, x, w, has_mask, has_b, nth):
     """The ``LaunchPlan`` of a call of state ``st`` (inputs ``x``, ``w``; with or without
     mask and bias) on ``nth`` threads: what ``launch`` runs, and numba_ops.onnx's
     session on onnxruntime's pool (``task``, ``on_caller``)."""
-    i = 2 * bool(has_mask) + bool(has_b)
     if st.empty:
         return LaunchPlan(EMPTY, None, None)
     if st.small:
-        return LaunchPlan(DIRECT if st.direct else SERIAL, st.tilings[1].metas[i], None)
+        return LaunchPlan(DIRECT if st.direct else SERIAL, _meta(st.tilings[1], has_mask, has_b), None)
     t = st.tiling(nth, x, w)
-    return LaunchPlan(SERIAL if nth == 1 else TILED, t.metas[i], t)
+    return LaunchPlan(SERIAL if nth == 1 else TILED, _meta(t, has_mask, has_b), t)
 
 def launch(x, w, offset, b, mask, p, origin=None):
     """Compute DeformConv for validated inputs (see numba_ops.deform_conv).
@@ -1032,7 +1036,7 @@ def launch(x, w, offset, b, mask, p, origin=None):
     c = np.ascontiguousarray
     if st.small:  # the caller's thread, the one-thread tiling: no pool to ask, no plan to make
         # (each cost a tiny call ~10 %: what ``plan`` would give, taken directly)
-        meta = st.tilings[1].metas[2 * (mask is not None) + (b is not None)]
+        meta = _meta(st.tilings[1], mask is not None, b is not None)
         args = (c(x), c(w), c(offset), c(offset if mask is None else mask), c(st.nob if b is None else b), y)
         (_direct if st.direct else _serial)(*args, meta)
         return y
