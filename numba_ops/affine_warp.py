@@ -187,8 +187,8 @@ def affine_warp_backward(grad_y: ArrayLike, x: ArrayLike, theta: ArrayLike,
 def warm_calls(dtype):
     """``(args, kwargs)`` of tiny CPU calls of ``affine_warp`` that together compile
     every kernel variant for the float dtype named ``dtype`` (theta's; x of that
-    dtype and uint8): 2-D and 3-D, each mode and padding mode (each compiles its
-    own kernels), on the serial and the parallel path."""
+    dtype and uint8): 2-D and 3-D, each mode (each compiles its own kernels) with
+    every padding mode (a run-time code), on the serial and the parallel path."""
     from .kernels.cpu._runtime import PARALLEL_MIN_WORK
     dt = np_dtype(dtype)
     calls = []

@@ -236,8 +236,9 @@ def no_uint8(x):
 def warm_calls(dtype):
     """``(args, kwargs)`` of tiny CPU calls of ``grid_sample`` that together compile
     every kernel variant for the float dtype named ``dtype`` (the grid's; x of that
-    dtype and uint8): each r = 1, 2, 3, mode and padding mode (each compiles its
-    own kernels), on the serial and the parallel path."""
+    dtype and uint8): each r = 1, 2, 3 and mode (each compiles its own kernels)
+    with every padding mode (a run-time code: one compilation serves the three), on
+    the serial and the parallel path."""
     from .kernels.cpu._runtime import PARALLEL_MIN_WORK
     dt = np_dtype(dtype)
     calls = []
@@ -254,8 +255,8 @@ def warm_calls(dtype):
 
 def warm_backward_calls(dtype):
     """``(args, kwargs)`` of ``grid_sample_backward`` calls that compile its CPU kernels
-    for float dtype ``dtype``: each r = 1, 2, 3, mode and padding mode (compile-time
-    constants there), a tiny call (serial) and one past the pool's threshold (parallel;
+    for float dtype ``dtype``: each r = 1, 2, 3 and mode (compile-time constants
+    there) with every padding mode (a run-time code), a tiny call (serial) and one past the pool's threshold (parallel;
     one image large enough to be cut into tiles on several threads)."""
     from .kernels.cpu._runtime import PARALLEL_MIN_WORK
     from .kernels.cpu.grid_sample_backward import MIN_TILE
@@ -271,5 +272,6 @@ def warm_backward_calls(dtype):
 
 
 def every_mode(args):
-    """``(args, kwargs)`` for each mode x padding mode (each compiles its own kernels)."""
+    """``(args, kwargs)`` for each mode x padding mode (each mode compiles its own
+    kernels; each padding runs them once, which checks its paths)."""
     return [(args, {"mode": mode, "padding_mode": padding}) for mode in MODES for padding in PADDING_MODES]

@@ -1,14 +1,14 @@
 """A forward call compiles (or loads from the JIT cache) what it runs and nothing more:
-no backward kernel, and no other mode, padding, rank or dtype variant of its own; a
+no backward kernel, and no other mode, rank or dtype variant of its own; a
 sampling backward compiles no other mode, rank, dtype or source of positions.
 
 The calls run in turn in one fresh process (over the test session's cache, so that
 their compilation is the one the other tests would do anyway); after each, every
 numba dispatcher of numba_ops reports the signatures it gained. A kernel's variant
 shows in the arguments that select it: ``x`` (the input: rank and dtype), ``tok`` (DeformConv's
-spatial shape: the rank), ``mtok`` and ``ptok`` (GridSample's mode and padding
-tokens). Every signature of a function taking one of those must be the call's
-variant, and such a function must have one signature once literal arguments count as
+spatial shape: the rank), ``mtok`` (GridSample's mode token; the padding is a
+run-time code, one variant for all three). Every signature of a function taking
+one of those must be the call's variant, and such a function must have one signature once literal arguments count as
 their plain types (a helper called with a literal ``1`` and with a variable is one
 variant). With an empty cache every function compiled is seen; with a filled one the
 entries and the functions they call through their own code (``_opaque``), which hold
@@ -27,7 +27,7 @@ import numpy as np
 import numba_ops
 from numba import typeof, types
 from numba_ops._dtypes import np_dtype
-from numba_ops.kernels._modes import MODES, PADDING_MODES
+from numba_ops.kernels._modes import MODES
 
 def signatures():
     out = {}
@@ -72,7 +72,6 @@ def call(spec):
     want = {"x": str(typeof(x)) if dt.kind != "V" else dt.name, "tok": str(typeof(x.shape[2:]))}  # (numba has no bfloat16)
     if "mode" in spec:
         want.update(mtok=str(typeof((0,) * MODES[spec["mode"]])),
-                    ptok=str(typeof((0,) * PADDING_MODES[spec["padding"]])),
                     atok=str(typeof((0,) * (op == "affine_warp"))))  # (the backward's source of positions)
     return want
 

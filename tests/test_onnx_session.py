@@ -557,6 +557,26 @@ def test_errors_from_onnxruntime_threads_parallel_mode_and_run_async():
 # --- the compiled route: every op, its report, its fallback ----------------------------------
 
 @pytest.mark.skipif(sys.platform != "linux", reason="the compiled route is built for Linux")
+def test_grid_sample_nodes_of_each_padding_in_one_session(rng):
+    """Three GridSample nodes that differ in their padding alone, in one session: the
+    padding is a run-time value of one compiled task, and each node computes with its
+    own (a grid reaching outside the input, where the three differ)."""
+    x = _values(rng, (2, 3, 5, 6), "float32")
+    grid = _values(rng, (2, 4, 3, 2), "float32", uniform=(-1.6, 1.6))
+    pads = ("zeros", "border", "reflection")
+    nodes = [helper.make_node("GridSample", ["X", "grid"], [f"Y{i}"], name=f"gs{i}", padding_mode=p)
+             for i, p in enumerate(pads)]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info(n, TP.FLOAT, None) for n in ("X", "grid")],
+                          [helper.make_tensor_value_info(f"Y{i}", TP.FLOAT, None) for i in range(3)])
+    s = session(helper.make_model(g, opset_imports=[helper.make_opsetid("", 22)]))
+    assert {r.route for r in s.numba_ops_nodes} == {"compiled"}
+    got = s.run(None, {"X": x, "grid": grid})
+    wants = [numba_ops.grid_sample(x, grid, padding_mode=p) for p in pads]
+    for y, want in zip(got, wants):
+        _equal(y, want)
+    assert not np.array_equal(wants[0], wants[1]) and not np.array_equal(wants[1], wants[2])
+
+
 def test_every_op_takes_the_compiled_route(rng):
     """DeformConv, GridSample, AffineGrid and AffineWarp nodes all run compiled on
     onnxruntime's pool (the profiler sees the compiled operators), the report says so,

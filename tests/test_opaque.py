@@ -30,14 +30,19 @@ MODULE = textwrap.dedent('''
     def twice(v):
         return 2 * v
 
-    heavy_op, twice_op = opaque(heavy), opaque(twice)
+    @njit(cache=True)
+    def split(v):
+        return np.int64(v), v > 3.0
+
+    heavy_op, twice_op, split_op = opaque(heavy), opaque(twice), opaque(split)
 
     @njit(cache=True)
     def serial(a, n):
         out = np.empty(n)
         for k in range(n):
             heavy_op(a, k, out, k)
-        return out, twice_op(3.5)
+        i, big = split_op(twice_op(3.5))
+        return out, twice_op(3.5), i, big
 
     @njit(cache=True)
     def raiser(a):
@@ -58,7 +63,7 @@ PROBE = textwrap.dedent('''
     sys.path.insert(0, sys.argv[1])
     import opaque_probe as m
     a = np.linspace(0, 1, 50)
-    out, t = m.serial(a, 4)
+    out, t, i, big = m.serial(a, 4)
     par = m.parallel(a, 4)
     try:
         m.raiser(a)
@@ -66,7 +71,8 @@ PROBE = textwrap.dedent('''
     except ValueError as e:
         bad = str(e)
     hits = sum(sum(f.stats.cache_hits.values()) for f in (m.serial, m.parallel, m.raiser))
-    print(json.dumps({"serial": out.tolist(), "twice": t, "parallel": par.tolist(), "raised": bad, "hits": hits}))
+    print(json.dumps({"serial": out.tolist(), "twice": t, "split": [i, big], "parallel": par.tolist(),
+                      "raised": bad, "hits": hits}))
 ''')
 
 
@@ -97,6 +103,7 @@ def test_opaque_calls_and_the_cache(probe):
         assert got["serial"] == pytest.approx(expected(4), rel=1e-12)
         assert got["parallel"] == pytest.approx(expected(4), rel=1e-12)
         assert got["twice"] == 7.0
+        assert got["split"] == [7, True]  # (a tuple of scalars returned)
         assert got["raised"] == "k < 0"
     # the callers come from the cache; the callee's entries are removed: it compiles
     # again, and the cached callers' code must call the new one
@@ -148,5 +155,5 @@ def test_opaque_refuses_array_results():
     def caller(n):
         return op(n)
 
-    with pytest.raises(TypeError, match="return None or a scalar"):
+    with pytest.raises(TypeError, match="return None, a scalar or a tuple of scalars"):
         caller(3)

@@ -27,7 +27,7 @@ from numba_ops import _warm
 ROOT = Path(__file__).resolve().parents[1]
 DTYPE = "float32"
 #: the ops of the full check, the default run's first (GridSample and affine_warp compile a
-#: kernel per rank x x dtype x mode x padding x path, minutes for one dtype: their warm-up
+#: kernel per rank x x dtype x mode x path, minutes for one dtype: their warm-up
 #: calls are checked in test_grid_sample.py / test_affine_warp.py, and a sample of them end
 #: to end below)
 OPS = ("affine_grid", "deform_conv")

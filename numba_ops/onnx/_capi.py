@@ -491,24 +491,24 @@ def _arr_ol(p, shape, z):
 
 
 @njit(**INTERNAL)
-def _grid_sample_task(usr, th, xz, gz, xtok, mtok, ptok):
+def _grid_sample_task(usr, th, xz, gz, xtok, mtok, padding):
     L = carray(usr, (NS,), np.int64)
     x = _arr(L[DATA[GS_IN.X]], _dims(L, SIZES[GS_IN.X], xtok), xz)
     xf = _arr(L[DATA[GS_IN.X]], (x.size,), xz)
     gf = _arr(L[DATA[GS_IN.grid]], (L[GS_W.grid_size],), gz)
     out = _arr(L[OUT], (L[GS_W.out_size],), xz)
-    gs.units_task(x, xf, gf, out, mtok, ptok, L[GS_W.align] != 0, gz, th, L[ITEMS], L[GS_W.units])
+    gs.units_task(x, xf, gf, out, mtok, padding, L[GS_W.align] != 0, gz, th, L[ITEMS], L[GS_W.units])
 
 
 @njit(**INTERNAL)
-def _affine_warp_task(usr, th, xz, tz, xtok, mtok, ptok):
+def _affine_warp_task(usr, th, xz, tz, xtok, mtok, padding):
     L = carray(usr, (NS,), np.int64)
     x = _arr(L[DATA[AW_IN.X]], _dims(L, SIZES[AW_IN.X], xtok), xz)
     xf = _arr(L[DATA[AW_IN.X]], (x.size,), xz)
     r = x.ndim - 2
     theta = _arr(L[DATA[AW_IN.theta]], (x.shape[0], r, r + 1), tz)
     out = _arr(L[OUT], (L[AW_W.out_size],), xz)
-    aw.units_task(x, xf, theta, out, L[AW_W.depth], L[AW_W.height], L[AW_W.width], mtok, ptok, L[AW_W.align] != 0,
+    aw.units_task(x, xf, theta, out, L[AW_W.depth], L[AW_W.height], L[AW_W.width], mtok, padding, L[AW_W.align] != 0,
                   tz, th, L[ITEMS], L[AW_W.units])
 
 
@@ -582,7 +582,7 @@ def _variant(op, elems, rank, attrs):
         return _deform_conv_task, (z[elems[0]], tok)
     mode, padding, _ = parse_attrs(*_sample_attrs(attrs))
     task = _grid_sample_task if op == "GridSample" else _affine_warp_task
-    return task, (z[elems[0]], z[elems[1]], tok, gs.TOKEN[mode], gs.TOKEN[padding])
+    return task, (z[elems[0]], z[elems[1]], tok, gs.TOKEN[mode], np.int64(padding))
 
 
 def _sample_attrs(attrs):
@@ -606,7 +606,10 @@ def _item_callback(call, extra):
 
 
 def _task_key(task, extra):
-    return task.py_func.__name__, tuple(type(e).__name__ if np.isscalar(e) else e for e in extra)
+    """A callback's key: the task, and its constants: a compute type's zero by its type's
+    name, the others (tokens, a padding code) by their values."""
+    return task.py_func.__name__, tuple(type(e).__name__ if isinstance(e, (np.floating, np.uint8)) else e
+                                        for e in extra)
 
 
 def _task_fn(op, elems, rank, attrs):

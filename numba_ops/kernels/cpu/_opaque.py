@@ -57,6 +57,14 @@ def _reload(module, qualname, args):
     _publish(getattr(importlib.import_module(module), qualname), args)
 
 
+def _plain(t):
+    """Whether values of type ``t`` hold no reference (None, scalars, tuples of them):
+    what an opaque call may return."""
+    if isinstance(t, types.BaseTuple):
+        return all(isinstance(e, (types.Number, types.Boolean)) for e in t)
+    return isinstance(t, (types.NoneType, types.Number, types.Boolean))
+
+
 def opaque(dispatcher, failed=False):
     """A jitted-code function ``f(*args)`` that calls ``dispatcher(*args)`` through
     the callee's own compiled code (see the module's docstring). With ``failed``, the
@@ -69,8 +77,8 @@ def opaque(dispatcher, failed=False):
     def call(typingctx, *args):
         args = tuple(types.unliteral(a) for a in args)
         name, fndesc = _publish(dispatcher, args)
-        if not isinstance(fndesc.restype, (types.NoneType, types.Number, types.Boolean)):
-            raise TypeError("opaque calls return None or a scalar, not %s" % fndesc.restype)
+        if not _plain(fndesc.restype):
+            raise TypeError("opaque calls return None, a scalar or a tuple of scalars, not %s" % fndesc.restype)
         if failed and fndesc.restype != types.none:
             raise TypeError("opaque(..., failed=True) calls return None, not %s" % fndesc.restype)
         reload = functools.partial(_reload, dispatcher.py_func.__module__, dispatcher.py_func.__qualname__, args)

@@ -22,7 +22,7 @@ from . import _runtime
 from ._copies import narrowed
 from ._opaque import INLINE, INTERNAL, opaque
 from .affine_grid import base_coords
-from .grid_sample import SEG, TOKEN, ZERO, accumulate, kernel_view, output_for, plan, prefetch_ahead, scratch
+from .grid_sample import SEG, TOKEN, ZERO, accumulate_op, kernel_view, output_for, plan_op, prefetch_ahead, scratch
 
 #: theta dtypes; ``x`` has the same dtype, or uint8
 DTYPES = NAMES  # the dtypes these kernels take (the dispatcher checks them)
@@ -60,7 +60,7 @@ def positions(x, th, n, j0, m, H, W, align, one, xs, ys, zs, pos):
 
 
 @njit(**INTERNAL)
-def _units(x, xf, theta, out, D, H, W, mtok, ptok, align, zero, u0, u1):
+def _units(x, xf, theta, out, D, H, W, mtok, padding, align, zero, u0, u1):
     """Segments ``u0:u1`` (image-major, ``SEG`` consecutive output positions each, as
     GridSample's: rows shorter than ``SEG`` share one) of ``out`` (flat, N*C*D*H*W;
     D = 1 in 2-D); ``x`` (N, C, [Di,] Hi, Wi) C-contiguous, ``xf`` its flat view,
@@ -80,10 +80,10 @@ def _units(x, xf, theta, out, D, H, W, mtok, ptok, align, zero, u0, u1):
         j0 = (u - n * nseg) * SEG
         m = min(SEG, P - j0)
         positions(x, thf, n, j0, m, H, W, align, one, xs, ys, zs, pos)
-        count, full = plan(x, pos, m, mtok, ptok, align, zero, base, pidx, pw, pok, kind)
+        count, full = plan_op(x, pos, m, mtok, padding, align, zero, base, pidx, pw, pok, kind)
         prefetch_ahead(xf, N, C, P, n, u - n * nseg, nseg, u == u0)
-        accumulate(x, xf, out, n * C * S, S, n * C * P + j0, P, C, m, mtok, ptok, count, full, base, pidx, pw, pok,
-                   kind, res, bkind, zero)
+        accumulate_op(x, xf, out, n * C * S, S, n * C * P + j0, P, C, m, mtok, padding, count, full, base, pidx, pw,
+                      pok, kind, res, bkind, zero)
 
 
 #: called through its own compiled code (``_opaque``): the serial and parallel entries do
@@ -92,17 +92,17 @@ _units_op = opaque(_units)
 
 
 @njit(cache=True, nogil=True)
-def _serial(x, xf, theta, out, D, H, W, mtok, ptok, align, zero):
+def _serial(x, xf, theta, out, D, H, W, mtok, padding, align, zero):
     units = x.shape[0] * ((D * H * W + SEG - 1) // SEG)
-    _units_op(x, xf, theta, out, D, H, W, mtok, ptok, align, zero, 0, units)
+    _units_op(x, xf, theta, out, D, H, W, mtok, padding, align, zero, 0, units)
 
 
 @njit(cache=True, parallel=True, nogil=True)
-def _parallel(x, xf, theta, out, D, H, W, mtok, ptok, align, zero, nchunks):
+def _parallel(x, xf, theta, out, D, H, W, mtok, padding, align, zero, nchunks):
     units = x.shape[0] * ((D * H * W + SEG - 1) // SEG)
     nchunks = min(units, nchunks)
     for c in prange(nchunks):
-        _units_op(x, xf, theta, out, D, H, W, mtok, ptok, align, zero,
+        _units_op(x, xf, theta, out, D, H, W, mtok, padding, align, zero,
                   c * units // nchunks, (c + 1) * units // nchunks)
 
 
@@ -117,10 +117,10 @@ def launch_plan(xshape, size, mode):
 
 
 @njit(cache=True, inline="always")
-def units_task(x, xf, theta, out, D, H, W, mtok, ptok, align, zero, th, items, units):
+def units_task(x, xf, theta, out, D, H, W, mtok, padding, align, zero, th, items, units):
     """Pool item ``th`` of ``items``: its share of the ``units`` segments (a pool
     other than numba's, as ``_parallel`` deals them)."""
-    _units_op(x, xf, theta, out, D, H, W, mtok, ptok, align, zero, th * units // items, (th + 1) * units // items)
+    _units_op(x, xf, theta, out, D, H, W, mtok, padding, align, zero, th * units // items, (th + 1) * units // items)
 
 
 def launch(x, theta, size, mode, padding, align, stream=None):
@@ -136,5 +136,5 @@ def launch(x, theta, size, mode, padding, align, stream=None):
         xs = kernel_view(x)
         D = size[2] if len(size) == 5 else 1
         _runtime.run(_serial, _parallel, work, xs, xs.reshape(-1), th, out.reshape(-1), D, size[-2], size[-1],
-                     TOKEN[mode], TOKEN[padding], bool(align), ZERO[ct])
+                     TOKEN[mode], np.int64(padding), bool(align), ZERO[ct])
     return narrowed(out, x.dtype)

@@ -40,14 +40,18 @@ Between the plan and the accumulation, ``prefetch_ahead`` asks for a share of th
 next image's ``x`` (a grid's taps land anywhere in an image, so the caches, not the
 hardware prefetchers, have to hold it when its turn comes).
 
-Compile time: the mode and padding reach the kernels as tokens
-(``TOKEN``: tuples whose length numba folds to a constant and whose other branches
-it prunes before typing), so a call compiles its own mode and padding alone; the
-per-sample helpers are inlined by LLVM (``forceinline``), not copied into numba's
-IR at every call site, so each is typed once; the serial and parallel entries call
-one compiled ``_units`` (``_opaque``). A first call compiles in ~6 s (2-D float32,
-serial), each further mode, padding, dtype or rank in ~3-4 s, the parallel path after
-the serial one in ~0.5 s.
+Compile time: the mode reaches the kernels as a token (``TOKEN``: a tuple whose
+length numba folds to a constant and whose other branches it prunes before typing),
+so a call compiles its own mode alone. The padding is a run-time code: one
+compilation serves all three (it changes only the plan of the positions that are
+not interior, whose vectorised loops ``_generic`` unswitches by hand, and whether
+their taps are masked). The per-sample helpers are inlined by LLVM
+(``forceinline``), not copied into numba's IR at every call site, so each is typed
+once; ``plan``, ``_generic`` and ``accumulate`` are called through their own
+compiled code (``_opaque``), as the serial and parallel entries call one compiled
+``_units``, so no caller optimises their code again. A first call compiles in
+7-9 s (2-D float32, serial), each further mode, dtype or rank in ~3-4 s, the
+parallel path after the serial one in ~0.5 s.
 
 A zeros-padded tap outside the input is read at a clamped index and replaced by
 an exact 0 (never ``0 * x``, which an Inf in ``x`` would turn into NaN). 16-bit
@@ -169,10 +173,9 @@ def _put(k, t, j, i, w, ok, stride, pidx, pw, pok):
 
 
 @njit(**INLINE)
-def _taps_one(pos, j, k, size, per, stride, mtok, ptok, align, zero, near, pidx, pw, pok):
+def _taps_one(pos, j, k, size, per, stride, mtok, padding, align, zero, near, pidx, pw, pok):
     """Position ``j``'s padded taps on spatial axis ``k`` (``_taps_axis``); ``near``:
     split by ``split_near`` (branch-free: the loop vectorises), else ``split_coord``."""
-    padding = len(ptok)
     if near:
         i, t, finite = split_near(pos[k, j], per, zero)
     else:
@@ -193,49 +196,68 @@ def _taps_one(pos, j, k, size, per, stride, mtok, ptok, align, zero, near, pidx,
 
 
 @njit(**INLINE)
-def _taps_axis(pos, m, k, size, stride, mtok, ptok, align, zero, pidx, pw, pok):
+def _taps_axis(pos, m, k, size, stride, mtok, padding, align, zero, pidx, pw, pok):
     """The padded taps of spatial axis ``k`` for the positions ``pos[k, :m]``:
     ``pidx[k, t, j]`` the flat offset (padded index times ``stride``), ``pw`` the
     weight, ``pok`` whether the tap is inside (False only for zeros padding). The
-    padding is a constant where each copy compiles, so the loops vectorise; under
-    reflection the positions within a period of the input (``reflect_near``) go
+    padding is a constant in each copy that LLVM inlines (``_generic``), so the loops
+    vectorise; under reflection the positions within a period of the input (``reflect_near``) go
     without a division (``split_near``), the others again one by one after them."""
-    per = period(size, len(ptok), align)
-    if len(ptok) == REFLECTION:
+    per = period(size, padding, align)
+    if padding == REFLECTION:
         far = 0
         for j in range(np.uint64(m)):
-            _taps_one(pos, j, k, size, per, stride, mtok, ptok, align, zero, True, pidx, pw, pok)
+            _taps_one(pos, j, k, size, per, stride, mtok, padding, align, zero, True, pidx, pw, pok)
             far += not reflect_near(pos[k, j], per, zero)
         if far:
             for j in range(np.uint64(m)):
                 if not reflect_near(pos[k, j], per, zero):
-                    _taps_one(pos, j, k, size, per, stride, mtok, ptok, align, zero, False, pidx, pw, pok)
+                    _taps_one(pos, j, k, size, per, stride, mtok, padding, align, zero, False, pidx, pw, pok)
         return
     for j in range(np.uint64(m)):
-        _taps_one(pos, j, k, size, per, stride, mtok, ptok, align, zero, False, pidx, pw, pok)
+        _taps_one(pos, j, k, size, per, stride, mtok, padding, align, zero, False, pidx, pw, pok)
+
+
+@njit(**INTERNAL, **NO_NRT)
+def _generic(r, sh, pos, m, mtok, padding, align, zero, pidx, pw, pok):
+    """Padded taps (``_taps_axis``) of the segment's positions on every axis, the
+    run-time ``padding`` unswitched by hand: each branch passes a constant, so that each
+    of the three loops LLVM inlines is the padding's own (they vectorise). The constants
+    are plain ``int64`` values, not literals: numba types and compiles ``_generic_axes``
+    and the helpers below it once, and LLVM specialises each inlined copy. Called
+    through its own compiled code (``_opaque``: once a segment), so that ``plan`` and
+    the entries above it do not optimise the three copies again."""
+    if padding == ZEROS:
+        _generic_axes(r, sh, pos, m, mtok, np.int64(ZEROS), align, zero, pidx, pw, pok)
+    elif padding == BORDER:
+        _generic_axes(r, sh, pos, m, mtok, np.int64(BORDER), align, zero, pidx, pw, pok)
+    else:
+        _generic_axes(r, sh, pos, m, mtok, np.int64(REFLECTION), align, zero, pidx, pw, pok)
+
+
+_generic_op = opaque(_generic)
 
 
 @njit(**INLINE)
-def _generic(r, sh, pos, m, mtok, ptok, align, zero, pidx, pw, pok):
-    """Padded taps (``_taps_axis``) of the segment's positions on every axis."""
+def _generic_axes(r, sh, pos, m, mtok, padding, align, zero, pidx, pw, pok):
     nd = r + 2
-    _taps_axis(pos, m, r - 1, sh[nd - 1], 1, mtok, ptok, align, zero, pidx, pw, pok)
+    _taps_axis(pos, m, r - 1, sh[nd - 1], 1, mtok, padding, align, zero, pidx, pw, pok)
     if r >= 2:
-        _taps_axis(pos, m, r - 2, sh[nd - 2], sh[nd - 1], mtok, ptok, align, zero, pidx, pw, pok)
+        _taps_axis(pos, m, r - 2, sh[nd - 2], sh[nd - 1], mtok, padding, align, zero, pidx, pw, pok)
     if r >= 3:
-        _taps_axis(pos, m, r - 3, sh[nd - 3], sh[nd - 2] * sh[nd - 1], mtok, ptok, align, zero, pidx, pw, pok)
+        _taps_axis(pos, m, r - 3, sh[nd - 3], sh[nd - 2] * sh[nd - 1], mtok, padding, align, zero, pidx, pw, pok)
 
 
 @njit(**INLINE)
-def _generic_at(r, sh, pos, j, mtok, ptok, align, zero, pidx, pw, pok):
+def _generic_at(r, sh, pos, j, mtok, padding, align, zero, pidx, pw, pok):
     """Padded taps (``_taps_one``) of position ``j`` on every axis."""
     nd = r + 2
     sizes = (sh[nd - 1], sh[nd - 2] if r >= 2 else 1, sh[nd - 3] if r >= 3 else 1)
     stride = 1
     for q in range(r):
         size = sizes[q]
-        per = period(size, len(ptok), align)
-        _taps_one(pos, j, r - 1 - q, size, per, stride, mtok, ptok, align, zero, False, pidx, pw, pok)
+        per = period(size, padding, align)
+        _taps_one(pos, j, r - 1 - q, size, per, stride, mtok, padding, align, zero, False, pidx, pw, pok)
         stride *= size
 
 
@@ -293,7 +315,7 @@ def small_image(x):
 
 
 @njit(**INTERNAL, **NO_NRT)
-def plan(x, pos, m, mtok, ptok, align, zero, base, pidx, pw, pok, kind):
+def plan(x, pos, m, mtok, padding, align, zero, base, pidx, pw, pok, kind):
     """The plan of a segment of ``m`` positions (``pos[k, :m]`` on spatial axis ``k``
     of ``x``, shape (N, C, D1..Dr)). Zeros padding: every position's ``kind``, the
     ``base`` and weights of interior ones (``fast_axis``) and, when some are
@@ -308,17 +330,17 @@ def plan(x, pos, m, mtok, ptok, align, zero, base, pidx, pw, pok, kind):
     interior; reflection's reduce each tap by a period: on interior positions sorting
     measured 2-4x faster). Returned with the count: whether every position
     has its padded taps (then a block of mixed kinds is sampled through them,
-    ``accumulate``). The axes are unrolled
-    (``x.ndim`` is a constant), innermost first; the mode and the padding are tokens
-    (see ``TOKEN``), so only their code compiles."""
+    ``accumulate``). The axes are unrolled (``x.ndim`` is a constant), innermost
+    first; the mode is a token (see ``TOKEN``), so only its code compiles, and the
+    padding a run-time code."""
     r = x.ndim - 2
     sh = x.shape
     nd = x.ndim
-    if not small_image(x) or (len(ptok) == REFLECTION and not _probe_interior(pos, m, r, sh, mtok, zero)) or \
-            (len(ptok) == BORDER and not _few_padded(pos, m, r, sh, mtok, zero)):
+    if not small_image(x) or (padding == REFLECTION and not _probe_interior(pos, m, r, sh, mtok, zero)) or \
+            (padding == BORDER and not _few_padded(pos, m, r, sh, mtok, zero)):
         for j in range(np.uint64(m)):
             kind[j] = GENERIC
-        _generic(r, sh, pos, m, mtok, ptok, align, zero, pidx, pw, pok)
+        _generic_op(r, sh, pos, m, mtok, padding, align, zero, pidx, pw, pok)
         return 0, True
     fast_axis(pos, m, r - 1, sh[nd - 1], 1, mtok, zero, base, pw, kind, True)
     if r >= 2:
@@ -327,7 +349,7 @@ def plan(x, pos, m, mtok, ptok, align, zero, base, pidx, pw, pok, kind):
         fast_axis(pos, m, r - 3, sh[nd - 3], sh[nd - 2] * sh[nd - 1], mtok, zero, base, pw, kind, False)
     ngeneric = 0
     nout = 0
-    if len(ptok) != ZEROS:  # every tap is read: a position is interior or GENERIC
+    if padding != ZEROS:  # every tap is read: a position is interior or GENERIC
         for j in range(np.uint64(m)):
             kind[j] = GENERIC if kind[j] != 0 else 0
             ngeneric += kind[j]
@@ -337,7 +359,7 @@ def plan(x, pos, m, mtok, ptok, align, zero, base, pidx, pw, pok, kind):
             nout += kind[j] >= AXIS_OUT
     full = ngeneric * SPARSE >= m
     if full:
-        _generic(r, sh, pos, m, mtok, ptok, align, zero, pidx, pw, pok)
+        _generic_op(r, sh, pos, m, mtok, padding, align, zero, pidx, pw, pok)
     else:  # a few (a segment across the input's edge): one by one, up to the last (a scalar
         # loop: LLVM would vectorise a ``for`` over the segment into every position's taps
         # under masked stores)
@@ -345,10 +367,10 @@ def plan(x, pos, m, mtok, ptok, align, zero, base, pidx, pw, pok, kind):
         left = ngeneric
         while left:
             if kind[j] == GENERIC:
-                _generic_at(r, sh, pos, j, mtok, ptok, align, zero, pidx, pw, pok)
+                _generic_at(r, sh, pos, j, mtok, padding, align, zero, pidx, pw, pok)
                 left -= 1
             j += np.uint64(1)
-    return (m - ngeneric if len(ptok) != ZEROS else nout), full
+    return (m - ngeneric if padding != ZEROS else nout), full
 
 
 # --- accumulate: one channel's samples of a segment --------------------------------------
@@ -450,7 +472,7 @@ def _store_block(out, o, res, V):
 
 
 @njit(**INTERNAL)
-def accumulate(x, xf, out, xb, xs, ob, os, C, m, mtok, ptok, count, full, base, pidx, pw, pok, kind, res,
+def accumulate(x, xf, out, xb, xs, ob, os, C, m, mtok, padding, count, full, base, pidx, pw, pok, kind, res,
                bkind, zero):
     """``out[ob + c * os + j] = sample j`` of the segment's plan in channel ``c`` (the
     channel image starting at ``xf[xb + c * xs]``), for ``j < m`` and ``c < C``.
@@ -461,9 +483,10 @@ def accumulate(x, xf, out, xb, xs, ob, os, C, m, mtok, ptok, count, full, base, 
     not in the last image of 16-bit or uint8 ``x``: ``gather_safe``), the others one by
     one; ``full`` (``plan``): every position has its padded taps, so a whole block of
     mixed kinds goes through them. Channel by channel (a channel image's taps and
-    stores stay in cache; the blocks' kinds are found once). ``x`` (N, C, D1..Dr) is passed for its rank, the mode and
-    padding as tokens (see ``TOKEN``): numba compiles only their code, with the tap
-    count a constant, so the tap loops unroll."""
+    stores stay in cache; the blocks' kinds are found once). ``x`` (N, C, D1..Dr) is
+    passed for its rank, the mode as a token (see ``TOKEN``): numba compiles only its
+    code, with the tap count a constant, so the tap loops unroll; the padding is a
+    run-time code (whether GENERIC taps are masked)."""
     r = x.ndim - 2
     nd = x.ndim
     s1 = x.shape[nd - 1]
@@ -484,7 +507,7 @@ def accumulate(x, xf, out, xb, xs, ob, os, C, m, mtok, ptok, count, full, base, 
         if bk == MIXED and full and blocks and (q + np.uint64(1)) * np.uint64(V) <= mu:
             bk = GENERIC  # every position has its padded taps: interior ones' are their taps
         bkind[q] = bk
-    masked = len(ptok) == ZEROS
+    masked = padding == ZEROS
     b = xb
     o = np.uint64(ob)
     for c in range(C):
@@ -525,6 +548,11 @@ def accumulate(x, xf, out, xb, xs, ob, os, C, m, mtok, ptok, count, full, base, 
             # (else all outside: their 0s are stored)
         b += xs
         o += osu
+
+
+#: the plan and the accumulation through their own compiled code (``_opaque``: once a
+#: segment each), so that the entries above them do not optimise their code again
+plan_op, accumulate_op = opaque(plan), opaque(accumulate)
 
 
 #: byte offsets of ``scratch``'s buffers in its one allocation (pos, base, pidx, pw, pok,
@@ -581,7 +609,7 @@ def prefetch_ahead(xf, N, C, P, n, s, ns, first):
 
 
 @njit(**INTERNAL)
-def _units(x, xf, gf, out, mtok, ptok, align, zero, u0, u1):
+def _units(x, xf, gf, out, mtok, padding, align, zero, u0, u1):
     """Segments ``u0:u1`` (image-major) of the output ``out`` (flat, N*C*P); ``x``
     (N, C, D1..Dr) C-contiguous and ``xf`` its flat view; ``gf`` the flat grid."""
     r = x.ndim - 2
@@ -604,10 +632,10 @@ def _units(x, xf, gf, out, mtok, ptok, align, zero, u0, u1):
             for k in range(r):
                 pos[k, j] = unnormalize(load(gf, g0 + j * np.uint64(r) + np.uint64(r - 1 - k)), x.shape[2 + k],
                                         align, one)
-        count, full = plan(x, pos, m, mtok, ptok, align, zero, base, pidx, pw, pok, kind)
+        count, full = plan_op(x, pos, m, mtok, padding, align, zero, base, pidx, pw, pok, kind)
         prefetch_ahead(xf, N, C, P, n, u - n * nseg, nseg, u == u0)
-        accumulate(x, xf, out, n * C * S, S, n * C * P + j0, P, C, m, mtok, ptok, count, full, base, pidx, pw, pok,
-                   kind, res, bkind, zero)
+        accumulate_op(x, xf, out, n * C * S, S, n * C * P + j0, P, C, m, mtok, padding, count, full, base, pidx, pw,
+                      pok, kind, res, bkind, zero)
 
 
 #: called through its own compiled code (``_opaque``): the serial and parallel entries do
@@ -616,25 +644,25 @@ _units_op = opaque(_units)
 
 
 @njit(cache=True, nogil=True)
-def _serial(x, xf, gf, out, mtok, ptok, align, zero):
+def _serial(x, xf, gf, out, mtok, padding, align, zero):
     N, C = x.shape[0], x.shape[1]
     P = out.size // (N * C)
-    _units_op(x, xf, gf, out, mtok, ptok, align, zero, 0, N * ((P + SEG - 1) // SEG))
+    _units_op(x, xf, gf, out, mtok, padding, align, zero, 0, N * ((P + SEG - 1) // SEG))
 
 
 @njit(cache=True, parallel=True, nogil=True)
-def _parallel(x, xf, gf, out, mtok, ptok, align, zero, nchunks):
+def _parallel(x, xf, gf, out, mtok, padding, align, zero, nchunks):
     N, C = x.shape[0], x.shape[1]
     P = out.size // (N * C)
     units = N * ((P + SEG - 1) // SEG)
     nchunks = min(units, nchunks)
     for c in prange(nchunks):
-        _units_op(x, xf, gf, out, mtok, ptok, align, zero, c * units // nchunks, (c + 1) * units // nchunks)
+        _units_op(x, xf, gf, out, mtok, padding, align, zero, c * units // nchunks, (c + 1) * units // nchunks)
 
 
-#: a mode's or padding's token: a tuple as long as its code, so that ``len(tok)`` is a
-#: constant where numba compiles, which prunes the other modes' and paddings' code
-#: before typing (a call compiles its mode and padding alone)
+#: a mode's token: a tuple as long as its code, so that ``len(tok)`` is a constant where
+#: numba compiles, which prunes the other modes' code before typing (a call compiles its
+#: mode alone)
 TOKEN = ((), (0,), (0, 0))
 
 #: 0 in each compute type, made once
@@ -669,10 +697,10 @@ def launch_plan(xshape, gshape, mode):
 
 
 @njit(cache=True, inline="always")
-def units_task(x, xf, gf, out, mtok, ptok, align, zero, th, items, units):
+def units_task(x, xf, gf, out, mtok, padding, align, zero, th, items, units):
     """Pool item ``th`` of ``items``: its share of the ``units`` segments (a pool
     other than numba's, as ``_parallel`` deals them)."""
-    _units_op(x, xf, gf, out, mtok, ptok, align, zero, th * units // items, (th + 1) * units // items)
+    _units_op(x, xf, gf, out, mtok, padding, align, zero, th * units // items, (th + 1) * units // items)
 
 
 def launch(x, grid, mode, padding, align, stream=None):
@@ -685,5 +713,5 @@ def launch(x, grid, mode, padding, align, stream=None):
         xs = kernel_view(x)
         gs = kernel_view(grid)
         _runtime.run(_serial, _parallel, work, xs, xs.reshape(-1), gs.reshape(-1), out.reshape(-1),
-                     TOKEN[mode], TOKEN[padding], bool(align), ZERO[compute(grid.dtype)])
+                     TOKEN[mode], np.int64(padding), bool(align), ZERO[compute(grid.dtype)])
     return narrowed(out, x.dtype)

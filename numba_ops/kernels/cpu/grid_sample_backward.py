@@ -174,7 +174,7 @@ def _generic_taps(r, sh, pos, j, mtok, padding, align, zero, pidx, pw, pd, pok):
     return finite
 
 
-@njit(**INLINE)
+@njit(**INTERNAL, **NO_NRT)
 def _plan(x, pos, m, mtok, padding, align, zero, deriv, base, pidx, pw, pd, pok, kind, fin):
     """The segment's plan: the forward's vectorised per-axis pass (``fast_axis``:
     ``kind``, ``base`` and weights of interior positions, 32-bit) and the derivatives'
@@ -212,6 +212,11 @@ def _plan(x, pos, m, mtok, padding, align, zero, deriv, base, pidx, pw, pd, pok,
             fin[j] = f
         else:
             fin[j] = _generic_taps(r, sh, pos, j, mtok, padding, align, zero, pidx, pw, pd, pok)
+
+
+#: ``_plan`` through its own compiled code (``_opaque``: once a segment), so that ``_units``
+#: does not optimise its code again
+_plan_op = opaque(_plan)
 
 
 # --- one position's gradients in one channel ---------------------------------------------
@@ -522,7 +527,7 @@ def _units(x, xf, gyf, src, gx, gpos, B, K, bounds, box, osz, mtok, padding, ali
                 if not meets:
                     continue
             _positions(x, src, n, s0, m, osz, align, atok, one, xs, ys, zs, pos)
-            _plan(x, pos, m, mtok, padding, align, zero, deriv, base, pidx, pw, pd, pok, kind, fin)
+            _plan_op(x, pos, m, mtok, padding, align, zero, deriv, base, pidx, pw, pd, pok, kind, fin)
             if tiled:  # the unit's share of each position: all, some (tap by tap) or none of its taps
                 for k in range(r - 1):
                     for j in range(np.uint64(m)):
