@@ -24,14 +24,17 @@ cached machine code always finds it.
 ``INTERNAL`` (``kernels/_compat.py``): the ``njit`` options of functions that only
 jitted code calls (the opaque callees and the hot loops they call), compiled without
 numba's Python and C wrappers; ``INLINE``: those of the per-element helpers, the same
-and inlined by LLVM.
+and inlined by LLVM; ``@inline``: such a helper, compiled once per plain signature
+(numba compiles a function again for each literal value a caller passes: a stride
+``1``, a flag ``True``; LLVM folds the constant where it inlines the helper anyway).
 """
 import functools
 import hashlib
 import importlib
 
 from llvmlite import binding as ll
-from numba import types
+from numba import njit, types
+from numba.core.registry import CPUDispatcher
 from numba.extending import intrinsic
 
 from .._compat import INTERNAL, add_reload_init, cgutils
@@ -39,6 +42,27 @@ from .._compat import INTERNAL, add_reload_init, cgutils
 #: the ``njit`` options of the per-element helpers that the kernels' loops call: compiled
 #: once per signature without wrappers (``INTERNAL``), and inlined by LLVM at each call
 INLINE = dict(INTERNAL, forceinline=True)
+
+
+class _PlainDispatcher(CPUDispatcher):
+    """A dispatcher that compiles for its arguments' plain types: a call with a literal
+    ``1`` or ``True`` reaches the signature of an ``int64`` or a ``bool`` (numba would
+    compile, type and lower the helper again per literal value; LLVM, which inlines
+    the helper, still folds the constant at each call)."""
+
+    def get_call_template(self, args, kws):
+        return super().get_call_template(tuple(types.unliteral(a) for a in args),
+                                         {k: types.unliteral(v) for k, v in kws.items()})
+
+
+def inline(fn=None, **options):
+    """``@njit(**INLINE, **options)`` for a per-element helper (``INLINE``), compiled
+    once per plain signature (``_PlainDispatcher``)."""
+    def wrap(f):
+        d = njit(**INLINE, **options)(f)
+        d.__class__ = _PlainDispatcher
+        return d
+    return wrap(fn) if fn is not None else wrap
 
 
 def _publish(dispatcher, args):

@@ -20,7 +20,7 @@ from .._dtypes import NAMES, compute
 from .._sample import TAPS, as_compute, unnormalize
 from . import _runtime
 from ._copies import narrowed
-from ._opaque import INLINE, INTERNAL, opaque
+from ._opaque import INTERNAL, inline, opaque
 from .affine_grid import base_coords
 from .grid_sample import SEG, TOKEN, ZERO, accumulate_op, kernel_view, output_for, plan_op, prefetch_ahead, scratch
 
@@ -28,7 +28,7 @@ from .grid_sample import SEG, TOKEN, ZERO, accumulate_op, kernel_view, output_fo
 DTYPES = NAMES  # the dtypes these kernels take (the dispatcher checks them)
 
 
-@njit(**INLINE, **NO_NRT)
+@inline(**NO_NRT)
 def positions(x, th, n, j0, m, H, W, align, one, xs, ys, zs, pos):
     """Output positions ``j0 .. j0 + m`` of image ``n`` (row-major over (D, H, W)),
     unnormalised into ``pos[k, :m]`` (axis ``k`` of x's spatial axes, outermost first),

@@ -55,7 +55,7 @@ from .._scalar import split_position
 from . import _runtime
 from ._blas import ONE_THREAD, gemm_nn, gemm_tn
 from ._copies import narrowed, widened
-from ._opaque import INLINE, INTERNAL, opaque
+from ._opaque import INTERNAL, inline, opaque
 
 DTYPES = NAMES  # the dtypes these kernels take (the dispatcher checks them)
 
@@ -76,7 +76,7 @@ def tile(P, rows, itemsize):
     return int(max(1, min(P, max(64, TILE_BYTES // max(1, rows * itemsize)))))
 
 
-@njit(**INLINE, **NO_NRT, fastmath={"reassoc", "nsz"})
+@inline(**NO_NRT, fastmath={"reassoc", "nsz"})
 def _dot(a, ia, b, ib, n, zero):
     """``sum(a[ia:ia+n] * b[ib:ib+n])`` (unsigned offsets), its additions reassociable so
     that LLVM sums in vector lanes (one chain of dependent adds runs at the adder's

@@ -71,7 +71,7 @@ from .._scalar import load
 from . import _runtime
 from ._copies import narrowed, widened
 from ._gather import direct, gather_safe, gathered, lanes, prefetch
-from ._opaque import INLINE, INTERNAL, opaque
+from ._opaque import INTERNAL, inline, opaque
 from ._views import carve, layout
 
 #: grid dtypes; ``x`` has the same dtype, or uint8
@@ -91,7 +91,7 @@ SEG = 256
 GENERIC, AXIS_OUT = 1, 2
 
 
-@njit(**INLINE)
+@inline
 def split32(p, zero, size):
     """``(i, t, scale, finite)``: ``floor(p)`` as an int32 and the fraction, of ``p``
     clamped to [-4, size + 2] (far and non-finite positions stay clear of integer
@@ -108,7 +108,7 @@ def split32(p, zero, size):
     return np.int32(f), pc - f, as_compute(zero, 1) if finite else as_compute(zero, np.nan), finite
 
 
-@njit(**INLINE)
+@inline
 def _mark(j, i, lo, hi, size, finite, stride, base, kind, first):
     """``base[j]``'s share (the first tap's index ``i - lo`` times ``stride``) and the
     axis' ``kind`` bits for taps ``i - lo .. i + hi`` (zeros padding). In 32 bits
@@ -124,7 +124,7 @@ def _mark(j, i, lo, hi, size, finite, stride, base, kind, first):
     kind[j] = bits if first else kind[j] | bits
 
 
-@njit(**INLINE)
+@inline
 def nearest_index(i, t, zero):
     """The nearest tap of a position split as ``(i, t)`` (``split32``): half to even."""
     half = as_compute(zero, 0.5)
@@ -132,7 +132,7 @@ def nearest_index(i, t, zero):
     return np.int32(i + np.int32(1)) if up else i
 
 
-@njit(**INLINE)
+@inline
 def fast_axis(pos, m, k, size, stride, mtok, zero, base, pw, kind, first):
     """Spatial axis ``k`` of the positions ``pos[k, :m]``: the weights ``pw[k, :, j]``
     of the mode's taps from the position's fraction (NaN for a non-finite position),
@@ -163,7 +163,7 @@ def fast_axis(pos, m, k, size, stride, mtok, zero, base, pw, kind, first):
             _mark(j, i, 1, 2, size, finite, stride, base, kind, first)
 
 
-@njit(**INLINE)
+@inline
 def _put(k, t, j, i, w, ok, stride, pidx, pw, pok):
     """Tap ``t`` of position ``j`` on axis ``k``: padded index ``i`` (as a flat offset),
     weight ``w``, inside flag ``ok``."""
@@ -172,7 +172,7 @@ def _put(k, t, j, i, w, ok, stride, pidx, pw, pok):
     pok[k, t, j] = ok
 
 
-@njit(**INLINE)
+@inline
 def _taps_one(pos, j, k, size, per, stride, mtok, padding, align, zero, near, pidx, pw, pok):
     """Position ``j``'s padded taps on spatial axis ``k`` (``_taps_axis``); ``near``:
     split by ``split_near`` (branch-free: the loop vectorises), else ``split_coord``."""
@@ -195,7 +195,7 @@ def _taps_one(pos, j, k, size, per, stride, mtok, padding, align, zero, near, pi
         _put(k, 3, j, i3, w3, ok3, stride, pidx, pw, pok)
 
 
-@njit(**INLINE)
+@inline
 def _taps_axis(pos, m, k, size, stride, mtok, padding, align, zero, pidx, pw, pok):
     """The padded taps of spatial axis ``k`` for the positions ``pos[k, :m]``:
     ``pidx[k, t, j]`` the flat offset (padded index times ``stride``), ``pw`` the
@@ -238,7 +238,7 @@ def _generic(r, sh, pos, m, mtok, padding, align, zero, pidx, pw, pok):
 _generic_op = opaque(_generic)
 
 
-@njit(**INLINE)
+@inline
 def _generic_axes(r, sh, pos, m, mtok, padding, align, zero, pidx, pw, pok):
     nd = r + 2
     _taps_axis(pos, m, r - 1, sh[nd - 1], 1, mtok, padding, align, zero, pidx, pw, pok)
@@ -248,7 +248,7 @@ def _generic_axes(r, sh, pos, m, mtok, padding, align, zero, pidx, pw, pok):
         _taps_axis(pos, m, r - 3, sh[nd - 3], sh[nd - 2] * sh[nd - 1], mtok, padding, align, zero, pidx, pw, pok)
 
 
-@njit(**INLINE)
+@inline
 def _generic_at(r, sh, pos, j, mtok, padding, align, zero, pidx, pw, pok):
     """Padded taps (``_taps_one``) of position ``j`` on every axis."""
     nd = r + 2
@@ -267,7 +267,7 @@ def _generic_at(r, sh, pos, j, mtok, padding, align, zero, pidx, pw, pok):
 SPARSE = 8
 
 
-@njit(**INLINE)
+@inline
 def _inside(pos, j, r, sh, lo, hi, zero):
     """Whether position ``j``'s taps ``i - lo .. i + hi`` are inside the input on every axis."""
     nd = r + 2
@@ -279,7 +279,7 @@ def _inside(pos, j, r, sh, lo, hi, zero):
     return inside
 
 
-@njit(**INLINE)
+@inline
 def _few_padded(pos, m, r, sh, mtok, zero):
     """Whether fewer than 1 in ``SPARSE`` of every 8th of the segment's ``m`` positions
     are not interior: a guess at whether sorting pays under border padding (as where a
@@ -293,7 +293,7 @@ def _few_padded(pos, m, r, sh, mtok, zero):
     return n * SPARSE < (m + 7) // 8
 
 
-@njit(**INLINE)
+@inline
 def _probe_interior(pos, m, r, sh, mtok, zero):
     """Whether the first, middle and last of the segment's ``m`` positions are all
     interior (every tap of every axis inside the input): a guess at whether sorting
@@ -307,7 +307,7 @@ def _probe_interior(pos, m, r, sh, mtok, zero):
     return True
 
 
-@njit(**INLINE)
+@inline
 def small_image(x):
     """Whether a channel image of ``x`` has fewer than 2**31 elements: interior
     positions are planned in 32 bits (``split32``, ``_mark``), others take the padded taps."""
@@ -375,14 +375,14 @@ def plan(x, pos, m, mtok, padding, align, zero, base, pidx, pw, pok, kind):
 
 # --- accumulate: one channel's samples of a segment --------------------------------------
 
-@njit(**INLINE)
+@inline
 def _off(k, t, j, interior, stride, pidx):
     """Tap ``t``'s flat offset on axis ``k``: ``t * stride`` for an interior position
     (its taps consecutive from its base), else the planned padded offset."""
     return t * stride if interior else pidx[k, t, j]
 
 
-@njit(**INLINE)
+@inline
 def _s1(xf, xb, j, T, masked, interior, pidx, pw, pok, zero):
     acc = zero
     for tx in range(T):
@@ -393,7 +393,7 @@ def _s1(xf, xb, j, T, masked, interior, pidx, pw, pok, zero):
     return acc
 
 
-@njit(**INLINE)
+@inline
 def _s2(xf, xb, j, T, masked, interior, s1, pidx, pw, pok, zero):
     acc = zero
     for ty in range(T):
@@ -408,7 +408,7 @@ def _s2(xf, xb, j, T, masked, interior, s1, pidx, pw, pok, zero):
     return acc
 
 
-@njit(**INLINE)
+@inline
 def _s3(xf, xb, j, T, masked, interior, s1, s2, pidx, pw, pok, zero):
     acc = zero
     for tz in range(T):
@@ -428,7 +428,7 @@ def _s3(xf, xb, j, T, masked, interior, s1, s2, pidx, pw, pok, zero):
     return acc
 
 
-@njit(**INLINE)
+@inline
 def _sample(x, xf, xb, j, T, masked, interior, s1, s2, pidx, pw, pok, zero):
     """Sample ``j`` of the plan (``T`` taps per axis on each of ``x``'s spatial axes:
     ``x`` is passed for its rank alone), the weights nested innermost axis first as
@@ -447,7 +447,7 @@ def _sample(x, xf, xb, j, T, masked, interior, s1, s2, pidx, pw, pok, zero):
 MIXED = 255
 
 
-@njit(**INLINE)
+@inline
 def _block(kind, j, m, V, blocks):
     """The ``kind`` of positions ``j .. j + V - 1`` of the segment (``m`` of them) when
     they all have the same, else ``MIXED`` (also when the block would pass ``m``, or
@@ -461,7 +461,7 @@ def _block(kind, j, m, V, blocks):
     return k if same else MIXED
 
 
-@njit(**INLINE)
+@inline
 def _store_block(out, o, res, V):
     """``out[o + l] = res[l]`` for ``l < V``, each rounded or cast as ``store_sample`` does
     (nothing where ``gathered`` stored them itself: ``direct``)."""
@@ -586,7 +586,7 @@ def scratch(zero):
 PREFETCH_BYTES = 16 << 20
 
 
-@njit(**INLINE)
+@inline
 def prefetch_ahead(xf, N, C, P, n, s, ns, first):
     """While unit ``s`` of the ``ns`` units of image ``n`` is sampled, prefetch the
     ``s``-th of ``ns`` shares of image ``n + 1`` of ``xf`` (the flat ``x``, N images),

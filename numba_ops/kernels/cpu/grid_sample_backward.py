@@ -77,7 +77,7 @@ from .._sample import (CUBIC, LINEAR, NEAREST, REFLECTION, TAPS, ZEROS, as_compu
                        grad_taps_linear, grad_taps_nearest, period, split_coord, unnormalize, unnormalize_scale)
 from . import _runtime
 from ._copies import narrowed, widened
-from ._opaque import INLINE, INTERNAL, opaque
+from ._opaque import INTERNAL, inline, opaque
 from ._views import carve, layout
 from . import affine_grid_backward
 from .affine_grid import base_coords
@@ -114,7 +114,7 @@ MIN_BLOCK = 16
 
 # --- plan: the forward's, with the weights' derivatives ----------------------------------
 
-@njit(**INLINE, **NO_NRT)
+@inline(**NO_NRT)
 def _fast_daxis(pos, m, k, size, mtok, padding, zero, pd):
     """The weights' derivatives ``pd[k, :, j]`` on spatial axis ``k`` of the positions
     ``pos[k, :m]`` that the forward's ``fast_axis`` finds interior (for others the
@@ -140,7 +140,7 @@ def _fast_daxis(pos, m, k, size, mtok, padding, zero, pd):
             pd[k, 3, j] = d3 * sc
 
 
-@njit(**INLINE, **NO_NRT)
+@inline(**NO_NRT)
 def _grad_taps(mtok, i, frac, finite, size, per, padding, align, zero):
     """``_sample.grad_taps_at`` of the mode of token ``mtok``: only that mode's taps compile."""
     if len(mtok) == NEAREST:
@@ -150,7 +150,7 @@ def _grad_taps(mtok, i, frac, finite, size, per, padding, align, zero):
     return grad_taps_cubic(i, frac, finite, size, per, padding, align, zero)
 
 
-@njit(**INLINE, **NO_NRT)
+@inline(**NO_NRT)
 def _generic_taps(r, sh, pos, j, mtok, padding, align, zero, pidx, pw, pd, pok):
     """Position ``j``'s padded taps on every axis with their derivatives
     (``_sample.grad_taps``' split and taps, one axis at a time); returns whether it
@@ -221,13 +221,13 @@ _plan_op = opaque(_plan)
 
 # --- one position's gradients in one channel ---------------------------------------------
 
-@njit(**INLINE, **NO_NRT)
+@inline(**NO_NRT)
 def _off(k, t, j, interior, stride, pidx):
     """Tap ``t``'s flat offset on axis ``k`` (the forward's ``_off``)."""
     return t * stride if interior else pidx[k, t, j]
 
 
-@njit(**INLINE, **NO_NRT)
+@inline(**NO_NRT)
 def _mine(k, t, j, interior, stride, ti, pidx, own):
     """Whether tap ``t`` of position ``j`` on outer axis ``k`` lies in the unit's tile
     (``own[k]``: its first and last offsets on that axis, times ``stride``)."""
@@ -235,7 +235,7 @@ def _mine(k, t, j, interior, stride, ti, pidx, own):
     return (own[k, 0] <= off) & (off < own[k, 1])
 
 
-@njit(**INLINE, **NO_NRT)
+@inline(**NO_NRT)
 def _g1(xf, gx, xb, j, g, T, masked, interior, scatter, deriv, pidx, pw, pd, pok, zero):
     a = zero
     for tx in range(T):
@@ -250,7 +250,7 @@ def _g1(xf, gx, xb, j, g, T, masked, interior, scatter, deriv, pidx, pw, pd, pok
     return a, zero, zero
 
 
-@njit(**INLINE, **NO_NRT)
+@inline(**NO_NRT)
 def _g2(xf, gx, xb, j, g, T, masked, interior, scatter, deriv, s1, pidx, pw, pd, pok, zero, tiled, ti, own):
     a0 = zero
     a1 = zero
@@ -278,7 +278,7 @@ def _g2(xf, gx, xb, j, g, T, masked, interior, scatter, deriv, s1, pidx, pw, pd,
     return a0, a1, zero
 
 
-@njit(**INLINE, **NO_NRT)
+@inline(**NO_NRT)
 def _g3(xf, gx, xb, j, g, T, masked, interior, scatter, deriv, s1, s2, pidx, pw, pd, pok, zero, tiled, ti, own):
     a0 = zero
     a1 = zero
@@ -321,7 +321,7 @@ def _g3(xf, gx, xb, j, g, T, masked, interior, scatter, deriv, s1, s2, pidx, pw,
     return a0, a1, a2
 
 
-@njit(**INLINE, **NO_NRT)
+@inline(**NO_NRT)
 def _grad(x, xf, gx, xb, j, g, T, masked, interior, scatter, deriv, s1, s2, pidx, pw, pd, pok, zero, tiled, ti,
           own):
     """Position ``j``'s gradients in one channel (the channel image of ``xf`` and of
@@ -343,7 +343,7 @@ def _grad(x, xf, gx, xb, j, g, T, masked, interior, scatter, deriv, s1, s2, pidx
 
 # --- positions, and the tiles of grad_x that their taps reach ------------------------------
 
-@njit(**INLINE, **NO_NRT)
+@inline(**NO_NRT)
 def _positions(x, src, n, s0, m, osz, align, atok, one, xs, ys, zs, pos):
     """Positions ``s0 .. s0 + m`` of image ``n`` unnormalised into ``pos[k, :m]`` (axis
     ``k`` of x's spatial axes, outermost first): from the flat grid ``src``, or, where
@@ -362,7 +362,7 @@ def _positions(x, src, n, s0, m, osz, align, atok, one, xs, ys, zs, pos):
                                          one)
 
 
-@njit(**INLINE)
+@inline
 def _bases(atok, osz, align, one, empty):
     """The output's base coordinates on its x, y and z axes (``base_coords``) where the
     positions come from theta (``atok``), else ``empty`` three times."""
@@ -371,7 +371,7 @@ def _bases(atok, osz, align, one, empty):
     return empty, empty, empty
 
 
-@njit(**INLINE)
+@inline
 def _first_tap(p, size, mode, zero):
     """The first tap's index of an interior position ``p`` on its axis, as the forward's
     ``fast_axis`` finds it (``split32``; nearest rounds half to even); ``mode`` a

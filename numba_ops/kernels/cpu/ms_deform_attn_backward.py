@@ -32,14 +32,14 @@ from .._msda import axis_grad_taps, grad_corner, interior
 from .._sample import as_compute
 from . import _runtime
 from ._copies import narrowed, swapped, widened
-from ._opaque import INLINE, INTERNAL, opaque
+from ._opaque import INTERNAL, inline, opaque
 from ._views import flat
 from .ms_deform_attn import ONE, level_table
 
 DTYPES = NAMES  # the dtypes these kernels take (the dispatcher checks them)
 
 
-@njit(fastmath={"reassoc"}, **INLINE)
+@inline(fastmath={"reassoc"})
 def _dots(vf, gf, o0, o1, o2, o3, og, Dh, zero):
     """The dot products of four value rows (at ``o0..o3``) with the output gradient's row
     (at ``og``): the one place that is compiled with reassociation, so that the channel
