@@ -213,6 +213,29 @@ def test_dispatcher_cache_counters():
     assert _compat.cache_counts(f) == (1, 0), changed("Dispatcher._cache_misses/_cache_hits")
 
 
+def test_plain_signatures():
+    """``Dispatcher.get_call_template(args, kws)`` compiles the signature that jitted
+    code's call needs, one per literal value; ``plain_signatures`` hands it the
+    arguments' plain types, so calls with other literal values reach one compiled
+    signature (``_opaque.inline``'s helpers)."""
+    def h(a, flag, s):
+        return a * s if flag else a + s
+
+    def caller(hh):
+        @njit
+        def f(a):
+            return hh(a, True, 1) + hh(a, False, 2)
+        return f
+
+    literal = njit(h)
+    assert caller(literal)(2.0) == 6.0
+    assert len(literal.signatures) == 2, changed("Dispatcher.get_call_template (literal arguments)")
+    plain = _compat.plain_signatures(njit(h))
+    assert caller(plain)(2.0) == 6.0
+    assert [tuple(map(str, s)) for s in plain.signatures] == [("float64", "bool", "int64")], \
+        changed("Dispatcher.get_call_template (plain_signatures)")
+
+
 def test_dispatcher_cache_path():
     """``Dispatcher._cache.cache_path``: the folder of a cached function's cache, None
     for an uncached one (``numba-ops info``, numba_ops.warm's stamp)."""

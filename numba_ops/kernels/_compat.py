@@ -17,6 +17,7 @@ import sys
 import types as _pytypes
 
 import numba
+import numba.core.registry
 from numba.core import cgutils  # noqa: F401  (LLVM IR helpers of numba's own lowering)
 from numba.core.imputils import impl_ret_borrowed  # noqa: F401  (an intrinsic returning a borrowed array)
 from numba.np.ufunc import parallel as _parallel
@@ -115,6 +116,23 @@ def dispatcher_types():
     if cuda_mod is not None and hasattr(cuda_mod, "CUDADispatcher"):
         kinds.append(cuda_mod.CUDADispatcher)
     return tuple(kinds)
+
+
+class _PlainDispatcher(numba.core.registry.CPUDispatcher):
+    """numba's CPU dispatcher, typing the calls of jitted code with the arguments'
+    plain types (``get_call_template``, where numba would compile a signature per
+    literal value: a ``1``, a ``True``)."""
+
+    def get_call_template(self, args, kws):
+        return super().get_call_template(tuple(numba.types.unliteral(a) for a in args),
+                                         {k: numba.types.unliteral(v) for k, v in kws.items()})
+
+
+def plain_signatures(dispatcher):
+    """``dispatcher`` (an ``njit`` one), made to compile once per plain signature when
+    jitted code calls it: a literal argument reaches the signature of its plain type."""
+    dispatcher.__class__ = _PlainDispatcher
+    return dispatcher
 
 
 def cache_counts(dispatcher):

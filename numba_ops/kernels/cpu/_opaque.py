@@ -34,34 +34,22 @@ import importlib
 
 from llvmlite import binding as ll
 from numba import njit, types
-from numba.core.registry import CPUDispatcher
 from numba.extending import intrinsic
 
-from .._compat import INTERNAL, add_reload_init, cgutils
+from .._compat import INTERNAL, add_reload_init, cgutils, plain_signatures
 
 #: the ``njit`` options of the per-element helpers that the kernels' loops call: compiled
 #: once per signature without wrappers (``INTERNAL``), and inlined by LLVM at each call
 INLINE = dict(INTERNAL, forceinline=True)
 
 
-class _PlainDispatcher(CPUDispatcher):
-    """A dispatcher that compiles for its arguments' plain types: a call with a literal
-    ``1`` or ``True`` reaches the signature of an ``int64`` or a ``bool`` (numba would
-    compile, type and lower the helper again per literal value; LLVM, which inlines
-    the helper, still folds the constant at each call)."""
-
-    def get_call_template(self, args, kws):
-        return super().get_call_template(tuple(types.unliteral(a) for a in args),
-                                         {k: types.unliteral(v) for k, v in kws.items()})
-
-
 def inline(fn=None, **options):
     """``@njit(**INLINE, **options)`` for a per-element helper (``INLINE``), compiled
-    once per plain signature (``_PlainDispatcher``)."""
+    once per plain signature (``_compat.plain_signatures``: numba would compile it again
+    for each literal value a caller passes; LLVM, which inlines the helper, still folds
+    the constant at each call)."""
     def wrap(f):
-        d = njit(**INLINE, **options)(f)
-        d.__class__ = _PlainDispatcher
-        return d
+        return plain_signatures(njit(**INLINE, **options)(f))
     return wrap(fn) if fn is not None else wrap
 
 
