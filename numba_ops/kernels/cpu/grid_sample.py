@@ -201,8 +201,9 @@ def _taps_axis(pos, m, k, size, stride, mtok, padding, align, zero, pidx, pw, po
     ``pidx[k, t, j]`` the flat offset (padded index times ``stride``), ``pw`` the
     weight, ``pok`` whether the tap is inside (False only for zeros padding). The
     padding is a constant in each copy that LLVM inlines (``_generic``), so the loops
-    vectorise; under reflection the positions within a period of the input (``reflect_near``) go
-    without a division (``split_near``), the others again one by one after them."""
+    vectorise; under reflection the positions within a period of the input
+    (``reflect_near``) go without a division (``split_near``), the others again one by
+    one after them."""
     per = period(size, padding, align)
     if padding == REFLECTION:
         far = 0
@@ -222,17 +223,16 @@ def _taps_axis(pos, m, k, size, stride, mtok, padding, align, zero, pidx, pw, po
 def _generic(r, sh, pos, m, mtok, padding, align, zero, pidx, pw, pok):
     """Padded taps (``_taps_axis``) of the segment's positions on every axis, the
     run-time ``padding`` unswitched by hand: each branch passes a constant, so that each
-    of the three loops LLVM inlines is the padding's own (they vectorise). The constants
-    are plain ``int64`` values, not literals: numba types and compiles ``_generic_axes``
-    and the helpers below it once, and LLVM specialises each inlined copy. Called
-    through its own compiled code (``_opaque``: once a segment), so that ``plan`` and
-    the entries above it do not optimise the three copies again."""
+    of the three loops LLVM inlines is the padding's own (they vectorise), while numba
+    compiles ``_generic_axes`` and the helpers below it once (``inline``: one plain
+    signature). Called through its own compiled code (``_opaque``: once a segment), so
+    that ``plan`` and the entries above it do not optimise the three copies again."""
     if padding == ZEROS:
-        _generic_axes(r, sh, pos, m, mtok, np.int64(ZEROS), align, zero, pidx, pw, pok)
+        _generic_axes(r, sh, pos, m, mtok, ZEROS, align, zero, pidx, pw, pok)
     elif padding == BORDER:
-        _generic_axes(r, sh, pos, m, mtok, np.int64(BORDER), align, zero, pidx, pw, pok)
+        _generic_axes(r, sh, pos, m, mtok, BORDER, align, zero, pidx, pw, pok)
     else:
-        _generic_axes(r, sh, pos, m, mtok, np.int64(REFLECTION), align, zero, pidx, pw, pok)
+        _generic_axes(r, sh, pos, m, mtok, REFLECTION, align, zero, pidx, pw, pok)
 
 
 _generic_op = opaque(_generic)
