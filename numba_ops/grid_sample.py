@@ -256,8 +256,9 @@ def warm_calls(dtype):
 def warm_backward_calls(dtype):
     """``(args, kwargs)`` of ``grid_sample_backward`` calls that compile its CPU kernels
     for float dtype ``dtype``: each r = 1, 2, 3 and mode (compile-time constants
-    there) with every padding mode (a run-time code), a tiny call (serial) and one past the pool's threshold (parallel;
-    one image large enough to be cut into tiles on several threads)."""
+    there) with every padding mode (a run-time code), a tiny call (serial) and one
+    past the pool's threshold (parallel; one image large enough to be cut into tiles
+    on several threads)."""
     from .kernels.cpu._runtime import PARALLEL_MIN_WORK
     from .kernels.cpu.grid_sample_backward import MIN_TILE
     dt = np_dtype(dtype)

@@ -134,7 +134,7 @@ LOCK, INFLIGHT, READY, TABLE, REPLAN, COMPILE, NIN, KEYED, WSBUSY, CFWS, CIWS, E
 # packed vector, workspace words; then the op's own words (``OPW``: below)
 PLAN0 = 13
 FN, VARIANT, MODE, ITEMS, NSCHED, SCHED, META, NMETA, NFWS, NIWS, OPW = range(PLAN0, PLAN0 + 11)
-OP_WORDS = 6
+OP_WORDS = 7
 PLAN1 = OPW + OP_WORDS
 # L only: the round under way, the workspaces' addresses, scratch for the C API's outputs,
 # a task's failure
@@ -194,6 +194,7 @@ class GridSampleInputs(NamedTuple):
 class GridSampleWords(NamedTuple):
     units: int  # segments of output positions (the pool's items share them)
     align: int  # align_corners
+    padding: int  # the padding's code (a run-time value of the kernels)
     grid_size: int  # the grid's elements
     out_size: int  # the output's elements
 
@@ -207,6 +208,7 @@ class AffineWarpInputs(NamedTuple):
 class AffineWarpWords(NamedTuple):
     units: int
     align: int
+    padding: int
     out_size: int
     depth: int  # the output's spatial sizes (depth 1 in 2-D)
     height: int
@@ -491,25 +493,25 @@ def _arr_ol(p, shape, z):
 
 
 @njit(**INTERNAL)
-def _grid_sample_task(usr, th, xz, gz, xtok, mtok, padding):
+def _grid_sample_task(usr, th, xz, gz, xtok, mtok):
     L = carray(usr, (NS,), np.int64)
     x = _arr(L[DATA[GS_IN.X]], _dims(L, SIZES[GS_IN.X], xtok), xz)
     xf = _arr(L[DATA[GS_IN.X]], (x.size,), xz)
     gf = _arr(L[DATA[GS_IN.grid]], (L[GS_W.grid_size],), gz)
     out = _arr(L[OUT], (L[GS_W.out_size],), xz)
-    gs.units_task(x, xf, gf, out, mtok, padding, L[GS_W.align] != 0, gz, th, L[ITEMS], L[GS_W.units])
+    gs.units_task(x, xf, gf, out, mtok, L[GS_W.padding], L[GS_W.align] != 0, gz, th, L[ITEMS], L[GS_W.units])
 
 
 @njit(**INTERNAL)
-def _affine_warp_task(usr, th, xz, tz, xtok, mtok, padding):
+def _affine_warp_task(usr, th, xz, tz, xtok, mtok):
     L = carray(usr, (NS,), np.int64)
     x = _arr(L[DATA[AW_IN.X]], _dims(L, SIZES[AW_IN.X], xtok), xz)
     xf = _arr(L[DATA[AW_IN.X]], (x.size,), xz)
     r = x.ndim - 2
     theta = _arr(L[DATA[AW_IN.theta]], (x.shape[0], r, r + 1), tz)
     out = _arr(L[OUT], (L[AW_W.out_size],), xz)
-    aw.units_task(x, xf, theta, out, L[AW_W.depth], L[AW_W.height], L[AW_W.width], mtok, padding, L[AW_W.align] != 0,
-                  tz, th, L[ITEMS], L[AW_W.units])
+    aw.units_task(x, xf, theta, out, L[AW_W.depth], L[AW_W.height], L[AW_W.width], mtok, L[AW_W.padding],
+                  L[AW_W.align] != 0, tz, th, L[ITEMS], L[AW_W.units])
 
 
 @njit(**INTERNAL)
@@ -580,9 +582,9 @@ def _variant(op, elems, rank, attrs):
     tok = (0,) * (rank + 2)
     if op == "DeformConv":
         return _deform_conv_task, (z[elems[0]], tok)
-    mode, padding, _ = parse_attrs(*_sample_attrs(attrs))
+    mode, _, _ = parse_attrs(*_sample_attrs(attrs))  # (the padding: a word of the plan, as align)
     task = _grid_sample_task if op == "GridSample" else _affine_warp_task
-    return task, (z[elems[0]], z[elems[1]], tok, gs.TOKEN[mode], np.int64(padding))
+    return task, (z[elems[0]], z[elems[1]], tok, gs.TOKEN[mode])
 
 
 def _sample_attrs(attrs):
@@ -606,10 +608,7 @@ def _item_callback(call, extra):
 
 
 def _task_key(task, extra):
-    """A callback's key: the task, and its constants: a compute type's zero by its type's
-    name, the others (tokens, a padding code) by their values."""
-    return task.py_func.__name__, tuple(type(e).__name__ if isinstance(e, (np.floating, np.uint8)) else e
-                                        for e in extra)
+    return task.py_func.__name__, tuple(type(e).__name__ if np.isscalar(e) else e for e in extra)
 
 
 def _task_fn(op, elems, rank, attrs):
@@ -780,16 +779,16 @@ class _Node:
             xi, oi = (GS_IN.X, GS_IN.grid) if self.op == "GridSample" else (AW_IN.X, AW_IN.theta)
             x, other = dummy(shapes[xi], self.dtypes[xi]), dummy(shapes[oi], self.dtypes[oi])
             if self.op == "GridSample":
-                *_, (mcode, _, align), yshape = grid_sample_checked(x, other, mode, padding, align, "cpu")
+                *_, (mcode, pcode, align), yshape = grid_sample_checked(x, other, mode, padding, align, "cpu")
                 yshape, work, units = gs.launch_plan(x.shape, other.shape, mcode)
-                S[GS_W.units], S[GS_W.align], S[GS_W.grid_size] = units, align, other.size
+                S[GS_W.units], S[GS_W.align], S[GS_W.padding], S[GS_W.grid_size] = units, align, pcode, other.size
             else:
                 size = values[AW_IN.size].reshape(-1).tolist()  # (as the Python route reads it)
                 if len(size) >= 2 and x.ndim >= 2:
                     size[1] = x.shape[1]  # (AffineGrid's C is ignored: X's)
-                *_, (mcode, _, align), yshape = affine_warp_checked(x, other, size, mode, padding, align, "cpu")
+                *_, (mcode, pcode, align), yshape = affine_warp_checked(x, other, size, mode, padding, align, "cpu")
                 work, units = aw.launch_plan(x.shape, yshape, mcode)
-                S[AW_W.units], S[AW_W.align] = units, align
+                S[AW_W.units], S[AW_W.align], S[AW_W.padding] = units, align, pcode
                 S[AW_W.depth], S[AW_W.height], S[AW_W.width] = yshape[2] if len(yshape) == 5 else 1, yshape[-2], \
                     yshape[-1]
             rank = x.ndim - 2

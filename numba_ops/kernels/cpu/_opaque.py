@@ -69,7 +69,7 @@ def _reload(module, qualname, args):
     _publish(getattr(importlib.import_module(module), qualname), args)
 
 
-def _plain(t):
+def _returnable(t):
     """Whether values of type ``t`` hold no reference (None, scalars, tuples of them):
     what an opaque call may return."""
     if isinstance(t, types.BaseTuple):
@@ -89,7 +89,7 @@ def opaque(dispatcher, failed=False):
     def call(typingctx, *args):
         args = tuple(types.unliteral(a) for a in args)
         name, fndesc = _publish(dispatcher, args)
-        if not _plain(fndesc.restype):
+        if not _returnable(fndesc.restype):
             raise TypeError("opaque calls return None, a scalar or a tuple of scalars, not %s" % fndesc.restype)
         if failed and fndesc.restype != types.none:
             raise TypeError("opaque(..., failed=True) calls return None, not %s" % fndesc.restype)

@@ -1032,20 +1032,16 @@ def launch(x, w, offset, b, mask, p, origin=None):
     y = np.empty(st.yshape, x.dtype)
     if st.empty:
         return y
-    # the kernels take C-contiguous arrays only (one layout to compile; ``_views``)
+    has_mask, has_b = mask is not None, b is not None
+    # the kernels take C-contiguous arrays only (one layout to compile; ``_views``); a
+    # missing mask is passed as the offsets (never read), a missing bias as an empty array
     c = np.ascontiguousarray
+    args = (c(x), c(w), c(offset), c(mask if has_mask else offset), c(b if has_b else st.nob), y)
     if st.small:  # the caller's thread, the one-thread tiling: no pool to ask, no plan to make
         # (each cost a tiny call ~10 %: what ``plan`` would give, taken directly)
-        meta = _meta(st.tilings[1], mask is not None, b is not None)
-        args = (c(x), c(w), c(offset), c(offset if mask is None else mask), c(st.nob if b is None else b), y)
-        (_direct if st.direct else _serial)(*args, meta)
+        (_direct if st.direct else _serial)(*args, _meta(st.tilings[1], has_mask, has_b))
         return y
-    lp = plan(st, x, w, mask is not None, b is not None, _runtime.num_threads() if _runtime.pool_usable() else 1)
-    if mask is None:
-        mask = offset  # never read
-    if b is None:
-        b = st.nob
-    args = (c(x), c(w), c(offset), c(mask), c(b), y)
+    lp = plan(st, x, w, has_mask, has_b, _runtime.num_threads() if _runtime.pool_usable() else 1)
     if lp.mode == SERIAL:  # the caller's thread alone: no pool, so no pool lock (Dask tasks run side by side)
         with ONE_THREAD:
             _serial(*args, lp.meta)
