@@ -20,12 +20,13 @@ is not wanted, part ``t`` of its positions), taken in segments of ``SEG`` positi
 
    - ``d sample / d pos_k``: the sample with axis ``k``'s weights replaced by their
      derivatives; blocks of ``lanes`` interior positions take it from the forward's
-     ``_gather.gathered`` (one call per axis, with that axis' derivative weights),
-     the others from the scalar ``_grad``. Times ``grad_y`` it is summed over the
+     ``_gather.gathered`` (each tap gathered once for every axis' derivative), the
+     others from the scalar ``_grad``. Times ``grad_y`` it is summed over the
      channels, in channel order, then times ``d pos / d grid`` (``unnormalize_scale``)
      into the grid's gradient; ``nearest`` has none (0), a non-finite position NaN;
    - ``grad_x[n, c, tap] += grad_y * weight`` over the position's taps (a tap outside
-     a zeros-padded input, and a non-finite position, add nothing).
+     a zeros-padded input, and a non-finite position, add nothing); a block of interior
+     positions that is wholly the unit's in a loop of its own, whose flags are constants.
 
 affine_warp's theta gradient is AffineGrid's backward (``affine_grid_backward``: per
 row the sums of the positions' gradient and of it times their x base coordinates,
