@@ -250,12 +250,13 @@ def registration(args, tmp, size):
         per_round = [float(np.median(t)) for t in trans[s]]
         tmed[s] = float(np.median(np.concatenate(trans[s])))
         print(f"  {s:<10} median {tmed[s]:8.1f} ms per transform alone (forward and backward)   round medians "
-              f"{min(per_round):.1f}-{max(per_round):.1f} ms" + ("   (its GridSamples at no cost)" if s == FREE else ""))
+              f"{min(per_round):.1f}-{max(per_round):.1f} ms" + ("   (GridSample at no cost)" if s == FREE else ""))
     print(f"  speed-up: torch / numba_ops = {tmed['torch'] / tmed['numba_ops']:.2f}x the transform alone, "
           f"{med['torch'] / med['numba_ops']:.2f}x per training step")
+    own = {s: tmed[s] - tmed[FREE] for s in SIDES}  # the GridSamples' share of each side's transform
     print(f"  bound: torch / free = {tmed['torch'] / tmed[FREE]:.2f}x the transform alone (the most that any "
-          f"GridSample could give); the GridSamples' own share: torch {tmed['torch'] - tmed[FREE]:.1f} ms, "
-          f"numba_ops {tmed['numba_ops'] - tmed[FREE]:.1f} ms ({(tmed['torch'] - tmed[FREE]) / (tmed['numba_ops'] - tmed[FREE]):.2f}x)")
+          f"GridSample could give); the GridSamples' own share: torch {own['torch']:.1f} ms, numba_ops "
+          f"{own['numba_ops']:.1f} ms ({own['torch'] / own['numba_ops']:.2f}x)")
 
 
 def main():
