@@ -19,6 +19,7 @@ from numba import njit, prange
 
 from .._dtypes import NAMES, compute
 from .._msda import axis_taps, corner, interior, level_table
+from .._sample import as_compute
 from . import _runtime
 from ._copies import narrowed, widened
 from ._opaque import INTERNAL, opaque
@@ -44,6 +45,7 @@ def _rows(v, shapes, starts, loc, attn, out, one, u0, u1):
     S = v.shape[1]
     vf = flat(v)
     of = flat(out)
+    one = as_compute(one, 1)  # a constant where this compiles: LLVM folds the halvings into products
     zero = one - one
     nan = one * np.nan
     acc = np.empty(Dh, type(one))

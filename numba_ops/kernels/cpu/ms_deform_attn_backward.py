@@ -76,6 +76,7 @@ def _units(gy, v, shapes, starts, loc, attn, gv, gl, ga, want_v, want_l, want_a,
     vf = flat(v)
     gf = flat(gy)
     gvf = flat(gv)
+    one = as_compute(one, 1)  # a constant where this compiles: LLVM folds the halvings into products
     zero = one - one
     nan = one * np.nan
     row = Dh if hm else M * Dh  # a position's stride in value
