@@ -587,7 +587,7 @@ def _units(x, xf, gyf, src, gx, gpos, B, K, bounds, box, osz, mtok, padding, ali
                 bkind[q] = b0
             for c in range(c0, c1):  # channel-major: a channel image's taps stay in cache
                 xb = (n * C + c) * S
-                o = (n * C + c) * P + s0
+                o = np.uint64((n * C + c) * P + s0)  # (unsigned: no wraparound, the copy vectorises)
                 for j in range(np.uint64(m)):  # the segment's grad_y, copied: the position loop
                     gyv[j] = gyf[o + j]  # reads it 12-15 % faster from a small array of its own
                 for q in range(nblk):
@@ -608,7 +608,7 @@ def _units(x, xf, gyf, src, gx, gpos, B, K, bounds, box, osz, mtok, padding, ali
                 if deriv:
                     for kk in range(r):
                         for j in range(np.uint64(m)):
-                            ga[kk, j] += gyv[j] * dv[kk * SEG + j]
+                            ga[kk, j] += gyv[j] * dv[np.uint64(kk * SEG) + j]
             if not want_pos:
                 continue
             for kk in range(r):
