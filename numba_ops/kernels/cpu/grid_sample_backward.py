@@ -347,8 +347,9 @@ def _position(x, xf, gx, xb, j, g, T, masked, want_x, deriv, tiled, s1, s2, r, p
               fin, home, base, dv):
     """Position ``j``'s gradients in one channel where its block is not wholly interior
     and the unit's: by its ``kind``, its scatter and its derivatives (``_grad``), the
-    latter into ``dv``. (A function of its own, inlined by LLVM: written in the
-    caller's loop it made the interior blocks' loop 1.1x slower.)"""
+    latter into ``dv``. (A function of its own, inlined by LLVM, called from the block
+    loop and the remainder's: written out in the block loop the backward took 1.3x
+    the time, one call site for both 1.13x, at 2 channels of 160x160.)"""
     kd = kind[j]
     if kd == SKIP:
         return
