@@ -84,13 +84,10 @@ from . import affine_grid_backward
 from .affine_grid import base_coords
 from .affine_warp import positions
 from ._gather import gathered, lanes
-from .grid_sample import AXIS_OUT, GENERIC, fast_axis, nearest_index, small_image, split32
+from .grid_sample import AXIS_OUT, GENERIC, TOKEN, fast_axis, nearest_index, small_image, split32
 
 DTYPES = NAMES  # the dtypes these kernels take (the dispatcher checks them)
 
-#: a mode's token: a tuple as long as its code, so that ``len(tok)`` is a constant where
-#: numba compiles, and LLVM drops the other modes' code
-TOKEN = ((), (0,), (0, 0))
 #: where the positions come from, as a token (numba compiles only that source's code):
 #: ``SOURCE[False]`` a grid, ``SOURCE[True]`` theta (affine_warp)
 SOURCE = {False: (), True: (0,)}
