@@ -19,28 +19,14 @@ from ._dtypes import SUPPORTED
 
 DEVICES = ("cpu", "cuda")
 
-LAUNCHERS = {
-    ("affine_grid", "cpu"): "numba_ops.kernels.cpu.affine_grid",
-    ("affine_grid", "cuda"): "numba_ops.kernels.cuda.affine_grid",
-    ("deform_conv", "cpu"): "numba_ops.kernels.cpu.deform_conv",
-    ("deform_conv", "cuda"): "numba_ops.kernels.cuda.deform_conv",
-    ("grid_sample", "cpu"): "numba_ops.kernels.cpu.grid_sample",
-    ("grid_sample", "cuda"): "numba_ops.kernels.cuda.grid_sample",
-    ("affine_warp", "cpu"): "numba_ops.kernels.cpu.affine_warp",
-    ("affine_warp", "cuda"): "numba_ops.kernels.cuda.affine_warp",
-    ("affine_grid_backward", "cpu"): "numba_ops.kernels.cpu.affine_grid_backward",
-    ("affine_grid_backward", "cuda"): "numba_ops.kernels.cuda.affine_grid_backward",
-    ("deform_conv_backward", "cpu"): "numba_ops.kernels.cpu.deform_conv_backward",
-    ("deform_conv_backward", "cuda"): "numba_ops.kernels.cuda.deform_conv_backward",
-    ("grid_sample_backward", "cpu"): "numba_ops.kernels.cpu.grid_sample_backward",
-    ("grid_sample_backward", "cuda"): "numba_ops.kernels.cuda.grid_sample_backward",
-    ("affine_warp_backward", "cpu"): "numba_ops.kernels.cpu.affine_warp_backward",
-    ("affine_warp_backward", "cuda"): "numba_ops.kernels.cuda.affine_warp_backward",
-    ("ms_deform_attn", "cpu"): "numba_ops.kernels.cpu.ms_deform_attn",
-    ("ms_deform_attn", "cuda"): "numba_ops.kernels.cuda.ms_deform_attn",
-    ("ms_deform_attn_backward", "cpu"): "numba_ops.kernels.cpu.ms_deform_attn_backward",
-    ("ms_deform_attn_backward", "cuda"): "numba_ops.kernels.cuda.ms_deform_attn_backward",
-}
+#: the package's own name: the table names its modules from it, so that a copy of the
+#: package under another name (vendored, or two versions side by side in one process to
+#: compare them) runs its own kernels
+_PACKAGE = __name__.rpartition(".")[0]
+
+_OPS = ("affine_grid", "deform_conv", "grid_sample", "affine_warp", "ms_deform_attn")
+LAUNCHERS = {(op, device): f"{_PACKAGE}.kernels.{device}.{op}"
+             for op in _OPS + tuple(op + "_backward" for op in _OPS) for device in DEVICES}
 
 
 def cuda_simulator():

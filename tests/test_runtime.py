@@ -90,3 +90,23 @@ def test_a_child_forked_after_the_pool_started_still_computes():
     same_grid, same_y, warned = got["child"]
     assert same_grid and same_y
     assert warned == (1 if got["layer"] == "omp" else 0)
+
+
+def test_a_copy_under_another_name_runs_its_own_kernels(tmp_path):
+    """The kernel table names its modules from the package's own name: a copy of the
+    package under another name (vendored, or two versions side by side in one process
+    to compare them) runs its own kernels, never the installed package's."""
+    import shutil
+    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "numba_ops")
+    shutil.copytree(src, tmp_path / "nbcopy", ignore=shutil.ignore_patterns("__pycache__"))
+    code = ("import sys, numpy as np, nbcopy\n"
+            "from nbcopy._dispatch import LAUNCHERS, launcher\n"
+            "mods = {launcher(op, 'cpu', np.dtype(np.float32)).__module__ for op, dev in LAUNCHERS if dev == 'cpu'}\n"
+            "print(sorted(mods))\n"
+            "print(sorted(m for m in sys.modules if m.startswith('numba_ops')))\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, PYTHONPATH=str(tmp_path)), cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    mods, installed = p.stdout.strip().splitlines()
+    assert mods.count("nbcopy.kernels.cpu.") == 10 and "'numba_ops" not in mods, mods
+    assert installed == "[]", installed
