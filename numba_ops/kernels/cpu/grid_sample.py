@@ -19,8 +19,8 @@ the parallel split is over (image, positions) whatever the shape). Per segment:
    A segment with few GENERIC positions plans their padded taps one by one
    (``SPARSE``). Under reflection padding a segment whose first, middle and last
    positions are interior is sorted the same way (interior or GENERIC: no position
-   is 0 and no tap masked), under border padding one where few of every 8th
-   position are not interior (an image flow's rows); others take the padded taps
+   is 0 and no tap masked), under border padding one where fewer than half of every
+   8th position are not interior (an image flow's rows); others take the padded taps
    for every position. The interior planning is 32-bit (a channel image has fewer
    than 2**31 elements), so that it vectorises on AVX2;
 3. ``accumulate``: channel by channel, every position of the segment in turn (a
@@ -34,7 +34,9 @@ the parallel split is over (image, positions) whatever the shape). Per segment:
    every position has its padded taps) are sampled a block at a time, each tap of
    a channel gathered for all of them (``_gather``; an interior position's
    consecutive taps on the innermost axis as one word), with the same operations
-   in the same order: the same bits as one by one.
+   in the same order: the same bits as one by one. A block of interior and other
+   positions (``PARTIAL``: a row's clamped ends) is gathered whole as interior, the
+   others read at base 0 and then sampled one by one over their lanes.
 
 Between the plan and the accumulation, ``prefetch_ahead`` asks for a share of the
 next image's ``x`` (a grid's taps land anywhere in an image, so the caches, not the
@@ -281,16 +283,19 @@ def _inside(pos, j, r, sh, lo, hi, zero):
 
 @inline
 def _few_padded(pos, m, r, sh, mtok, zero):
-    """Whether fewer than 1 in ``SPARSE`` of every 8th of the segment's ``m`` positions
-    are not interior: a guess at whether sorting pays under border padding (as where a
-    flow's rows reach the input's edges; where many positions are not interior the
-    padded taps of every position, clamps, cost less than the sorting: counting them
-    all cost 15% of a 3-D call). Either answer gives the same samples."""
+    """Whether fewer than half of every 8th of the segment's ``m`` positions are not
+    interior: a guess at whether sorting pays under border padding (as where a flow's
+    rows reach the input's edges; where most positions are not interior the padded taps
+    of every position, clamps, cost less than the sorting: counting them all cost 15% of
+    a 3-D call). Either answer gives the same samples. (Fewer than 1 in 8 sent 43% of a
+    48^3 registration's segments to the padded taps: a row's first position, every 8th
+    of them, clamps half the time; the few GENERIC positions of a sorted segment cost
+    little since their blocks are gathered with their interior ones, ``PARTIAL``.)"""
     lo, hi = (1, 2) if len(mtok) == CUBIC else (0, 1)
     n = 0
     for j in range(0, m, 8):
         n += not _inside(pos, j, r, sh, lo, hi, zero)
-    return n * SPARSE < (m + 7) // 8
+    return n * 2 < (m + 7) // 8
 
 
 @inline
@@ -357,6 +362,8 @@ def plan(x, pos, m, mtok, padding, align, zero, base, pidx, pw, pok, kind):
         for j in range(np.uint64(m)):
             ngeneric += kind[j] == GENERIC
             nout += kind[j] >= AXIS_OUT
+    for j in range(np.uint64(m)):  # (a block with some interior positions is gathered whole: ``PARTIAL``)
+        base[j] = base[j] if kind[j] == 0 else np.int32(0)
     full = ngeneric * SPARSE >= m
     if full:
         _generic_op(r, sh, pos, m, mtok, padding, align, zero, pidx, pw, pok)
@@ -443,8 +450,9 @@ def _sample(x, xf, xb, j, T, masked, interior, s1, s2, pidx, pw, pok, zero):
     return _s3(xf, xb, j, T, masked, interior, s1, s2, pidx, pw, pok, zero)
 
 
-#: ``_block``'s answer for positions of more than one kind
-MIXED = 255
+#: ``_block``'s answer for positions of more than one kind; ``PARTIAL``: a whole block of
+#: more than one kind, some interior (``accumulate``)
+MIXED, PARTIAL = 255, 254
 
 
 @inline
@@ -459,6 +467,16 @@ def _block(kind, j, m, V, blocks):
     for q in range(np.uint64(1), np.uint64(V)):
         same &= kind[j + q] == k
     return k if same else MIXED
+
+
+@inline
+def _outside(pw, j, r, zero):
+    """The sample of position ``j`` with every tap of an axis outside (zeros padding):
+    0, or NaN where the position is not finite (its weights are NaN)."""
+    acc = pw[0, 0, j] * zero
+    for k in range(1, r):
+        acc *= pw[k, 0, j]
+    return zero if acc == acc else acc
 
 
 @inline
@@ -504,8 +522,13 @@ def accumulate(x, xf, out, xb, xs, ob, os, C, m, mtok, padding, count, full, bas
     nblk = (mu + np.uint64(V) - np.uint64(1)) // np.uint64(V)
     for q in range(nblk):  # each block's kind, once for all channels
         bk = _block(kind, q * np.uint64(V), mu, V, blocks)
-        if bk == MIXED and full and blocks and (q + np.uint64(1)) * np.uint64(V) <= mu:
-            bk = GENERIC  # every position has its padded taps: interior ones' are their taps
+        if bk == MIXED and blocks and (q + np.uint64(1)) * np.uint64(V) <= mu:
+            if full:
+                bk = GENERIC  # every position has its padded taps: interior ones' are their taps
+            else:
+                for l in range(np.uint64(V)):
+                    if kind[q * np.uint64(V) + l] == 0:
+                        bk = PARTIAL
         bkind[q] = bk
     masked = padding == ZEROS
     b = xb
@@ -516,10 +539,7 @@ def accumulate(x, xf, out, xb, xs, ob, os, C, m, mtok, padding, count, full, bas
             # non-finite position; branch-free, so it vectorises), then the others over it
             # (the channel's stores stay in L1)
             for j in range(mu):
-                acc = pw[0, 0, j] * zero
-                for k in range(1, r):
-                    acc *= pw[k, 0, j]
-                store_sample(out, o + j, zero if acc == acc else acc)
+                store_sample(out, o + j, _outside(pw, j, r, zero))
             if count == m:
                 b += xs
                 o += osu
@@ -536,6 +556,18 @@ def accumulate(x, xf, out, xb, xs, ob, os, C, m, mtok, padding, count, full, bas
                 else:
                     gathered(x, xf, res, out, o + j, b, base, pidx, pw, pok, j, mtok, s1, s2, False, False)
                 _store_block(out, o + j, res, V)
+            elif bk == PARTIAL:  # gathered as interior (the others at base 0), then the others one by one
+                gathered(x, xf, res, out, o + j, b, base, pidx, pw, pok, j, mtok, s1, s2, True, False)
+                dr = direct(out, res)
+                for jj in range(j, j + np.uint64(V)):
+                    kd = kind[jj]
+                    if kd == 0:
+                        if not dr:
+                            store_sample(out, o + jj, res[jj - j])
+                    elif kd == GENERIC:
+                        store_sample(out, o + jj, _sample(x, xf, b, jj, T, masked, False, s1, s2, pidx, pw, pok, zero))
+                    elif dr:  # (its 0 again, where the gather stored over it)
+                        store_sample(out, o + jj, _outside(pw, jj, r, zero))
             elif bk == MIXED:
                 for jj in range(j, min(j + np.uint64(V), mu)):
                     kd = kind[jj]

@@ -26,7 +26,12 @@ is not wanted, part ``t`` of its positions), taken in segments of ``SEG`` positi
      into the grid's gradient; ``nearest`` has none (0), a non-finite position NaN;
    - ``grad_x[n, c, tap] += grad_y * weight`` over the position's taps (a tap outside
      a zeros-padded input, and a non-finite position, add nothing); a block of interior
-     positions that is wholly the unit's in a loop of its own, whose flags are constants.
+     positions that is wholly the unit's in a loop of its own, whose flags are constants,
+     an interior position's consecutive taps on the innermost axis written out.
+
+   A block of interior and other positions (``PARTIAL``: a row's clamped ends) takes
+   its derivatives from the same gather (the others read at base 0, then theirs
+   replaced one by one) and scatters its interior positions as that loop does.
 
 affine_warp's theta gradient is AffineGrid's backward (``affine_grid_backward``: per
 row the sums of the positions' gradient and of it times their x base coordinates,
@@ -104,6 +109,8 @@ MIN_TILE_POSITIONS = 512
 #: ``kind`` of an interior position some of whose taps lie outside the unit's tile, and
 #: of one that neither reaches the tile nor has its gradient written there
 TILE, SKIP = 4, 8
+#: a block of ``lanes`` positions of which some, not all, are interior (``_units``)
+PARTIAL = 128
 #: channels a unit holds at least: each block plans its positions again (4 images of 64
 #: channels of 128x128, one thread: blocks of 16 cost 5% more CPU time than one block,
 #: blocks of 4 22%)
@@ -193,6 +200,8 @@ def _plan(x, pos, m, mtok, padding, align, zero, deriv, base, pidx, pw, pd, pok,
             fast_axis(pos, m, r - 3, sh[nd - 3], sh[nd - 2] * sh[nd - 1], mtok, zero, base, pw, kind, False)
             if deriv:
                 _fast_daxis(pos, m, r - 3, sh[nd - 3], mtok, padding, zero, pd)
+        for j in range(np.uint64(m)):  # (a block with some interior positions is gathered whole: ``PARTIAL``)
+            base[j] = base[j] if kind[j] == 0 else np.int32(0)
     else:
         for j in range(np.uint64(m)):
             kind[j] = GENERIC
@@ -234,17 +243,36 @@ def _mine(k, t, j, interior, stride, ti, pidx, own):
 
 
 @inline(**NO_NRT)
+def _scatter_row(gx, b, g, T, masked, interior, k, j, pidx, pw, pok, ok0):
+    """``gx[tap] += g * weight`` over position ``j``'s ``T`` taps on the innermost axis
+    ``k`` from ``b`` (those inside, under zeros padding: ``pok``, and ``ok0``, the outer
+    axes'). An interior position's taps are consecutive: written out for the mode's
+    count of them (``T`` a constant where this inlines), as LLVM left the loop over
+    them rolled."""
+    if interior and not masked:
+        q = np.uint64(b)  # (taps are in range: no wraparound)
+        gx[q] += g * pw[k, 0, j]
+        if T >= 2:
+            gx[q + np.uint64(1)] += g * pw[k, 1, j]
+        if T >= 4:
+            gx[q + np.uint64(2)] += g * pw[k, 2, j]
+            gx[q + np.uint64(3)] += g * pw[k, 3, j]
+        return
+    for tx in range(T):
+        if (ok0 & pok[k, tx, j]) if masked else True:
+            gx[np.uint64(b + _off(k, tx, j, interior, 1, pidx))] += g * pw[k, tx, j]
+
+
+@inline(**NO_NRT)
 def _g1(xf, gx, xb, j, g, T, masked, interior, scatter, deriv, pidx, pw, pd, pok, zero):
     a = zero
-    for tx in range(T):
-        q = np.uint64(xb + _off(0, tx, j, interior, 1, pidx))  # (taps are in range: no wraparound)
-        ok = pok[0, tx, j] if masked else True
-        if deriv:
-            v = xf[q]
-            v = v if ok else zero
+    if deriv:
+        for tx in range(T):
+            v = xf[np.uint64(xb + _off(0, tx, j, interior, 1, pidx))]  # (taps are in range: no wraparound)
+            v = v if (pok[0, tx, j] if masked else True) else zero
             a += pd[0, tx, j] * v
-        if scatter and ok:
-            gx[q] += g * pw[0, tx, j]
+    if scatter:
+        _scatter_row(gx, xb, g, T, masked, interior, 0, j, pidx, pw, pok, True)
     return a, zero, zero
 
 
@@ -260,16 +288,14 @@ def _g2(xf, gx, xb, j, g, T, masked, interior, scatter, deriv, s1, pidx, pw, pd,
         gy = g * wy
         sv = zero
         sd = zero
-        for tx in range(T):
-            q = np.uint64(by + _off(1, tx, j, interior, 1, pidx))  # (taps are in range: no wraparound)
-            ok = (oky & pok[1, tx, j]) if masked else True
-            if deriv:
-                v = xf[q]
-                v = v if ok else zero
+        if deriv:
+            for tx in range(T):
+                v = xf[np.uint64(by + _off(1, tx, j, interior, 1, pidx))]  # (taps are in range: no wraparound)
+                v = v if ((oky & pok[1, tx, j]) if masked else True) else zero
                 sv += pw[1, tx, j] * v
                 sd += pd[1, tx, j] * v
-            if sy and ok:
-                gx[q] += gy * pw[1, tx, j]
+        if sy:
+            _scatter_row(gx, by, gy, T, masked, interior, 1, j, pidx, pw, pok, oky)
         if deriv:
             a0 += pd[0, ty, j] * sv
             a1 += wy * sd
@@ -298,16 +324,14 @@ def _g3(xf, gx, xb, j, g, T, masked, interior, scatter, deriv, s1, s2, pidx, pw,
             gzy = gz * wy
             sv = zero
             sd = zero
-            for tx in range(T):
-                q = np.uint64(by + _off(2, tx, j, interior, 1, pidx))  # (taps are in range: no wraparound)
-                ok = (oky & pok[2, tx, j]) if masked else True
-                if deriv:
-                    v = xf[q]
-                    v = v if ok else zero
+            if deriv:
+                for tx in range(T):
+                    v = xf[np.uint64(by + _off(2, tx, j, interior, 1, pidx))]  # (taps are in range: no wraparound)
+                    v = v if ((oky & pok[2, tx, j]) if masked else True) else zero
                     sv += pw[2, tx, j] * v
                     sd += pd[2, tx, j] * v
-                if sy and ok:
-                    gx[q] += gzy * pw[2, tx, j]
+            if sy:
+                _scatter_row(gx, by, gzy, T, masked, interior, 2, j, pidx, pw, pok, oky)
             if deriv:
                 szv += wy * sv
                 szy += pd[1, ty, j] * sv
@@ -580,9 +604,11 @@ def _units(x, xf, gyf, src, gx, gpos, B, K, bounds, box, osz, mtok, padding, ali
             nblk = m // V
             for q in range(nblk):
                 b0 = kind[q * V]
+                some = b0 == 0
                 for l in range(1, V):
                     b0 |= kind[q * V + l]
-                bkind[q] = b0
+                    some |= kind[q * V + l] == 0
+                bkind[q] = PARTIAL if (b0 != 0) & some else b0
             for c in range(c0, c1):  # channel-major: a channel image's taps stay in cache
                 xb = (n * C + c) * S
                 o = np.uint64((n * C + c) * P + s0)  # (unsigned: no wraparound, the copy vectorises)
@@ -594,6 +620,16 @@ def _units(x, xf, gyf, src, gx, gpos, B, K, bounds, box, osz, mtok, padding, ali
                             gathered(x, xf, res, dv, q * V, xb, base, pidx, wd, pok, q * V, mtok, s1, s2, True, False)
                         if want_x:  # the scatter, its flags constants: a tight loop (with the others'
                             for j in range(q * V, q * V + V):  # in it, 1.35x the time at 2 channels)
+                                _grad(x, xf, gx, xb + base[j], j, gyv[j], T, False, True, True, False, s1, s2, pidx,
+                                      pw, pd, pok, zero, False, ti, own)
+                    elif bkind[q] == PARTIAL:  # the interior positions as above, the others one by one
+                        if deriv:  # (the others gathered at base 0, their derivatives replaced)
+                            gathered(x, xf, res, dv, q * V, xb, base, pidx, wd, pok, q * V, mtok, s1, s2, True, False)
+                        for j in range(q * V, q * V + V):
+                            if kind[j] != 0:
+                                _position(x, xf, gx, xb, j, gyv[j], T, masked, want_x, deriv, tiled, s1, s2, r, pidx,
+                                          pw, pd, pok, zero, ti, own, kind, fin, home, base, dv)
+                            elif want_x:
                                 _grad(x, xf, gx, xb + base[j], j, gyv[j], T, False, True, True, False, s1, s2, pidx,
                                       pw, pd, pok, zero, False, ti, own)
                     else:
