@@ -34,9 +34,9 @@ the parallel split is over (image, positions) whatever the shape). Per segment:
    every position has its padded taps) are sampled a block at a time, each tap of
    a channel gathered for all of them (``_gather``; an interior position's
    consecutive taps on the innermost axis as one word), with the same operations
-   in the same order: the same bits as one by one. A block of interior and other
-   positions (``PARTIAL``: a row's clamped ends) is gathered whole as interior, the
-   others read at base 0 and then sampled one by one over their lanes.
+   in the same order: the same bits as one by one. A block of mostly interior
+   positions and others (``PARTIAL``: a row's clamped ends) is gathered whole as
+   interior, the others read at base 0 and then sampled one by one over their lanes.
 
 Between the plan and the accumulation, ``prefetch_ahead`` asks for a share of the
 next image's ``x`` (a grid's taps land anywhere in an image, so the caches, not the
@@ -451,7 +451,7 @@ def _sample(x, xf, xb, j, T, masked, interior, s1, s2, pidx, pw, pok, zero):
 
 
 #: ``_block``'s answer for positions of more than one kind; ``PARTIAL``: a whole block of
-#: more than one kind, some interior (``accumulate``)
+#: more than one kind, at least half of them interior (``accumulate``)
 MIXED, PARTIAL = 255, 254
 
 
@@ -525,10 +525,12 @@ def accumulate(x, xf, out, xb, xs, ob, os, C, m, mtok, padding, count, full, bas
         if bk == MIXED and blocks and (q + np.uint64(1)) * np.uint64(V) <= mu:
             if full:
                 bk = GENERIC  # every position has its padded taps: interior ones' are their taps
-            else:
+            else:  # mostly interior: gathered whole (a few interior ones cost less one by one)
+                n0 = 0
                 for l in range(np.uint64(V)):
-                    if kind[q * np.uint64(V) + l] == 0:
-                        bk = PARTIAL
+                    n0 += kind[q * np.uint64(V) + l] == 0
+                if n0 * 2 >= V:
+                    bk = PARTIAL
         bkind[q] = bk
     masked = padding == ZEROS
     b = xb

@@ -29,9 +29,9 @@ is not wanted, part ``t`` of its positions), taken in segments of ``SEG`` positi
      positions that is wholly the unit's in a loop of its own, whose flags are constants,
      an interior position's consecutive taps on the innermost axis written out.
 
-   A block of interior and other positions (``PARTIAL``: a row's clamped ends) takes
-   its derivatives from the same gather (the others read at base 0, then theirs
-   replaced one by one) and scatters its interior positions as that loop does.
+   A block of mostly interior positions and others (``PARTIAL``: a row's clamped
+   ends) takes its derivatives from the same gather (the others read at base 0, then
+   theirs replaced one by one) and scatters its interior positions as that loop does.
 
 affine_warp's theta gradient is AffineGrid's backward (``affine_grid_backward``: per
 row the sums of the positions' gradient and of it times their x base coordinates,
@@ -109,7 +109,7 @@ MIN_TILE_POSITIONS = 512
 #: ``kind`` of an interior position some of whose taps lie outside the unit's tile, and
 #: of one that neither reaches the tile nor has its gradient written there
 TILE, SKIP = 4, 8
-#: a block of ``lanes`` positions of which some, not all, are interior (``_units``)
+#: a block of ``lanes`` positions of which at least half, not all, are interior (``_units``)
 PARTIAL = 128
 #: channels a unit holds at least: each block plans its positions again (4 images of 64
 #: channels of 128x128, one thread: blocks of 16 cost 5% more CPU time than one block,
@@ -604,11 +604,11 @@ def _units(x, xf, gyf, src, gx, gpos, B, K, bounds, box, osz, mtok, padding, ali
             nblk = m // V
             for q in range(nblk):
                 b0 = kind[q * V]
-                some = b0 == 0
-                for l in range(1, V):
+                n0 = 0
+                for l in range(V):
                     b0 |= kind[q * V + l]
-                    some |= kind[q * V + l] == 0
-                bkind[q] = PARTIAL if (b0 != 0) & some else b0
+                    n0 += kind[q * V + l] == 0
+                bkind[q] = PARTIAL if (b0 != 0) & (n0 * 2 >= V) else b0
             for c in range(c0, c1):  # channel-major: a channel image's taps stay in cache
                 xb = (n * C + c) * S
                 o = np.uint64((n * C + c) * P + s0)  # (unsigned: no wraparound, the copy vectorises)
