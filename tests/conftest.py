@@ -5,7 +5,7 @@ tests/helpers.py.
 
 Two runs (.ci/run makes both, tox too: envs ``py`` and ``full``):
 
-* the default (``python -m pytest``): a few minutes from an empty JIT cache. Each
+* the default (``python -m pytest``): 10-14 minutes from an empty JIT cache. Each
   op x device path x dtype at least once, the sampler matrix on a covering subset
   (``helpers.in_default``), warm-up tests on the smallest requests;
 * ``--full``: everything, the tests marked ``full`` too: the whole sampler matrix,
