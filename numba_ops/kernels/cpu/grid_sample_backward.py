@@ -89,7 +89,8 @@ from . import affine_grid_backward
 from .affine_grid import base_coords
 from .affine_warp import positions
 from ._gather import gathered, lanes
-from .grid_sample import AXIS_OUT, GENERIC, TOKEN, fast_axis, nearest_index, small_image, split32
+from .grid_sample import (AXIS_OUT, GENERIC, PARTIAL, TOKEN, fast_axis, interior_bases, mostly_interior, nearest_index,
+                          small_image, split32)
 
 DTYPES = NAMES  # the dtypes these kernels take (the dispatcher checks them)
 
@@ -109,8 +110,6 @@ MIN_TILE_POSITIONS = 512
 #: ``kind`` of an interior position some of whose taps lie outside the unit's tile, and
 #: of one that neither reaches the tile nor has its gradient written there
 TILE, SKIP = 4, 8
-#: a block of ``lanes`` positions of which at least half, not all, are interior (``_units``)
-PARTIAL = 128
 #: channels a unit holds at least: each block plans its positions again (4 images of 64
 #: channels of 128x128, one thread: blocks of 16 cost 5% more CPU time than one block,
 #: blocks of 4 22%)
@@ -200,8 +199,7 @@ def _plan(x, pos, m, mtok, padding, align, zero, deriv, base, pidx, pw, pd, pok,
             fast_axis(pos, m, r - 3, sh[nd - 3], sh[nd - 2] * sh[nd - 1], mtok, zero, base, pw, kind, False)
             if deriv:
                 _fast_daxis(pos, m, r - 3, sh[nd - 3], mtok, padding, zero, pd)
-        for j in range(np.uint64(m)):  # (a block with some interior positions is gathered whole: ``PARTIAL``)
-            base[j] = base[j] if kind[j] == 0 else np.int32(0)
+        interior_bases(m, kind, base)
     else:
         for j in range(np.uint64(m)):
             kind[j] = GENERIC
@@ -604,11 +602,9 @@ def _units(x, xf, gyf, src, gx, gpos, B, K, bounds, box, osz, mtok, padding, ali
             nblk = m // V
             for q in range(nblk):
                 b0 = kind[q * V]
-                n0 = 0
-                for l in range(V):
+                for l in range(1, V):
                     b0 |= kind[q * V + l]
-                    n0 += kind[q * V + l] == 0
-                bkind[q] = PARTIAL if (b0 != 0) & (n0 * 2 >= V) else b0
+                bkind[q] = PARTIAL if b0 != 0 and mostly_interior(kind, q * V, V) else b0
             for c in range(c0, c1):  # channel-major: a channel image's taps stay in cache
                 xb = (n * C + c) * S
                 o = np.uint64((n * C + c) * P + s0)  # (unsigned: no wraparound, the copy vectorises)
