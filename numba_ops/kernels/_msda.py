@@ -13,10 +13,10 @@ A finite location whose position overflows the compute type (``2 * loc`` beyond
 float32's range) is held at ``±2**62``: it samples 0 like every far position,
 and only a location that is itself NaN or ±Inf samples NaN.
 
-``interior`` is the kernels' fast path: a position whose two taps are both inside
-the axis (``0 <= pos < size - 1``, most of every level's points) needs neither
-padding nor the huge-position care, only its floor and fraction, which are the
-generic path's exactly.
+``interior`` is the CPU kernels' fast path: a position whose two taps are both
+inside the axis (``0 <= pos < size - 1``, most of every level's points) needs
+neither padding nor the huge-position care, only its floor and fraction, which are
+the generic path's exactly.
 
 Axes beyond the level's rank (``size`` 0 here: a 2-D level's depth) have one tap,
 index 0, weight 1 and derivative 0, so every kernel loops over three axes.
@@ -44,16 +44,16 @@ def position(loc, size, one):
 
 
 @njit(**SHARED)
-def interior(loc, size, one):
-    """``(i, frac, inside)``: for a position whose taps ``i, i + 1`` both lie inside an
-    axis of ``size`` elements (``inside``), its floor and fraction, as ``axis_taps``
-    gives them; otherwise ``inside`` is False and ``i``, ``frac`` are 0."""
+def interior(loc, size, last, one):
+    """``(pos, inside)``: the position that ``loc`` samples on an axis of ``size``
+    elements, and whether its taps ``floor(pos), floor(pos) + 1`` both lie inside the
+    axis (``0 <= pos < last``, ``last = size - 1``; both in the compute type). Where
+    ``inside``, its floor is the truncation of ``pos``; elsewhere ``pos`` is 0. Without
+    branches, so that the CPU kernels' loops over many points vectorise."""
     zero = one - one
     pos = unnormalize(loc + loc - one, size, False, one)
-    ok = (pos >= zero) & (pos < as_compute(one, size - 1))
-    pc = pos if ok else zero
-    i = np.int64(pc)  # truncation is the floor of a position >= 0
-    return i, pc - as_compute(one, i), ok
+    ok = (pos >= zero) & (pos < last)
+    return (pos if ok else zero), ok
 
 
 @njit(**SHARED)

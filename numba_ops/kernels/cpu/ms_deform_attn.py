@@ -22,13 +22,101 @@ from .._msda import axis_taps, corner, interior, level_table
 from .._sample import as_compute
 from . import _runtime
 from ._copies import narrowed, widened
-from ._opaque import INTERNAL, opaque
-from ._views import flat
+from ._opaque import INTERNAL, inline, opaque
+from ._views import flat, prefetch
 
 DTYPES = NAMES  # the dtypes these kernels take (the dispatcher checks them)
 
 #: 1 in each compute type, made once
 ONE = {np.dtype(t): t(1) for t in (np.float32, np.float64)}
+
+
+#: the longest axis whose points ``plan`` may take as interior (their floors are int32)
+_INT32_AXIS = (1 << 31) - 1
+
+
+@inline
+def plan(lf, lb, count, r, size, last, ix, iy, iz, fx, fy, fz, ok, one):
+    """The interior plan of ``count`` points whose ``r`` coordinates lie one after
+    another from ``lf[lb]`` on: ``ok[j]`` where point ``j`` is 2-D or 3-D and every tap
+    of it lies inside its level, with each axis' floor and fraction (``ix``/``fx``,
+    ``iy``/``fy``, and ``iz``/``fz`` for 3-D). ``size`` and ``last`` (3, ok.size): each
+    point's level's sizes and last indices, innermost first, in the compute type
+    (``point_table``); the buffers hold at least ``count`` points (``plan_buffers``).
+
+    One loop without branches over all the points, which vectorises (LLVM left it
+    scalar where a helper wrote the plan's arrays, or where the coordinates were
+    indexed at an offset); the kernels then sample the planned points and take the
+    others one by one. Per point, the arithmetic one at a time cost about as much as
+    its 32 channels' corners."""
+    pts = lf[lb:lb + count * r]  # (indexed from 0: an offset index kept the loop scalar)
+    sx, sy, sz = size[0], size[1], size[2]
+    ex, ey, ez = last[0], last[1], last[2]
+    if r == 2:
+        for j in range(count):
+            jj = np.uint64(j)
+            o = np.uint64(2 * j)
+            px, okx = interior(pts[o], sx[jj], ex[jj], one)
+            py, oky = interior(pts[o + 1], sy[jj], ey[jj], one)
+            kx, ky = np.int32(px), np.int32(py)  # (the floors: px, py >= 0)
+            ix[jj], iy[jj] = kx, ky
+            fx[jj], fy[jj] = px - as_compute(one, kx), py - as_compute(one, ky)
+            ok[jj] = okx & oky
+    elif r == 3:
+        for j in range(count):
+            jj = np.uint64(j)
+            o = np.uint64(3 * j)
+            px, okx = interior(pts[o], sx[jj], ex[jj], one)
+            py, oky = interior(pts[o + 1], sy[jj], ey[jj], one)
+            pz, okz = interior(pts[o + 2], sz[jj], ez[jj], one)
+            kx, ky, kz = np.int32(px), np.int32(py), np.int32(pz)
+            ix[jj], iy[jj], iz[jj] = kx, ky, kz
+            fx[jj], fy[jj], fz[jj] = px - as_compute(one, kx), py - as_compute(one, ky), pz - as_compute(one, kz)
+            ok[jj] = okx & oky & okz
+    else:  # 1-D levels: every point by its padded taps
+        ok[:count] = False
+
+
+@inline
+def point_table(shapes, lv, size, last, j):
+    """Point ``j``'s column of ``plan``'s tables: its level ``lv``'s sizes and last
+    indices (-1, never inside, on an axis too long for ``plan``'s int32 floors)."""
+    for i in range(3):
+        s = shapes[lv, i]
+        size[i, j] = s
+        last[i, j] = s - 1 if s <= _INT32_AXIS else -1
+
+
+@inline
+def plan_buffers(n, one):
+    """``plan``'s tables and results for ``n`` points: ``(size, last, ix, iy, iz, fx,
+    fy, fz, ok)``."""
+    t = type(one)
+    return (np.empty((3, n), t), np.empty((3, n), t), np.empty(n, np.int32), np.empty(n, np.int32),
+            np.empty(n, np.int32), np.empty(n, t), np.empty(n, t), np.empty(n, t), np.empty(n, np.bool_))
+
+
+#: how many points ahead of the one it samples ``_rows`` prefetches a point's corners
+AHEAD = 4
+
+
+@inline
+def prefetch_corners(vf, o, sy, sz, row, planes, Dh):
+    """Prefetch the rows of ``Dh`` values at a planned point's corners: the first at
+    ``vf[o]``, the others ``row`` (x), ``sy`` (y) and, for ``planes`` 2, ``sz`` (z)
+    further. Each row's first, middle and last values: every cache line of a row of up
+    to 128 bytes (float32 ``Dh`` 32) wherever it starts, the ends of a longer one (a
+    loop over a row's lines made the encoder several times slower). The encoder's
+    corners are mostly read from beyond L2 (their neighbourhoods over all heads are
+    larger), and without the hint the point's reads wait for their lines one after
+    another."""
+    for cz in range(planes):
+        for cy in range(2):
+            for cx in range(2):
+                c = o + cz * sz + cy * sy + cx * row
+                prefetch(vf, c)
+                prefetch(vf, c + Dh // 2)
+                prefetch(vf, c + Dh - 1)
 
 
 @njit(**INTERNAL)
@@ -37,22 +125,37 @@ def _rows(v, shapes, starts, loc, attn, out, one, u0, u1):
     ``loc`` (N, Lq, M, L, P, r), ``attn`` (N, Lq, M, L, P); ``shapes`` (L, 3) holds
     each level's (W, H, D), innermost first, 0 for an absent axis.
 
-    A 2-D or 3-D point whose taps are all inside (``_msda.interior``) adds its four
-    corners of a plane in one pass over the channels; others (near an edge, far
-    outside, not finite, 1-D) take every axis' padded taps (``axis_taps``)."""
+    A row's ``M x L x P`` points are planned first (``plan``); a 2-D or 3-D point
+    whose taps are all inside then adds its four corners of a plane in one pass over
+    the channels; others (near an edge, far outside, not finite, 1-D) take every
+    axis' padded taps (``axis_taps``)."""
     Lq, M, Dh = out.shape[1], out.shape[2], out.shape[3]
     L, P, r = loc.shape[3], loc.shape[4], loc.shape[5]
     S = v.shape[1]
     vf = flat(v)
     of = flat(out)
+    lf = flat(loc)
+    af = flat(attn)
     one = as_compute(one, 1)  # a constant where this compiles: LLVM folds the halvings into products
     zero = one - one
     nan = one * np.nan
     acc = np.empty(Dh, type(one))
     row = M * Dh  # a position's stride in value
+    J = M * L * P  # a row's points, (m, l, p) row-major
+    size, last, ix, iy, iz, fx, fy, fz, ok = plan_buffers(J, one)
+    strides = np.empty((3, J), np.int64)  # per point: its level's and head's offset, y and z strides
+    for j in range(J):
+        lv = (j // P) % L
+        point_table(shapes, lv, size, last, j)
+        W1 = max(shapes[lv, 0], 1)
+        strides[0, j] = (starts[lv] * M + j // (L * P)) * Dh
+        strides[1, j] = W1 * row
+        strides[2, j] = W1 * max(shapes[lv, 1], 1) * row
+    planes = 2 if r > 2 else 1
     for u in range(u0, u1):
         n = u // Lq
-        q = u - n * Lq
+        img = n * S * M * Dh  # the image's value
+        plan(lf, u * J * r, J, r, size, last, ix, iy, iz, fx, fy, fz, ok, one)
         for m in range(M):
             acc[:] = zero
             finite = True
@@ -62,25 +165,30 @@ def _rows(v, shapes, starts, loc, attn, out, one, u0, u1):
                 H1 = max(H, 1)
                 at = ((n * S + starts[lv]) * M + m) * Dh  # the level's first position, head m
                 for p in range(P):
-                    a = attn[n, q, m, lv, p]
-                    lx = loc[n, q, m, lv, p, 0]
-                    ly = loc[n, q, m, lv, p, 1] if r > 1 else zero
-                    lz = loc[n, q, m, lv, p, 2] if r > 2 else zero
-                    kx, fx, okx = interior(lx, W, one)
-                    ky, fy, oky = interior(ly, H, one)
-                    kz, fz, okz = interior(lz, D, one) if r > 2 else (np.int64(0), zero, True)
-                    if okx & oky & okz & (r > 1):
+                    j = (m * L + lv) * P + p
+                    k = j + AHEAD
+                    if k < J and ok[k]:
+                        o = img + strides[0, k] + (iz[k] * strides[2, k] if r > 2 else 0) + iy[k] * strides[1, k]
+                        prefetch_corners(vf, o + ix[k] * row, strides[1, k], strides[2, k], row, planes, Dh)
+                    a = af[np.uint64(u * J + j)]
+                    if ok[j]:
+                        ax, ay, az = fx[j], fy[j], fz[j]  # the fractions
                         for cz in range(2 if r > 2 else 1):
-                            wz = a if r == 2 else (a * (one - fz) if cz == 0 else a * fz)
-                            o0 = at + (((kz + cz) * H1 + ky) * W1 + kx) * row
+                            wz = a if r == 2 else (a * (one - az) if cz == 0 else a * az)
+                            kz = np.int64(iz[j]) + cz if r > 2 else np.int64(0)
+                            o0 = at + ((kz * H1 + iy[j]) * W1 + ix[j]) * row
                             o2 = o0 + W1 * row
-                            w0 = wz * (one - fy)
-                            w1 = wz * fy
-                            c0, c1, c2, c3 = w0 * (one - fx), w0 * fx, w1 * (one - fx), w1 * fx
+                            w0 = wz * (one - ay)
+                            w1 = wz * ay
+                            c0, c1, c2, c3 = w0 * (one - ax), w0 * ax, w1 * (one - ax), w1 * ax
                             for d in range(Dh):
                                 acc[d] += (c0 * vf[np.uint64(o0 + d)] + c1 * vf[np.uint64(o0 + row + d)]
                                            + c2 * vf[np.uint64(o2 + d)] + c3 * vf[np.uint64(o2 + row + d)])
                         continue
+                    o = np.uint64((u * J + j) * r)
+                    lx = lf[o]
+                    ly = lf[o + 1] if r > 1 else zero
+                    lz = lf[o + 2] if r > 2 else zero
                     tx, ty, tz = axis_taps(lx, W, one), axis_taps(ly, H, one), axis_taps(lz, D, one)
                     if not (tx[6] and ty[6] and tz[6]):
                         finite = False

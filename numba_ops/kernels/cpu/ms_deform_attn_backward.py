@@ -28,13 +28,13 @@ import numpy as np
 from numba import njit, prange
 
 from .._dtypes import NAMES, compute
-from .._msda import axis_grad_taps, grad_corner, interior
+from .._msda import axis_grad_taps, grad_corner
 from .._sample import as_compute
 from . import _runtime
 from ._copies import narrowed, swapped, widened
 from ._opaque import INTERNAL, inline, opaque
 from ._views import flat
-from .ms_deform_attn import ONE, level_table
+from .ms_deform_attn import AHEAD, ONE, level_table, plan, plan_buffers, point_table, prefetch_corners
 
 DTYPES = NAMES  # the dtypes these kernels take (the dispatcher checks them)
 
@@ -76,10 +76,15 @@ def _units(gy, v, shapes, starts, loc, attn, gv, gl, ga, want_v, want_l, want_a,
     vf = flat(v)
     gf = flat(gy)
     gvf = flat(gv)
+    lf = flat(loc)
+    af = flat(attn)
     one = as_compute(one, 1)  # a constant where this compiles: LLVM folds the halvings into products
     zero = one - one
     nan = one * np.nan
     row = Dh if hm else M * Dh  # a position's stride in value
+    QB = max(1, BLOCK // P)  # queries planned at a time
+    planes = 2 if r > 2 else 1
+    size, last, ix, iy, iz, fx, fy, fz, ok = plan_buffers(QB * P, one)
     for u in range(u0, u1):
         lv = u % L
         nm = u // L
@@ -89,90 +94,104 @@ def _units(gy, v, shapes, starts, loc, attn, gv, gl, ga, want_v, want_l, want_a,
         W1 = max(W, 1)
         H1 = max(H, 1)
         fW, fH, fD = as_compute(one, W), as_compute(one, H), as_compute(one, D)
+        for j in range(QB * P):
+            point_table(shapes, lv, size, last, j)
         # head m's first position of the level
         at = ((n * M + m) * S + starts[lv]) * Dh if hm else ((n * S + starts[lv]) * M + m) * Dh
         atg = ((n * S + starts[lv]) * M + m) * Dh  # grad_value: always (N, S, M, Dh)
         rowg = M * Dh
-        for q in range(Lq):
-            og = ((n * Lq + q) * M + m) * Dh
-            for p in range(P):
-                a = attn[n, m, lv, q, p]
-                lx = loc[n, m, lv, q, p, 0]
-                ly = loc[n, m, lv, q, p, 1] if r > 1 else zero
-                lz = loc[n, m, lv, q, p, 2] if r > 2 else zero
-                kx, fx, okx = interior(lx, W, one)
-                ky, fy, oky = interior(ly, H, one)
-                kz, fz, okz = interior(lz, D, one) if r > 2 else (np.int64(0), zero, True)
-                sa = zero
-                sx = zero
-                sy = zero
-                sz = zero
-                if okx & oky & okz & (r > 1):
-                    for cz in range(2 if r > 2 else 1):
-                        wz = one if r == 2 else (one - fz if cz == 0 else fz)
-                        k0 = ((kz + cz) * H1 + ky) * W1 + kx
-                        o0 = at + k0 * row
-                        o2 = o0 + W1 * row
-                        d0 = d1 = d2 = d3 = zero
-                        if want_l or want_a:
-                            d0, d1, d2, d3 = _dots(vf, gf, o0, o0 + row, o2, o2 + row, og, Dh, zero)
+        ys, zs = W1 * row, W1 * H1 * row  # value's y and z strides, and its gradient's
+        ysg, zsg = W1 * rowg, W1 * H1 * rowg
+        for q0 in range(0, Lq, QB):
+            count = min(QB, Lq - q0) * P
+            plan(lf, (u * Lq + q0) * P * r, count, r, size, last, ix, iy, iz, fx, fy, fz, ok, one)
+            for q in range(q0, q0 + count // P):
+                og = ((n * Lq + q) * M + m) * Dh
+                for p in range(P):
+                    j = (q - q0) * P + p
+                    ja = j + AHEAD  # prefetch the corners of a point a few ahead
+                    if ja < count and ok[ja]:
+                        ka = ((iz[ja] * H1 if r > 2 else 0) + iy[ja]) * W1 + ix[ja]
+                        prefetch_corners(vf, at + ka * row, ys, zs, row, planes, Dh)
                         if want_v:
-                            w0 = a * wz * (one - fy)
-                            w1 = a * wz * fy
-                            c0, c1, c2, c3 = w0 * (one - fx), w0 * fx, w1 * (one - fx), w1 * fx
-                            g0 = atg + k0 * rowg
-                            g2 = g0 + W1 * rowg
-                            for d in range(Dh):
-                                g = gf[np.uint64(og + d)]
-                                gvf[np.uint64(g0 + d)] += c0 * g
-                                gvf[np.uint64(g0 + rowg + d)] += c1 * g
-                                gvf[np.uint64(g2 + d)] += c2 * g
-                                gvf[np.uint64(g2 + rowg + d)] += c3 * g
-                        bx0 = (one - fx) * d0 + fx * d1  # the plane's rows, interpolated along x
-                        bx1 = (one - fx) * d2 + fx * d3
-                        plane = (one - fy) * bx0 + fy * bx1
-                        sa += wz * plane
-                        sx += wz * ((one - fy) * (d1 - d0) + fy * (d3 - d2))
-                        sy += wz * (bx1 - bx0)
-                        sz += plane if cz == 1 else -plane
-                    sx *= fW
-                    sy *= fH
-                    sz *= fD
-                else:
-                    tx, ty, tz = axis_grad_taps(lx, W, one), axis_grad_taps(ly, H, one), axis_grad_taps(lz, D, one)
-                    if not (tx[8] and ty[8] and tz[8]):  # NaN for its own gradients, nothing scattered
-                        if want_a:
-                            ga[n, m, lv, q, p] = nan
-                        if want_l:
-                            for i in range(r):
-                                gl[n, m, lv, q, p, i] = nan
-                        continue
-                    for c in range(8):
-                        k, w, gwx, gwy, gwz, inside = grad_corner(c, tx, ty, tz, W1, H1)
-                        if not inside:
+                            prefetch_corners(gvf, atg + ka * rowg, ysg, zsg, rowg, planes, Dh)
+                    a = af[np.uint64((u * Lq + q) * P + p)]
+                    sa = zero
+                    sx = zero
+                    sy = zero
+                    sz = zero
+                    if ok[j]:
+                        ax, ay, az = fx[j], fy[j], fz[j]  # the fractions
+                        for cz in range(2 if r > 2 else 1):
+                            wz = one if r == 2 else (one - az if cz == 0 else az)
+                            kz = np.int64(iz[j]) + cz if r > 2 else np.int64(0)
+                            k0 = (kz * H1 + iy[j]) * W1 + ix[j]
+                            o0 = at + k0 * row
+                            o2 = o0 + W1 * row
+                            d0 = d1 = d2 = d3 = zero
+                            if want_l or want_a:
+                                d0, d1, d2, d3 = _dots(vf, gf, o0, o0 + row, o2, o2 + row, og, Dh, zero)
+                            if want_v:
+                                w0 = a * wz * (one - ay)
+                                w1 = a * wz * ay
+                                c0, c1, c2, c3 = w0 * (one - ax), w0 * ax, w1 * (one - ax), w1 * ax
+                                g0 = atg + k0 * rowg
+                                g2 = g0 + W1 * rowg
+                                for d in range(Dh):
+                                    g = gf[np.uint64(og + d)]
+                                    gvf[np.uint64(g0 + d)] += c0 * g
+                                    gvf[np.uint64(g0 + rowg + d)] += c1 * g
+                                    gvf[np.uint64(g2 + d)] += c2 * g
+                                    gvf[np.uint64(g2 + rowg + d)] += c3 * g
+                            bx0 = (one - ax) * d0 + ax * d1  # the plane's rows, interpolated along x
+                            bx1 = (one - ax) * d2 + ax * d3
+                            plane = (one - ay) * bx0 + ay * bx1
+                            sa += wz * plane
+                            sx += wz * ((one - ay) * (d1 - d0) + ay * (d3 - d2))
+                            sy += wz * (bx1 - bx0)
+                            sz += plane if cz == 1 else -plane
+                        sx *= fW
+                        sy *= fH
+                        sz *= fD
+                    else:
+                        o = np.uint64(((u * Lq + q) * P + p) * r)
+                        lx = lf[o]
+                        ly = lf[o + 1] if r > 1 else zero
+                        lz = lf[o + 2] if r > 2 else zero
+                        tx, ty, tz = axis_grad_taps(lx, W, one), axis_grad_taps(ly, H, one), axis_grad_taps(lz, D, one)
+                        if not (tx[8] and ty[8] and tz[8]):  # NaN for its own gradients, nothing scattered
+                            if want_a:
+                                ga[n, m, lv, q, p] = nan
+                            if want_l:
+                                for i in range(r):
+                                    gl[n, m, lv, q, p, i] = nan
                             continue
-                        o = at + k * row
-                        if want_l or want_a:
-                            dot = zero
-                            for d in range(Dh):
-                                dot += vf[np.uint64(o + d)] * gf[np.uint64(og + d)]
-                            sa += w * dot
-                            sx += gwx * dot
-                            sy += gwy * dot
-                            sz += gwz * dot
-                        if want_v:
-                            w = a * w
-                            o = atg + k * rowg
-                            for d in range(Dh):
-                                gvf[np.uint64(o + d)] += w * gf[np.uint64(og + d)]
-                if want_a:
-                    ga[n, m, lv, q, p] = sa
-                if want_l:
-                    gl[n, m, lv, q, p, 0] = a * sx
-                    if r > 1:
-                        gl[n, m, lv, q, p, 1] = a * sy
-                    if r > 2:
-                        gl[n, m, lv, q, p, 2] = a * sz
+                        for c in range(8):
+                            k, w, gwx, gwy, gwz, inside = grad_corner(c, tx, ty, tz, W1, H1)
+                            if not inside:
+                                continue
+                            o = at + k * row
+                            if want_l or want_a:
+                                dot = zero
+                                for d in range(Dh):
+                                    dot += vf[np.uint64(o + d)] * gf[np.uint64(og + d)]
+                                sa += w * dot
+                                sx += gwx * dot
+                                sy += gwy * dot
+                                sz += gwz * dot
+                            if want_v:
+                                w = a * w
+                                o = atg + k * rowg
+                                for d in range(Dh):
+                                    gvf[np.uint64(o + d)] += w * gf[np.uint64(og + d)]
+                    if want_a:
+                        ga[n, m, lv, q, p] = sa
+                    if want_l:
+                        gl[n, m, lv, q, p, 0] = a * sx
+                        if r > 1:
+                            gl[n, m, lv, q, p, 1] = a * sy
+                        if r > 2:
+                            gl[n, m, lv, q, p, 2] = a * sz
 
 
 _units_op = opaque(_units)
@@ -192,6 +211,9 @@ def _parallel(gy, v, shapes, starts, loc, attn, gv, gl, ga, want_v, want_l, want
         _units_op(gy, v, shapes, starts, loc, attn, gv, gl, ga, want_v, want_l, want_a, one, hm,
                   c * units // nchunks, (c + 1) * units // nchunks)
 
+
+#: points planned at a time (``ms_deform_attn.plan``), in whole queries
+BLOCK = 256
 
 #: points per value row from which a unit reads value head-major (``launch``)
 HEAD_MAJOR_POINTS = 4
