@@ -1,9 +1,10 @@
 """The CPU kernels' view intrinsics (numba_ops/kernels/cpu/_views.py): arrays that
-re-describe memory without numba's ``reshape`` or one ``np.zeros`` per dtype."""
+re-describe memory without numba's ``reshape`` or one ``np.zeros`` per dtype, and the
+prefetch hint."""
 import numpy as np
 from numba import njit
 
-from numba_ops.kernels.cpu._views import carve, flat, layout, shaped
+from numba_ops.kernels.cpu._views import carve, flat, layout, prefetch, shaped
 
 
 @njit
@@ -45,3 +46,23 @@ def test_flat_and_shaped_share_the_memory():
     np.testing.assert_array_equal(s, x.reshape(6, 4))
     f[5] = -1.0
     assert x[0, 1, 1] == -1.0 and s[1, 1] == -1.0
+
+
+@njit
+def _prefetched_sum(a, at):
+    s = a[0] - a[0]
+    for i in at:
+        prefetch(a, i)
+    for v in a:
+        s += v
+    return s
+
+
+def test_prefetch_is_a_hint_that_never_faults():
+    """The hint compiles on this numba's LLVM (its intrinsic's name and types), changes
+    nothing and never faults, even far outside the array (the kernels only ask for
+    lines they then read, but a hint must be harmless either way)."""
+    a = np.arange(1000, dtype=np.float32)
+    at = np.array([0, 999, 1000, -1, 1 << 40, -(1 << 40)], np.int64)
+    assert _prefetched_sum(a, at) == a.sum()
+    assert (a == np.arange(1000, dtype=np.float32)).all()
