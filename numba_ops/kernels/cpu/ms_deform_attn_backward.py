@@ -19,8 +19,8 @@ the order of every sum is still fixed by the compiled code, not by the threads o
 which gradients are asked for (10-20 % of the encoder's backward here). Working
 memory, kept by each calling thread between calls (``launch``): unit-major copies of
 the locations and weights and their gradients, and for the encoder's many points per
-value row a head-major copy of value and its gradient. 16-bit inputs are widened to float32 by the
-launcher, and the gradients rounded once.
+value row head-major copies of value and its gradient. 16-bit inputs are widened to
+float32 by the launcher, and the gradients rounded once.
 """
 import threading
 
