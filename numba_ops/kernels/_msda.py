@@ -45,15 +45,18 @@ def position(loc, size, one):
 
 @njit(**SHARED)
 def interior(loc, size, last, one):
-    """``(pos, inside)``: the position that ``loc`` samples on an axis of ``size``
-    elements, and whether its taps ``floor(pos), floor(pos) + 1`` both lie inside the
-    axis (``0 <= pos < last``, ``last = size - 1``; both in the compute type). Where
-    ``inside``, its floor is the truncation of ``pos``; elsewhere ``pos`` is 0. Without
+    """``(i, frac, inside)``: whether the taps ``floor(pos), floor(pos) + 1`` of the
+    position ``pos`` that ``loc`` samples on an axis of ``size`` elements both lie
+    inside the axis (``0 <= pos < last``, ``last = size - 1``; both in the compute
+    type), and where they do, the floor (int32: the kernels plan only axes shorter
+    than 2**31) and fraction, as ``axis_taps`` gives them; elsewhere 0 and 0. Without
     branches, so that the CPU kernels' loops over many points vectorise."""
     zero = one - one
     pos = unnormalize(loc + loc - one, size, False, one)
     ok = (pos >= zero) & (pos < last)
-    return (pos if ok else zero), ok
+    pc = pos if ok else zero
+    i = np.int32(pc)  # truncation is the floor of a position >= 0
+    return i, pc - as_compute(one, i), ok
 
 
 @njit(**SHARED)

@@ -56,22 +56,16 @@ def plan(lf, lb, count, r, size, last, ix, iy, iz, fx, fy, fz, ok, one):
         for j in range(count):
             jj = np.uint64(j)
             o = np.uint64(2 * j)
-            px, okx = interior(pts[o], sx[jj], ex[jj], one)
-            py, oky = interior(pts[o + 1], sy[jj], ey[jj], one)
-            kx, ky = np.int32(px), np.int32(py)  # (the floors: px, py >= 0)
-            ix[jj], iy[jj] = kx, ky
-            fx[jj], fy[jj] = px - as_compute(one, kx), py - as_compute(one, ky)
+            ix[jj], fx[jj], okx = interior(pts[o], sx[jj], ex[jj], one)
+            iy[jj], fy[jj], oky = interior(pts[o + 1], sy[jj], ey[jj], one)
             ok[jj] = okx & oky
     elif r == 3:
         for j in range(count):
             jj = np.uint64(j)
             o = np.uint64(3 * j)
-            px, okx = interior(pts[o], sx[jj], ex[jj], one)
-            py, oky = interior(pts[o + 1], sy[jj], ey[jj], one)
-            pz, okz = interior(pts[o + 2], sz[jj], ez[jj], one)
-            kx, ky, kz = np.int32(px), np.int32(py), np.int32(pz)
-            ix[jj], iy[jj], iz[jj] = kx, ky, kz
-            fx[jj], fy[jj], fz[jj] = px - as_compute(one, kx), py - as_compute(one, ky), pz - as_compute(one, kz)
+            ix[jj], fx[jj], okx = interior(pts[o], sx[jj], ex[jj], one)
+            iy[jj], fy[jj], oky = interior(pts[o + 1], sy[jj], ey[jj], one)
+            iz[jj], fz[jj], okz = interior(pts[o + 2], sz[jj], ez[jj], one)
             ok[jj] = okx & oky & okz
     else:  # 1-D levels: every point by its padded taps
         ok[:count] = False
