@@ -3,18 +3,16 @@
 Numerical agreement of the CUDA kernels with the oracles is tested by the op test
 files through the ``device`` fixture (every test there runs on "cuda" too when it
 is usable: under NUMBA_ENABLE_CUDASIM=1 in CI). This file adds what those cannot
-see: type-checking for sm_80/sm_90 (the simulator runs kernels as Python and
-checks no types), the error path without a GPU, which array kinds come back,
-strided and foreign (``__cuda_array_interface__``) device inputs, and the
-production tile configuration.
+see: the error path without a GPU, which array kinds come back, strided and
+foreign (``__cuda_array_interface__``) device inputs, and the production tile
+configuration. The simulator runs kernels as Python and checks no types: every
+kernel is type-checked and built for sm_80 and sm_90 by tests/test_resources.py.
 """
-import json
 import os
 import subprocess
 import sys
 import textwrap
 import threading
-import types
 
 import numpy as np
 import pytest
@@ -37,79 +35,6 @@ def _env(**extra):
     env["PYTHONPATH"] = os.pathsep.join([ROOT, HERE, env.get("PYTHONPATH", "")])
     env.update(extra)
     return env
-
-
-# --- compile_ptx: every kernel, every dtype, sm_80 and sm_90 -----------------------
-
-def compile_kernels(which, cc):
-    """Compile kernel family ``which`` for compute capability ``cc``, every dtype.
-
-    Returns {label: PTX size}. Needs libNVVM, not a GPU. ``cuda.compile_ptx``
-    compiles a kernel for the ``cc`` asked, but when the kernel calls device
-    functions (our shared ``@njit`` helpers and ``@overload``s, compiled by
-    numba-cuda as device functions) ``CUDADispatcher.compile_device`` asks
-    ``get_current_device()`` for the compute capability, which needs a GPU. The
-    caller therefore replaces ``numba.cuda.dispatcher.get_current_device`` with a
-    stand-in reporting ``cc`` (see ``_pretend_device``): the PTX produced is the
-    same as on a GPU of that capability.
-    """
-    from numba.cuda.cudadrv import nvvm
-    try:
-        nvvm.NVVM()
-    except Exception as exc:  # loud: without NVVM nothing here type-checks
-        raise AssertionError(f"libNVVM is missing, so the CUDA kernels cannot be compiled or type-checked: {exc}")
-    from numba_ops.benchmark import resources
-    from numba_ops.kernels.cuda import _device, affine_grid, affine_warp, deform_conv, grid_sample
-    module = {"affine_grid": affine_grid, "deform_conv": deform_conv, "pack": _device,
-              "grid_sample": grid_sample, "affine_warp": affine_warp}[which]
-    jobs = list(module.compile_jobs())
-    assert jobs, which
-    sizes = {}
-    for label, kern, sig in jobs:
-        # at its launch bounds; memoised, so test_resources.py's spill check reuses it
-        ptx = resources.ptx_of(kern, sig, cc)
-        assert f".target sm_{cc[0]}{cc[1]}" in ptx, label
-        sizes[label] = len(ptx)
-    return sizes
-
-
-def _pretend_device(setattr_, cc):
-    """Compile for ``cc`` with no GPU: numba-cuda asks the current device for the cc
-    of nested device functions, and NVRTC (not in every toolkit; only NVVM is
-    needed to compile) for the closest supported arch unless the cc is forced."""
-    import numba.cuda.dispatcher
-    from numba.cuda import config
-    setattr_(numba.cuda.dispatcher, "get_current_device",
-             lambda: types.SimpleNamespace(compute_capability=cc))
-    setattr_(config, "FORCE_CUDA_CC", cc)
-
-
-@pytest.mark.full  # minutes of NVVM: with --full
-@pytest.mark.ptx
-@pytest.mark.parametrize("cc", CCS, ids=lambda cc: f"sm_{cc[0]}{cc[1]}")
-@pytest.mark.parametrize("which", ["affine_grid", "deform_conv", "pack", "grid_sample", "affine_warp"])
-def test_compile_ptx(which, cc, monkeypatch):
-    if not SIMULATOR:
-        _pretend_device(monkeypatch.setattr, cc)
-        sizes = compile_kernels(which, cc)
-    else:
-        # The simulator replaces numba-cuda's compiler in this process: compile in
-        # a fresh one without it, so the simulator pass type-checks too.
-        code = textwrap.dedent(f"""
-            import json, test_cuda
-            test_cuda._pretend_device(setattr, {cc!r})
-            print(json.dumps(test_cuda.compile_kernels({which!r}, {cc!r})))
-        """)
-        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                              env=_env(NUMBA_ENABLE_CUDASIM="0"), cwd=HERE, timeout=600)
-        assert proc.returncode == 0, proc.stderr[-4000:]
-        sizes = json.loads(proc.stdout.strip().splitlines()[-1])
-    # every dtype of every kernel variant: 2 kernels x 2 nd; 2 tile variants x 32/64-bit indices + weights;
-    # 3 ranks (uint8 too); GridSample: 3 ranks x 3 modes x x's dtype (the grid's or uint8); affine_warp: 2 ranks
-    assert len(sizes) == {"affine_grid": 16, "deform_conv": 20, "pack": 15, "grid_sample": 72,
-                          "affine_warp": 48}[which], sorted(sizes)
-    for dt in ("float16", "bfloat16", "float32", "float64"):
-        assert any(label.endswith("/" + dt) for label in sizes), dt
 
 
 # --- without a GPU ----------------------------------------------------------------

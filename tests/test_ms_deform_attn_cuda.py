@@ -5,16 +5,9 @@ another order than the CPU's interior path, and the value gradient with atomics)
 locations; device inputs give device results; streams; empty sizes. The shapes are
 tiny: the simulator runs every thread in Python.
 
-Not under the simulator: every kernel of the two modules' ``compile_jobs()``
-compiles for sm_90 (``compile_ptx``, libNVVM, no GPU), and the resource report
-(benchmark/resources.py) finds no spills in them on sm_80 and sm_90.
+Every kernel of the two modules' ``compile_jobs()`` is built for sm_80 and sm_90
+(libNVVM and ptxas, no GPU) by tests/test_resources.py, which finds no spills.
 """
-import json
-import os
-import subprocess
-import sys
-import textwrap
-
 import numpy as np
 import pytest
 
@@ -27,8 +20,6 @@ pytestmark = pytest.mark.cuda
 SIMULATOR = _dispatch.cuda_simulator()
 needs_cuda = pytest.mark.skipif("cuda" not in numba_ops.devices(),
                                 reason="needs a GPU or NUMBA_ENABLE_CUDASIM=1 (CI's second pass)")
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
 #: tolerance per dtype, relative to an array's largest magnitude: float32 and float64
 #: summed in another order; 16-bit results rounded once from such float32 sums
 TOL = {FLOAT64: 1e-10, FLOAT32: 1e-5, FLOAT16: 2e-3, BF16: 1.6e-2}
@@ -36,7 +27,6 @@ TOL = {FLOAT64: 1e-10, FLOAT32: 1e-5, FLOAT16: 2e-3, BF16: 1.6e-2}
 GRAD_TOL = {**TOL, FLOAT32: 1e-4}
 #: the levels per rank: (H, W), (D, H, W), and 1-D (W,)
 LEVELS = {1: [(5,), (2,)], 2: [(3, 4), (2, 2)], 3: [(2, 3, 2), (1, 2, 2)]}
-MODULES = ("ms_deform_attn", "ms_deform_attn_backward")
 
 
 def _starts(shapes):
@@ -312,85 +302,3 @@ def test_empty_sizes(empty):
     from numba import cuda
     got = numba_ops.ms_deform_attn(cuda.to_device(value), shapes, starts, loc, attn)
     assert _is_device(got) and got.shape == want.shape
-
-
-# --- compile_ptx and registers: every kernel, every dtype --------------------------------
-
-def compile_msda(cc):
-    """{label: PTX size} of every ``compile_jobs()`` entry of the two modules, compiled
-    for ``cc`` at the kernels' launch bounds (libNVVM, no GPU: ``pretend_device``)."""
-    import importlib
-
-    from numba_ops.benchmark import resources
-    from numba_ops.kernels._compat import pretend_device
-    sizes = {}
-    with pretend_device(cc):
-        for name in MODULES:
-            mod = importlib.import_module(f"numba_ops.kernels.cuda.{name}")
-            jobs = list(mod.compile_jobs())
-            assert jobs, name
-            for label, kern, sig in jobs:
-                ptx = resources.ptx_of(kern, sig, cc)
-                assert f".target sm_{cc[0]}{cc[1]}" in ptx, label
-                sizes[label] = len(ptx)
-    return sizes
-
-
-def _without_simulator(code, timeout):
-    """The last line of ``code``'s output, run in a fresh process without the simulator
-    (which replaces numba-cuda's compiler in the process that has it)."""
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0",
-               PYTHONPATH=os.pathsep.join([ROOT, HERE, os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=env,
-                          cwd=HERE, timeout=timeout)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-@FULL  # NVVM: with --full
-@pytest.mark.ptx
-def test_compile_ptx():
-    cc = (9, 0)
-    if not SIMULATOR:
-        sizes = compile_msda(cc)
-    else:
-        sizes = _without_simulator(f"""
-            import json, test_ms_deform_attn_cuda
-            print(json.dumps(test_ms_deform_attn_cuda.compile_msda({cc!r})))
-        """, 1200)
-    for name in MODULES:  # one kernel per dtype (the rank is a run-time value)
-        assert sorted(label for label in sizes if label.split("/")[0] == name) == sorted(
-            f"{name}/{dt}" for dt in ("float16", "bfloat16", "float32", "float64")), sorted(sizes)
-
-
-def _resources_available():
-    try:
-        from numba_ops.benchmark import resources
-    except ImportError:
-        return False
-    return bool(resources.assemblers())
-
-
-@FULL  # NVVM and ptxas: with --full
-@pytest.mark.ptx
-@pytest.mark.skipif(not _resources_available(), reason="no numba-cuda or no PTX assembler (ptxas or nvJitLink)")
-def test_no_spills():
-    """The resource report's rows of these kernels (tests/test_resources.py checks every
-    kernel's): zero spill bytes on sm_80 and sm_90, two blocks of the launch per SM."""
-    code = """
-        import json
-        from numba_ops.benchmark import resources
-        print(json.dumps([r._asdict() for r in resources.measure(only="ms_deform_attn")]))
-    """
-    if SIMULATOR:
-        rows = _without_simulator(code, 1200)
-    else:
-        from numba_ops.benchmark import resources
-        rows = [r._asdict() for r in resources.measure(only="ms_deform_attn")]
-    labels = {r["label"] for r in rows}
-    assert labels == {f"{name}/{dt}" for name in MODULES for dt in ("float16", "bfloat16", "float32", "float64")}
-    assert {tuple(r["cc"]) for r in rows} == {(8, 0), (9, 0)}
-    spilled = [(r["label"], r["cc"], r["tool"], r["spill_stores"], r["spill_loads"]) for r in rows
-               if r["spill_stores"] or r["spill_loads"]]
-    assert not spilled, spilled
-    assert all(r["blocks"] >= 2 for r in rows), [(r["label"], r["blocks"]) for r in rows if r["blocks"] < 2]
