@@ -4,7 +4,7 @@ position (``_scalar.base_coord``).
 
 ``@njit(parallel=True)`` over fixed units of rows (``UNITS`` per call, a function
 of the shape alone), each summing in float64 into a partial of its own (per row
-``sum g`` and ``sum g * x``, each in ``LANES`` partial sums, then times the row's y and z);
+``sum g`` and ``sum g * x``, summed in vector lanes, then times the row's y and z);
 the partials are added in their order afterwards, so the result is the same bits
 whatever the thread count. The kernel is compiled once per compute type and rank
 is a runtime value (16-bit grads are computed in float32, rounded once).
@@ -25,42 +25,46 @@ UNITS = 16
 MIN_UNIT = 4096
 
 
-#: partial sums a row's sums keep (``_row_sums``)
-LANES = 4
+@inline(fastmath={"reassoc"})
+def _row_sums2(gg, xs, b, W, zero):
+    """Per coordinate of a 2-D grid row's ``W`` positions from ``gg[b]`` on (x and y
+    interleaved), ``sum g`` and ``sum g * x`` in float64 (``xs[i]``: position ``i``'s
+    x), as ``(s0, sx0, s1, sx1)``. Compiled with reassociation, so that LLVM reads the
+    interleaved row in vectors and sums in vector lanes: one running sum waits for each
+    addition before the next (a 64x64x64 grid's backward took 6-10x its forward). The
+    order of the sums is the compiled code's: the same on every call and thread count."""
+    s0 = s1 = t0 = t1 = zero
+    o = np.uint64(b)  # (unsigned indices: no negative-index wraparound in the loop)
+    for i in range(np.uint64(W)):
+        g0 = np.float64(gg[o + np.uint64(2) * i])
+        g1 = np.float64(gg[o + np.uint64(2) * i + np.uint64(1)])
+        x = xs[i]
+        s0 += g0
+        s1 += g1
+        t0 += g0 * x
+        t1 += g1 * x
+    return s0, t0, s1, t1
 
 
-@inline
-def _row_sums(gg, xs, b, r, W):
-    """``(sum g, sum g * x)`` in float64 over a row's ``W`` values ``gg[b + i * r]`` (x:
-    ``xs[i]``): ``LANES`` partial sums each (position ``i`` into partial ``i % LANES``),
-    added in a fixed order at the end. A single running sum waits for each addition
-    before the next (a 64x64x64 grid's backward took 6x its forward); the partials
-    are independent chains, and the order is the same on every call."""
-    s0 = s1 = s2 = s3 = 0.0
-    t0 = t1 = t2 = t3 = 0.0
-    ru = np.uint64(r)  # (unsigned indices: no negative-index wraparound in the loop)
+@inline(fastmath={"reassoc"})
+def _row_sums3(gg, xs, b, W, zero):
+    """``_row_sums2`` for a 3-D grid's rows (x, y and z interleaved): ``(s0, sx0, s1,
+    sx1, s2, sx2)``."""
+    s0 = s1 = s2 = t0 = t1 = t2 = zero
     o = np.uint64(b)
-    n4 = np.uint64(W - W % LANES)
-    for i in range(np.uint64(0), n4, np.uint64(LANES)):
-        g0 = np.float64(gg[o])
-        g1 = np.float64(gg[o + ru])
-        g2 = np.float64(gg[o + ru + ru])
-        g3 = np.float64(gg[o + ru + ru + ru])
-        o += ru + ru + ru + ru
+    for i in range(np.uint64(W)):
+        q = o + np.uint64(3) * i
+        g0 = np.float64(gg[q])
+        g1 = np.float64(gg[q + np.uint64(1)])
+        g2 = np.float64(gg[q + np.uint64(2)])
+        x = xs[i]
         s0 += g0
         s1 += g1
         s2 += g2
-        s3 += g3
-        t0 += g0 * xs[i]
-        t1 += g1 * xs[i + np.uint64(1)]
-        t2 += g2 * xs[i + np.uint64(2)]
-        t3 += g3 * xs[i + np.uint64(3)]
-    for i in range(n4, np.uint64(W)):
-        g = np.float64(gg[o])
-        o += ru
-        s0 += g
-        t0 += g * xs[i]
-    return (s0 + s1) + (s2 + s3), (t0 + t1) + (t2 + t3)
+        t0 += g0 * x
+        t1 += g1 * x
+        t2 += g2 * x
+    return s0, t0, s1, t1, s2, t2
 
 
 @njit(**INTERNAL)
@@ -68,13 +72,14 @@ def _units(gg, part, osz, r, U, align, one, u0, u1):
     """Units ``u0:u1`` of ``gg`` (N*P*r, flat) into ``part`` (N*U*r*(r+1), float64);
     ``osz`` the output's spatial sizes as 3 axes (leading 1s). A unit is a run of
     rows (the positions of one (n, d, h)): along a row only x changes, so per row
-    and coordinate two sums, ``sum g`` and ``sum g * x`` (float64, ``_row_sums``),
-    then times y and z."""
+    and coordinate two sums, ``sum g`` and ``sum g * x`` (float64, ``_row_sums2`` /
+    ``_row_sums3``), then times y and z."""
     D, H, W = osz[0], osz[1], osz[2]
     rows = D * H
     xs = np.empty(W, np.float64)
     for i in range(W):
         xs[i] = np.float64(base_coord(i, W, align, one))
+    sums = np.empty((3, 2), np.float64)
     acc = np.zeros((3, 4), np.float64)
     for u in range(u0, u1):
         n = u // U
@@ -85,8 +90,12 @@ def _units(gg, part, osz, r, U, align, one, u0, u1):
             y = np.float64(base_coord(row - d * H, H, align, one))
             z = np.float64(base_coord(d, D, align, one))
             b = (n * rows + row) * W * r
+            if r == 3:
+                sums[0, 0], sums[0, 1], sums[1, 0], sums[1, 1], sums[2, 0], sums[2, 1] = _row_sums3(gg, xs, b, W, 0.0)
+            else:
+                sums[0, 0], sums[0, 1], sums[1, 0], sums[1, 1] = _row_sums2(gg, xs, b, W, 0.0)
             for ci in range(r):
-                s, sx = _row_sums(gg, xs, b + ci, r, W)
+                s, sx = sums[ci, 0], sums[ci, 1]
                 acc[ci, 0] += sx
                 acc[ci, 1] += s * y
                 if r == 3:
