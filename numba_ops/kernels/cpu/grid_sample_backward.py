@@ -38,7 +38,8 @@ row the sums of the positions' gradient and of it times their x base coordinates
 in float64) of the positions' gradients that the units write.
 
 **Deterministic whatever the thread count, split by ownership.** No two units ever
-add to one element, and no unit keeps a copy of anything:
+add to one element, and no unit keeps a copy of anything; each zeroes the part of
+grad_x it owns before it adds to it (in parallel, and into its own cache):
 
 - channels are independent in grad_x: a block of them is its units' own, so the
   units' count grows with the channels whatever the batch (towards ``TARGET_UNITS``,
@@ -481,6 +482,26 @@ def _boxes_parallel(x, src, osz, mode, padding, align, atok, zero, box, nchunks)
 
 # --- units: (image, tile of grad_x, block of channels), segment by segment -----------------
 
+@inline(**NO_NRT)
+def _zero_own(gx, b0, nc, S, tiled, r, own, s2, zero):
+    """Zero the elements of grad_x that a unit owns, before it adds to them: ``nc``
+    channel images of ``S`` elements from ``gx[b0]`` on, where ``tiled`` only the
+    tile's (offsets ``own[0]`` on the outer axis, and in 3-D ``own[1]`` within each of
+    its planes of ``s2`` elements)."""
+    for c in range(nc):
+        b = np.uint64(b0 + c * S)  # (unsigned: no wraparound, the stores vectorise)
+        if not tiled:
+            for e in range(b, b + np.uint64(S)):
+                gx[e] = zero
+        elif r == 3:
+            for z in range(own[0, 0], own[0, 1], s2):
+                for e in range(b + np.uint64(z + own[1, 0]), b + np.uint64(z + own[1, 1])):
+                    gx[e] = zero
+        else:
+            for e in range(b + np.uint64(own[0, 0]), b + np.uint64(own[0, 1])):
+                gx[e] = zero
+
+
 #: byte offsets of a unit's buffers in its one allocation (``_units``: pos, base, pidx, pw,
 #: pd, pok, kind, fin, home, gyv, ti, own, dv, res, bkind, ga, scl; sized for float64),
 #: and its bytes
@@ -564,6 +585,8 @@ def _units(x, xf, gyf, src, gx, gpos, B, K, bounds, box, osz, mtok, padding, ali
                 own[k, 1] = bounds[t, k, 1] * stride
         else:
             e0, e1 = t * P // K, (t + 1) * P // K
+        if want_x:
+            _zero_own(gx, (n * C + c0) * S, c1 - c0, S, tiled, r, own, s2, zero)
         for s0 in range(e0, e1, SEG):
             m = min(SEG, e1 - s0)
             if tiled:  # only the segments whose taps can reach the tile
@@ -769,11 +792,15 @@ def run(x, gy, src, out_spatial, mode, padding, align, affine, want_x, want_pos)
     nth = _runtime.threads_for(work)
     B, K1, K2 = plan_units(N, C, P, tuple(int(s) for s in x.shape[2:]), nth, want_x)
     K = K1 * K2
-    gx = np.zeros(N * C * S if want_x else 0, ct)
-    # the grid's gradient, or with several channel blocks their shares of it (each
-    # written in full by its units), summed in block order afterwards
-    gpos = np.zeros(B * N * P * r if want_pos else 0, ct)
-    if N * P and (want_x or want_pos):
+    launched = N * P > 0 and (want_x or want_pos)
+    # grad_x: each unit zeroes what it owns before it adds to it (np.zeros of a reused
+    # block is one thread's memset: 5-15 % of a call's time)
+    gx = (np.empty if launched else np.zeros)(N * C * S if want_x else 0, ct)
+    # the grid's gradient, or with several channel blocks their shares of it, each
+    # position's written once by its units (the one whose tile holds its first tap,
+    # clamped), summed in block order afterwards
+    gpos = np.empty(B * N * P * r if want_pos else 0, ct)
+    if launched:
         osz = np.array((1,) * (3 - r) + tuple(int(s) for s in out_spatial), np.int64)
         zero = ct.type(0)
         srcc = widened(src).reshape(-1)
