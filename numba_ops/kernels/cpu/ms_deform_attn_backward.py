@@ -63,7 +63,8 @@ def _units(gy, v, shapes, starts, loc, attn, gv, gl, ga, want_v, want_l, want_a,
     """Units ``u0:u1`` (``(n * M + m) * L + l``). ``gy`` (N, Lq, M, Dh) the output's
     gradient; ``loc`` (N, M, L, Lq, P, r) and ``attn`` (N, M, L, Lq, P) unit-major (a
     unit's points contiguous), ``gl`` and ``ga`` their gradients in the same layout,
-    ``gv`` value's (zeroed); each gradient may be a dummy when its ``want_*`` is False.
+    ``gv`` value's (each unit zeroes its rows first); each gradient may be a dummy when
+    its ``want_*`` is False.
     ``v`` and ``gv`` are (N, S, M, Dh), or head-major (N, M, S, Dh) where ``hm``.
 
     A unit's points are planned a block of queries at a time (``ms_deform_attn.plan``);
@@ -100,6 +101,11 @@ def _units(gy, v, shapes, starts, loc, attn, gv, gl, ga, want_v, want_l, want_a,
         # head m's first position of the level
         at = ((n * M + m) * S + starts[lv]) * Dh if hm else ((n * S + starts[lv]) * M + m) * Dh
         ys, zs = W1 * row, W1 * H1 * row  # the y and z strides of value and its gradient
+        if want_v:  # the unit's rows of value's gradient, zeroed before it adds to them
+            for k in range(W1 * H1 * max(D, 1)):
+                o = np.uint64(at + k * row)
+                for d in range(np.uint64(Dh)):
+                    gvf[o + d] = zero
         for q0 in range(0, Lq, QB):
             count = min(QB, Lq - q0) * P
             plan(lf, (u * Lq + q0) * P * r, count, r, size, last, ix, iy, iz, fx, fy, fz, ok, one)
@@ -270,15 +276,19 @@ def launch(grad_out, value, shapes, starts, loc, attn, want_value, want_loc, wan
         swapped(widened(value), vh)
     else:
         vh = widened(value)
-    if hm and want_value:  # value's gradient as the kernel writes it
+    units = N * M * L
+    launched = units and Lq and P and Dh and (want_value or want_loc or want_attn)
+    # value's gradient as the kernel writes it: each unit zeroes its rows first (the
+    # units' rows are all of it), unless the kernel does not run
+    if hm and want_value:
         gvk = kept("grad_value", (N, M, S, Dh), ct)
-        gvk.fill(0)
+        if not launched:
+            gvk.fill(0)
     else:
-        gvk = gv = np.zeros(value.shape if want_value else (0, 0, 0, 0), ct)
+        gvk = gv = (np.empty if launched else np.zeros)(value.shape if want_value else (0, 0, 0, 0), ct)
     gl = kept("grad_loc", lt.shape if want_loc else (0,) * 6, ct)
     ga = kept("grad_attn", at.shape if want_attn else (0,) * 5, ct)
-    units = N * M * L
-    if units and Lq and P and Dh and (want_value or want_loc or want_attn):
+    if launched:
         work = N * Lq * M * L * P * Dh * (1 << loc.shape[5]) * 2
         gy = widened(grad_out).reshape(N, Lq, M, Dh)
         _runtime.run(_serial, _parallel, work, gy, vh, level_table(shapes),
