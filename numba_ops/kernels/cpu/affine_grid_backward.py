@@ -29,10 +29,12 @@ MIN_UNIT = 4096
 def _row_sums2(gg, xs, b, W, zero):
     """Per coordinate of a 2-D grid row's ``W`` positions from ``gg[b]`` on (x and y
     interleaved), ``sum g`` and ``sum g * x`` in float64 (``xs[i]``: position ``i``'s
-    x), as ``(s0, sx0, s1, sx1)``. Compiled with reassociation, so that LLVM reads the
-    interleaved row in vectors and sums in vector lanes: one running sum waits for each
-    addition before the next (a 64x64x64 grid's backward took 6-10x its forward). The
-    order of the sums is the compiled code's: the same on every call and thread count."""
+    x), as ``(s0, sx0, s1, sx1, 0, 0)``. Compiled with reassociation, so that LLVM reads
+    the interleaved row in vectors and sums in vector lanes: one running sum waits for
+    each addition before the next (a 64x64x64 grid's backward took 6-10x its forward).
+    The order of the sums is the compiled code's: the same on every call and thread
+    count. (One function per rank: the stride must be a constant in the loop; one
+    function with the rank as an argument took a 2-D grid's backward 1.4-1.8x longer.)"""
     s0 = s1 = t0 = t1 = zero
     o = np.uint64(b)  # (unsigned indices: no negative-index wraparound in the loop)
     for i in range(np.uint64(W)):
@@ -43,7 +45,7 @@ def _row_sums2(gg, xs, b, W, zero):
         s1 += g1
         t0 += g0 * x
         t1 += g1 * x
-    return s0, t0, s1, t1
+    return s0, t0, s1, t1, zero, zero
 
 
 @inline(fastmath={"reassoc"})
@@ -79,7 +81,6 @@ def _units(gg, part, osz, r, U, align, one, u0, u1):
     xs = np.empty(W, np.float64)
     for i in range(W):
         xs[i] = np.float64(base_coord(i, W, align, one))
-    sums = np.empty((3, 2), np.float64)
     acc = np.zeros((3, 4), np.float64)
     for u in range(u0, u1):
         n = u // U
@@ -90,12 +91,9 @@ def _units(gg, part, osz, r, U, align, one, u0, u1):
             y = np.float64(base_coord(row - d * H, H, align, one))
             z = np.float64(base_coord(d, D, align, one))
             b = (n * rows + row) * W * r
-            if r == 3:
-                sums[0, 0], sums[0, 1], sums[1, 0], sums[1, 1], sums[2, 0], sums[2, 1] = _row_sums3(gg, xs, b, W, 0.0)
-            else:
-                sums[0, 0], sums[0, 1], sums[1, 0], sums[1, 1] = _row_sums2(gg, xs, b, W, 0.0)
+            sums = _row_sums3(gg, xs, b, W, 0.0) if r == 3 else _row_sums2(gg, xs, b, W, 0.0)
             for ci in range(r):
-                s, sx = sums[ci, 0], sums[ci, 1]
+                s, sx = sums[2 * ci], sums[2 * ci + 1]
                 acc[ci, 0] += sx
                 acc[ci, 1] += s * y
                 if r == 3:
